@@ -1,0 +1,1 @@
+"""Feedback: message schemas, Kafka plumbing, SQL models and migrations, sink and rewards."""

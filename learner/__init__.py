@@ -1,0 +1,1 @@
+"""Learner: the MoE model, tokenizer, FP4 codecs, pretraining, RL losses and the weight store."""

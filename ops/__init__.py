@@ -1,0 +1,1 @@
+"""Ops: the `flywheel` command line, the local stack, rollouts, dashboard, simulation, benchmarks."""

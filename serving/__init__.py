@@ -1,0 +1,1 @@
+"""Serving: the Ray Serve application (API ingress, vLLM replicas, prompt building, hot swap)."""
