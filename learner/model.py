@@ -1,0 +1,340 @@
+"""Sparse MoE decoder with the parameter layout and math of HF `Qwen3MoeForCausalLM`.
+
+`state_dict()` names equal the names in a Qwen3-MoE safetensors checkpoint, so an export
+needs no renaming and vLLM / transformers load it unchanged:
+
+    model.embed_tokens.weight                          [V, D]
+    model.layers.{i}.input_layernorm.weight            [D]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   [H*Hd, D] [Hkv*Hd, D] [Hkv*Hd, D] [D, H*Hd]
+    model.layers.{i}.self_attn.{q,k}_norm.weight       [Hd]      RMSNorm per head
+    model.layers.{i}.post_attention_layernorm.weight   [D]
+    model.layers.{i}.mlp.gate.weight                   [E, D]    router
+    model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight  [F, D]
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight  [D, F]
+    model.norm.weight                                  [D]
+    lm_head.weight                                     [V, D]    not tied
+
+Shape legend: B batch, S sequence, T = B*S tokens, D model dim, H / Hkv query / kv heads,
+Hd head dim, E experts, K experts per token, F expert hidden dim, V vocabulary.
+
+Router replay: `forward(..., return_routing=True)` also returns the experts each token
+chose, per layer ([B, S, K] int64). Passing such a list back as `routing=` forces those
+experts; the gate weights still come from the router's own softmax at the forced
+indices, so the router keeps its gradient (as in R3 / Megatron's RouterReplay).
+
+FP4 hook: `fp4(param_name, weight) -> weight` is applied to every matrix weight at use
+time (embedding, projections, router, experts, lm_head); the callable decides by name.
+"""
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightHook = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 4096
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int = 32
+    n_experts: int = 8
+    top_k: int = 2
+    moe_dim: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 2048
+    eos_id: int = 0  # also bos and pad: `<|endoftext|>` in learner.tokenizer
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "ModelArgs":
+        if name not in SIZES:
+            raise ValueError(f"unknown model size {name!r}; choose one of {sorted(SIZES)}")
+        return cls(**{**SIZES[name], **overrides})
+
+    def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict:
+        """The `config.json` of the equivalent `Qwen3MoeForCausalLM`."""
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.n_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.moe_dim,
+            "intermediate_size": self.moe_dim,  # unused: no dense MLP layers
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_seq_len,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "initializer_range": self.init_std,
+            "bos_token_id": self.eos_id,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": self.eos_id,
+            "use_cache": True,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelArgs":
+        """Read a Qwen3-MoE `config.json`; refuse features this model does not implement."""
+        unsupported = {
+            "tie_word_embeddings": (config.get("tie_word_embeddings", False), False),
+            "mlp_only_layers": (config.get("mlp_only_layers") or [], []),
+            "decoder_sparse_step": (config.get("decoder_sparse_step", 1), 1),
+            "norm_topk_prob": (config.get("norm_topk_prob", False), True),
+            "attention_bias": (config.get("attention_bias", False), False),
+            "use_sliding_window": (config.get("use_sliding_window", False), False),
+        }
+        for key, (got, want) in unsupported.items():
+            if got != want:
+                raise ValueError(f"config.json has {key}={got!r}; this model needs {key}={want!r}")
+        rope = config.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; use 'default'")
+        eos = config.get("eos_token_id", 0)
+        return cls(
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            n_experts=config.get("num_experts", config.get("num_local_experts")),
+            top_k=config["num_experts_per_tok"],
+            moe_dim=config["moe_intermediate_size"],
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            eos_id=eos[0] if isinstance(eos, list) else eos,
+            init_std=config.get("initializer_range", 0.02),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+SIZES: dict[str, dict] = {
+    # head_dim 32 even in `tiny`: vLLM's CPU attention supports head sizes 32, 64, ...
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=2, moe_dim=64),
+    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, n_experts=8, top_k=2, moe_dim=256),
+}
+
+
+def _w(module: nn.Module, fp4: WeightHook | None) -> torch.Tensor:
+    """A module's weight as used in the forward pass, through the FP4 hook if any."""
+    return module.weight if fp4 is None else fp4(module.weight_name, module.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, exactly as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, Hd] in fp32 (rotate-half layout: each frequency appears twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    freqs = torch.arange(seq_len, device=device).float()[:, None] * inv_freq  # [S, Hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, Hd]; cos, sin [S, Hd] in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos, sin, fp4: WeightHook | None) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_norm(F.linear(x, _w(self.q_proj, fp4)).view(B, S, self.n_heads, self.head_dim))
+        k = self.k_norm(F.linear(x, _w(self.k_proj, fp4)).view(B, S, self.n_kv_heads, self.head_dim))
+        v = F.linear(x, _w(self.v_proj, fp4)).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), S, Hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Hd]
+        return F.linear(y.transpose(1, 2).reshape(B, S, -1), _w(self.o_proj, fp4))
+
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, fp4: WeightHook | None) -> torch.Tensor:
+        h = F.silu(F.linear(x, _w(self.gate_proj, fp4))) * F.linear(x, _w(self.up_proj, fp4))
+        return F.linear(h, _w(self.down_proj, fp4))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.top_k
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(args.dim, args.moe_dim) for _ in range(args.n_experts))
+
+    def forward(self, x_TD: torch.Tensor, fp4: WeightHook | None, forced_TK: torch.Tensor | None = None):
+        """Returns (out_TD, idx_TK): the mixed expert outputs and the experts chosen."""
+        logits_TE = F.linear(x_TD, _w(self.gate, fp4))
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float)
+        if forced_TK is None:
+            w_TK, idx_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        else:
+            idx_TK = forced_TK
+            w_TK = probs_TE.gather(-1, idx_TK)  # differentiable: the router still learns
+        w_TK = (w_TK / w_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+
+        out_TD = torch.zeros_like(x_TD)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx_TK == e)
+            if tok.numel() == 0:
+                continue
+            y = expert(x_TD[tok], fp4) * w_TK[tok, slot, None]
+            out_TD = out_TD.index_add(0, tok, y)
+        return out_TD, idx_TK
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MoE(args)
+
+    def forward(self, x, cos, sin, fp4, forced_BSK):
+        B, S, D = x.shape
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fp4)
+        forced_TK = None if forced_BSK is None else forced_BSK.reshape(B * S, -1)
+        h_TD, idx_TK = self.mlp(self.post_attention_layernorm(x).reshape(B * S, D), fp4, forced_TK)
+        return x + h_TD.view(B, S, D), idx_TK.view(B, S, -1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Each matrix knows its checkpoint name, which is what the FP4 hook is keyed on.
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight_name = f"{name}.weight"
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float | None = None) -> None:
+        """Normal(0, std) matrices and unit norms, as `Qwen3MoePreTrainedModel` does."""
+        std = self.args.init_std if std is None else std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        routing: list[torch.Tensor] | None = None,
+        return_routing: bool = False,
+        fp4: WeightHook | None = None,
+    ):
+        """input_ids [B, S] -> logits [B, S, V], plus the routing ([B, S, K] per layer)
+        when `return_routing` is set. `routing` forces the experts chosen in each layer."""
+        B, S = input_ids.shape
+        if S > self.args.max_seq_len:
+            raise ValueError(f"sequence of {S} tokens is longer than max_seq_len={self.args.max_seq_len}")
+        self._check_routing(routing, B, S)
+        x = F.embedding(input_ids, _w(self.model.embed_tokens, fp4))  # [B, S, D]
+        cos, sin = rope_cos_sin(S, self.args.head_dim, self.args.rope_theta, x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        chosen = []
+        for i, layer in enumerate(self.model.layers):
+            x, idx_BSK = layer(x, cos, sin, fp4, None if routing is None else routing[i])
+            chosen.append(idx_BSK.detach())
+        logits = F.linear(self.model.norm(x), _w(self.lm_head, fp4))  # [B, S, V]
+        return (logits, chosen) if return_routing else logits
+
+    def _check_routing(self, routing, B: int, S: int) -> None:
+        if routing is None:
+            return
+        a = self.args
+        if len(routing) != a.n_layers:
+            raise ValueError(f"routing has {len(routing)} layers; the model has {a.n_layers}")
+        for r in routing:
+            if r.shape != (B, S, a.top_k) or r.dtype != torch.int64:
+                raise ValueError(f"routing entries must be int64 [{B}, {S}, {a.top_k}], got {r.dtype} {tuple(r.shape)}")
+            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= a.n_experts):
+                raise ValueError(f"routing holds expert ids outside [0, {a.n_experts})")
+
+    def num_params(self, *, active: bool = False) -> int:
+        """All parameters, or those one token uses (top_k of n_experts experts)."""
+        n = sum(p.numel() for p in self.parameters())
+        if active:
+            per_expert = sum(p.numel() for p in self.model.layers[0].mlp.experts[0].parameters())
+            n -= self.args.n_layers * (self.args.n_experts - self.args.top_k) * per_expert
+        return n
