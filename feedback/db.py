@@ -1,0 +1,233 @@
+"""SQL tables (SQLAlchemy Core), engines and migrations.
+
+The schema follows DESIGN.md's contracts. Unique keys carry idempotency: `completion_id`,
+`(completion_id, choice_index)`, `event_id`, `version`. Events have no foreign key to
+completions on purpose: an event may arrive before its completion record.
+
+Alembic owns the schema (`feedback/migrations`); `upgrade()` runs it. The tables below are
+the single description both the migrations and the code read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+)
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.pool import NullPool
+
+from ops.errors import UserError
+
+# Explicit constraint names: migrations can then drop or alter them on every backend.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+metadata = MetaData(naming_convention=NAMING)
+
+TS = DateTime(timezone=True)
+# Auto-incrementing surrogate keys: BIGINT on PostgreSQL, INTEGER (the rowid) on SQLite.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+completions = Table(
+    "completions",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("completion_id", String(64), nullable=False, unique=True),
+    Column("model_version", Integer, nullable=False, index=True),
+    Column("user_hash", String(128), nullable=False),
+    Column("session_id", String(128)),
+    Column("language", String(64)),
+    Column("filepath", String(1024)),
+    Column("prompt_token_ids", JSON, nullable=False),
+    Column("prompt_text", Text, comment="dropped after retention_days; token ids stay"),
+    Column("summary_ids", JSON, nullable=False),
+    Column("n_choices", Integer, nullable=False),
+    Column("latency_ms", Float, nullable=False),
+    Column("created_at", TS, nullable=False, index=True),
+    Column("ingested_at", TS, nullable=False, server_default=func.now()),
+)
+
+completion_choices = Table(
+    "completion_choices",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("completion_id", String(64), ForeignKey("completions.completion_id", ondelete="CASCADE"), nullable=False),
+    Column("choice_index", Integer, nullable=False),
+    Column("token_ids", JSON, nullable=False),
+    Column("logprobs", JSON, nullable=False, comment="behaviour policy, one per token"),
+    Column("routing", JSON, comment="serving engine's expert ids per layer, when exposed"),
+    Column("text", Text, comment="dropped after retention_days; token ids stay"),
+    Column("n_chars", Integer, nullable=False),
+    Column("finish_reason", String(16)),
+    UniqueConstraint("completion_id", "choice_index"),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("event_id", String(36), nullable=False, unique=True),
+    Column("completion_id", String(64), nullable=False, index=True),
+    Column("choice_index", Integer, nullable=False),
+    Column("type", String(16), nullable=False),
+    Column("select_kind", String(8)),
+    Column("accepted_chars", Integer),
+    Column("kept_text", Text),
+    Column("view_id", String(128)),
+    Column("elapsed_ms", Integer),
+    Column("created_at", TS, nullable=False, index=True),
+    Column("ingested_at", TS, nullable=False, server_default=func.now()),
+)
+
+rewards = Table(
+    "rewards",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("completion_id", String(64), nullable=False),
+    Column("choice_index", Integer, nullable=False),
+    Column("model_version", Integer, nullable=False, index=True),
+    Column("reward", Float, nullable=False),
+    Column("components", JSON, nullable=False, comment="how the reward was computed"),
+    Column("computed_at", TS, nullable=False, server_default=func.now()),
+    UniqueConstraint("completion_id", "choice_index"),
+)
+
+model_versions = Table(
+    "model_versions",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("parent", Integer),
+    Column("kind", String(8), nullable=False),
+    Column("uri", Text, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("full_size_bytes", BigInteger, nullable=False),
+    Column("gate_passed", Boolean, nullable=False),
+    Column("gate_reason", Text),
+    Column("metrics", JSON, nullable=False),
+    Column("created_at", TS, nullable=False),
+)
+
+rollouts = Table(
+    "rollouts",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("candidate_version", Integer, nullable=False, index=True),
+    Column("stable_version", Integer, nullable=False),
+    Column("state", String(16), nullable=False, comment="running | paused | promoted | rolled_back | aborted"),
+    Column("step_index", Integer, nullable=False),
+    Column("weights", JSON, nullable=False, comment="canary traffic share per step, percent"),
+    Column("interval_s", Float, nullable=False),
+    Column("thresholds", JSON, nullable=False),
+    Column("min_samples", Integer, nullable=False),
+    Column("reason", Text),
+    Column("started_at", TS, nullable=False, server_default=func.now()),
+    Column("updated_at", TS, nullable=False, server_default=func.now()),
+    Column("finished_at", TS),
+)
+
+rollout_steps = Table(
+    "rollout_steps",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("rollout_id", Id, ForeignKey("rollouts.id", ondelete="CASCADE"), nullable=False),
+    Column("step_index", Integer, nullable=False),
+    Column("weight", Float, nullable=False),
+    Column("decision", String(16), nullable=False, comment="advance | hold | promote | rollback | pause | resume | abort"),
+    Column("evidence", JSON, nullable=False, comment="the metrics and test results behind the decision"),
+    Column("decided_at", TS, nullable=False, server_default=func.now()),
+    Index(None, "rollout_id", "step_index"),
+)
+
+
+# --- engines and migrations -------------------------------------------------------------------
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """An engine for `url`; SQLite gets WAL and a busy timeout so the sink and readers coexist."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise UserError(f"bad database URL {url!r}: expected e.g. sqlite:///path.db or postgresql+psycopg://...") from None
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is the driver we ship
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, echo=echo, poolclass=NullPool, connect_args={"timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(parsed, echo=echo, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def _alembic_config(engine: Engine):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+    cfg.attributes["engine"] = engine
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Run the Alembic migrations up to `revision` (idempotent: a second run does nothing)."""
+    from alembic import command
+
+    try:
+        with engine.begin() as conn:
+            cfg = _alembic_config(engine)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    except OperationalError as e:
+        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {_first_line(e)}") from None
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    except OperationalError as e:
+        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {_first_line(e)}") from None
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()  # type: ignore[arg-type]
+
+
+def _first_line(e: Exception) -> str:
+    return str(getattr(e, "orig", e)).strip().splitlines()[0]

@@ -1,0 +1,183 @@
+"""The messages that cross HTTP, Kafka, SQL and the learner: one typed schema each.
+
+Each class states its invariants in its docstring and enforces them in validation, so a
+message that exists at all is well-formed. On Kafka they travel as JSON (`encode` and
+`decode`), keyed as DESIGN.md says: completions and events by `completion_id`, versions by
+`version`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CompletionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+EventType = Literal["view", "select", "dismiss", "edit"]
+SelectKind = Literal["full", "line", "word"]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CompletionChoice(Message):
+    """One sampled continuation of a completion request.
+
+    Invariants: `len(logprobs) == len(token_ids)`: one behaviour-policy logprob per
+    completion token, as the serving engine computed it; every logprob is <= 0.
+    An empty `token_ids` is the "abstain" action (immediate end of text, no suggestion).
+    """
+
+    index: int = Field(ge=0)
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str | None = None
+    """Subject to the retention setting: None once dropped; token ids stay for training."""
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> Self:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} completion tokens")
+        if any(lp > 1e-6 for lp in self.logprobs):
+            raise ValueError("logprobs must be <= 0")
+        return self
+
+
+class CompletionRecord(Message):
+    """What the learner needs to train on a served completion (topic `flywheel.completions`).
+
+    Invariants: `choices` is non-empty and indexed 0..n-1 in order; `model_version` is the
+    version whose weights really produced every token (a request that straddles a hot swap
+    is tagged with the version that served it); `user_hash` is a hash, never a raw user id;
+    `routing`, when present, holds per layer and per completion token the expert ids the
+    serving engine chose (list over layers of [T, k]).
+    """
+
+    completion_id: CompletionId
+    model_version: int = Field(ge=0)
+    user_hash: str = Field(max_length=128)
+    session_id: str | None = Field(default=None, max_length=128)
+    language: str | None = Field(default=None, max_length=64)
+    filepath: str | None = Field(default=None, max_length=1024)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    choices: list[CompletionChoice] = Field(min_length=1)
+    summary_ids: list[str] = []
+    """Content hashes of the self-summaries that replaced older prefix chunks."""
+    latency_ms: float = Field(ge=0)
+    prompt_text: str | None = None
+    """Subject to the retention setting (see `completion_text`)."""
+    routing: list[list[list[int]]] | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _choices_in_order(self) -> Self:
+        if [c.index for c in self.choices] != list(range(len(self.choices))):
+            raise ValueError("choices must be indexed 0..n-1 in order")
+        return self
+
+
+class FeedbackEvent(Message):
+    """One editor signal about a completion (topic `flywheel.events`), Tabby's shape plus `edit`.
+
+    Invariants: `event_id` makes the event idempotent end to end (the client's UUID when it
+    sends one, else the server's); `select_kind` is set only for `select`; `kept_text` is set
+    exactly for `edit` (the text the user kept some seconds after accepting); `accepted_chars`
+    counts what a `select` accepted (the whole suggestion for `full`).
+    """
+
+    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    completion_id: CompletionId
+    type: EventType
+    choice_index: int = Field(default=0, ge=0)
+    select_kind: SelectKind | None = None
+    accepted_chars: int | None = Field(default=None, ge=0)
+    kept_text: str | None = Field(default=None, max_length=100_000)
+    view_id: str | None = Field(default=None, max_length=128)
+    elapsed_ms: int | None = Field(default=None, ge=0)
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _select_defaults_to_full(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") == "select" and data.get("select_kind") is None:
+            return {**data, "select_kind": "full"}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_match_type(self) -> Self:
+        if self.type != "select" and self.select_kind is not None:
+            raise ValueError(f"select_kind is only valid for select events, not {self.type}")
+        if (self.type == "edit") != (self.kept_text is not None):
+            raise ValueError("kept_text is required for edit events and only for them")
+        return self
+
+
+class ModelVersion(Message):
+    """A published model version (topic `flywheel.versions`, table `model_versions`).
+
+    Invariants: versions increase by publish order; a `delta` names its `parent` and
+    `parent < version`; a `full` snapshot needs no parent; `sha256` is the manifest's digest;
+    a version is announced only after its `STABLE` marker is written.
+    """
+
+    version: int = Field(ge=0)
+    parent: int | None = Field(default=None, ge=0)
+    kind: Literal["full", "delta"]
+    uri: str = Field(min_length=1)
+    sha256: Sha256
+    size_bytes: int = Field(default=0, ge=0)
+    full_size_bytes: int = Field(default=0, ge=0)
+    gate_passed: bool = True
+    gate_reason: str | None = None
+    metrics: dict[str, float] = {}
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _parent_consistent(self) -> Self:
+        if self.kind == "delta" and self.parent is None:
+            raise ValueError("a delta version needs a parent")
+        if self.parent is not None and self.parent >= self.version:
+            raise ValueError(f"parent {self.parent} must be older than version {self.version}")
+        return self
+
+
+M = TypeVar("M", bound=Message)
+
+
+class MalformedMessage(ValueError):
+    """A Kafka payload that is not a valid message of the expected type."""
+
+
+def encode(msg: Message) -> bytes:
+    return msg.model_dump_json().encode()
+
+
+def decode(cls: type[M], payload: bytes | None) -> M:
+    if payload is None:
+        raise MalformedMessage(f"empty {cls.__name__} payload")
+    try:
+        return cls.model_validate_json(payload)
+    except ValidationError as e:
+        raise MalformedMessage(f"invalid {cls.__name__}: {e.errors()[0]['msg']}") from None
+
+
+def key_of(msg: Message) -> bytes:
+    """The Kafka key DESIGN.md fixes for each message type."""
+    if isinstance(msg, (CompletionRecord, FeedbackEvent)):
+        return msg.completion_id.encode()
+    if isinstance(msg, ModelVersion):
+        return str(msg.version).encode()
+    raise TypeError(f"no Kafka key for {type(msg).__name__}")
+
+
+def as_dict(msg: Message) -> dict[str, Any]:
+    return msg.model_dump(mode="python")

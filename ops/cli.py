@@ -1,0 +1,190 @@
+"""The `flywheel` command line. Entrypoints stay thin and import heavy modules late.
+
+Every command takes `--config FILE` and repeated `--set section.key=value` overrides.
+Errors the user can fix print one line (`flywheel: error: ...`) and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from rich.console import Console
+
+from ops.errors import UserError
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line, not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        err_console.print(f"flywheel: error: {message} (see `{self.prog} --help`)", markup=False, soft_wrap=True)
+        sys.exit(2)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: $FLYWHEEL_CONFIG or ./flywheel.toml)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a setting, e.g. kafka.port=9093"
+    )
+
+
+def _stack_settings(args: argparse.Namespace):
+    from ops.config import StackSettings
+
+    return StackSettings.load(args.config, args.overrides)
+
+
+def print_config(settings: Any, title: str) -> None:
+    """Each process prints its resolved config at start (flattened, secrets masked)."""
+
+    def flat(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+        out = []
+        for k, v in d.items():
+            out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+        return out
+
+    console.print(f"[bold]{title}[/] resolved config:")
+    for k, v in flat(settings.redacted()):
+        console.print(f"  [dim]{k}[/] = {v!r}", markup=True)
+
+
+def _progress() -> tuple[Callable[[str], None], Any]:
+    status = console.status("")
+
+    def update(msg: str) -> None:
+        status.update(msg)
+        if not console.is_terminal:
+            console.print(f"  {msg}", markup=False)
+
+    return update, status
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from ops import stack
+
+    s = _stack_settings(args)
+    print_config(s, "flywheel up")
+    update, status = _progress()
+    with status:
+        r = stack.up(s, update)
+    where = f"local broker pid {r.broker_pid}" if r.broker_pid else "external cluster"
+    console.print(f"[green]up[/]: Kafka at {s.kafka.bootstrap} ({where}); database {r.database} at revision {r.revision}")
+    if r.created_topics:
+        console.print(f"created topics: {', '.join(r.created_topics)}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from ops import stack
+
+    s = _stack_settings(args)
+    pid = stack.down(s)
+    if pid is None:
+        console.print("nothing to stop: no broker started by `flywheel up` is running")
+    else:
+        console.print(f"[green]down[/]: stopped Kafka broker (pid {pid}); data kept in {s.data_dir / 'kafka'}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from ops import stack
+
+    s = _stack_settings(args)
+    st = stack.status(s)
+    kind = f"local broker, pid {st.broker_pid}" if st.kafka_managed else "external cluster"
+    health = "[green]healthy[/]" if st.kafka_healthy else f"[red]down[/]: {st.kafka_error}"
+    console.print(f"Kafka    {st.kafka_bootstrap} ({kind if st.broker_pid or not st.kafka_managed else 'local broker'}): {health}")
+    if st.topics:
+        t = Table("topic", "partitions", "retention.ms", "cleanup.policy")
+        for ti in st.topics:
+            t.add_row(ti.name, str(ti.partitions), ti.retention_ms, ti.cleanup_policy)
+        console.print(t)
+    if st.db_error:
+        console.print(f"Database {st.database}: [red]unreachable[/]: {st.db_error}")
+    else:
+        mark = "[green]up to date[/]" if st.db_revision == st.db_head else f"[yellow]needs `flywheel db upgrade`[/] (head {st.db_head})"
+        console.print(f"Database {st.database}: revision {st.db_revision}, {mark}")
+    return 0 if st.healthy else 1
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from feedback import db
+
+    s = _stack_settings(args)
+    engine = db.make_engine(s.database_url)
+    before = db.current_revision(engine)
+    db.upgrade(engine, args.revision)
+    after = db.current_revision(engine)
+    url = engine.url.render_as_string(hide_password=True)
+    engine.dispose()
+    if before == after:
+        console.print(f"database {url} already at revision {after}")
+    else:
+        console.print(f"[green]migrated[/] database {url}: {before or 'empty'} -> {after}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ops import demo
+
+    s = _stack_settings(args)
+    print_config(s, "flywheel demo")
+    return demo.run(s, console)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="flywheel", description="Online-learning serving for code completion.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+
+    for name, fn, help_ in [
+        ("up", cmd_up, "start the local stack (Kafka broker, topics, database schema)"),
+        ("down", cmd_down, "stop what `up` started (data is kept)"),
+        ("status", cmd_status, "show the health of Kafka, its topics and the database"),
+        ("demo", cmd_demo, "run the main job end to end"),
+    ]:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        _common(sp)
+        sp.set_defaults(fn=fn)
+
+    dbp = sub.add_parser("db", help="database schema migrations", description="database schema migrations")
+    dbsub = dbp.add_subparsers(dest="db_command", required=True, metavar="ACTION", parser_class=Parser)
+    upg = dbsub.add_parser("upgrade", help="migrate the schema (Alembic) to the newest revision")
+    upg.add_argument("revision", nargs="?", default="head")
+    _common(upg)
+    upg.set_defaults(fn=cmd_db)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        err_console.print(f"flywheel: error: {e}", markup=False, soft_wrap=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        err_console.print("flywheel: interrupted")
+        return 130
+    except Exception as e:  # a bug: still one line, with the way to see more
+        if os.environ.get("FLYWHEEL_DEBUG"):
+            raise
+        err_console.print(
+            f"flywheel: internal error: {type(e).__name__}: {e} (set FLYWHEEL_DEBUG=1 for the traceback)", markup=False, soft_wrap=True
+        )
+        return 70
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: one real Kafka broker per test session, PostgreSQL databases, settings.
+
+The broker is the same Apache Kafka that `flywheel up` runs, started by the same code on
+free ports with a throwaway data folder. The classpath comes from the user's cache (it is
+fetched from Maven Central the first time).
+
+PostgreSQL tests need `FLYWHEEL_TEST_POSTGRES_URL` (a role allowed to CREATE DATABASE);
+`.ci/run` installs and starts PostgreSQL and sets it, so in CI they always run.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from ops.config import FlywheelSettings
+from tests.helpers import free_port, make_settings
+
+
+@pytest.fixture(scope="session")
+def kafka_settings(tmp_path_factory) -> FlywheelSettings:
+    """A real single-node Kafka broker for the whole test session, with Flywheel's topics."""
+    from feedback import bus
+    from ops import kafka_broker
+
+    tmp = tmp_path_factory.mktemp("kafka")
+    s = make_settings(tmp, kafka={"port": free_port(), "controller_port": free_port()})
+    kafka_broker.start(s, progress=lambda msg: None)
+    try:
+        bus.wait_until_ready(s.kafka, s.kafka.start_timeout_s)
+        bus.ensure_topics(s.kafka)
+        yield s
+    finally:
+        kafka_broker.stop(s)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    url = os.environ.get("FLYWHEEL_TEST_POSTGRES_URL")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("FLYWHEEL_TEST_POSTGRES_URL is not set; .ci/run must start PostgreSQL and set it")
+        pytest.skip("FLYWHEEL_TEST_POSTGRES_URL not set (CI sets it; see .ci/run)")
+    return url
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url):
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"flywheel_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(make_url(postgres_admin_url).set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(postgres_admin_url).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

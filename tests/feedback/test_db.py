@@ -1,0 +1,56 @@
+"""Alembic migrations on SQLite and PostgreSQL; unique keys that idempotency relies on."""
+
+import pytest
+from sqlalchemy import inspect, insert
+from sqlalchemy.exc import IntegrityError
+
+from feedback import db
+from tests.helpers import flywheel
+
+TABLES = {"completions", "completion_choices", "events", "rewards", "model_versions", "rollouts", "rollout_steps"}
+
+
+def _check_schema(url: str) -> None:
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    db.upgrade(engine)  # twice is harmless
+    assert db.current_revision(engine) == db.head_revision()
+    insp = inspect(engine)
+    assert TABLES <= set(insp.get_table_names())
+    uniques = {t: {tuple(u["column_names"]) for u in insp.get_unique_constraints(t)} for t in TABLES}
+    assert ("completion_id",) in uniques["completions"]
+    assert ("event_id",) in uniques["events"]
+    assert ("completion_id", "choice_index") in uniques["rewards"]
+    assert insp.get_pk_constraint("model_versions")["constrained_columns"] == ["version"]
+    assert insp.get_pk_constraint("events")["name"] == "pk_events"  # naming convention applied
+
+    row = dict(event_id="e-1", completion_id="c-1", choice_index=0, type="view", created_at=db.func.now())
+    with engine.begin() as conn:
+        conn.execute(insert(db.events).values(**row))
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        conn.execute(insert(db.events).values(**row))
+    engine.dispose()
+
+
+def test_migrations_on_sqlite(tmp_path):
+    _check_schema(f"sqlite:///{tmp_path / 'f.db'}")
+
+
+@pytest.mark.postgres
+def test_migrations_on_postgres(postgres_url):
+    _check_schema(postgres_url)
+
+
+def test_cli_db_upgrade_default_sqlite(tmp_path):
+    r = flywheel("db", "upgrade", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "migrated" in r.stdout and (tmp_path / "data" / "flywheel.db").exists()
+    r = flywheel("db", "upgrade", tmp_path=tmp_path)
+    assert r.returncode == 0 and "already at revision" in r.stdout
+
+
+@pytest.mark.postgres
+def test_cli_db_upgrade_postgres(tmp_path, postgres_url):
+    r = flywheel("db", "upgrade", "--set", f"database.url={postgres_url}", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "postgresql" in r.stdout and "***" in r.stdout  # the password is never printed
