@@ -7,17 +7,17 @@ Errors the user can fix print one line (`flywheel: error: ...`) and exit non-zer
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from rich.console import Console
-
+from ops.console import add_config_args, console, err_console, print_config, progress_line
 from ops.errors import UserError
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# Each package contributes its own commands: `register(subparsers)` in these light modules
+# adds parsers whose `fn(args) -> int` imports the heavy code only when it runs.
+COMMAND_MODULES = ("learner.cli", "feedback.cli", "serving.cli")
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,42 +28,10 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file (default: $FLYWHEEL_CONFIG or ./flywheel.toml)")
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a setting, e.g. kafka.port=9093"
-    )
-
-
 def _stack_settings(args: argparse.Namespace):
     from ops.config import StackSettings
 
     return StackSettings.load(args.config, args.overrides)
-
-
-def print_config(settings: Any, title: str) -> None:
-    """Each process prints its resolved config at start (flattened, secrets masked)."""
-
-    def flat(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
-        out = []
-        for k, v in d.items():
-            out += flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
-        return out
-
-    console.print(f"[bold]{title}[/] resolved config:")
-    for k, v in flat(settings.redacted()):
-        console.print(f"  [dim]{k}[/] = {v!r}", markup=True)
-
-
-def _progress() -> tuple[Callable[[str], None], Any]:
-    status = console.status("")
-
-    def update(msg: str) -> None:
-        status.update(msg)
-        if not console.is_terminal:
-            console.print(f"  {msg}", markup=False)
-
-    return update, status
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -74,7 +42,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     s = _stack_settings(args)
     print_config(s, "flywheel up")
-    update, status = _progress()
+    update, status = progress_line()
     with status:
         r = stack.up(s, update)
     where = f"local broker pid {r.broker_pid}" if r.broker_pid else "external cluster"
@@ -155,15 +123,18 @@ def build_parser() -> Parser:
         ("demo", cmd_demo, "run the main job end to end"),
     ]:
         sp = sub.add_parser(name, help=help_, description=help_)
-        _common(sp)
+        add_config_args(sp)
         sp.set_defaults(fn=fn)
 
     dbp = sub.add_parser("db", help="database schema migrations", description="database schema migrations")
     dbsub = dbp.add_subparsers(dest="db_command", required=True, metavar="ACTION", parser_class=Parser)
     upg = dbsub.add_parser("upgrade", help="migrate the schema (Alembic) to the newest revision")
     upg.add_argument("revision", nargs="?", default="head")
-    _common(upg)
+    add_config_args(upg)
     upg.set_defaults(fn=cmd_db)
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return p
 
 
