@@ -1,0 +1,358 @@
+"""The HTTP API: `/v1/completions` (OpenAI and Tabby shapes), `/v1/events`, health, metrics.
+
+`build_app()` makes the FastAPI app; its routes read `app.state.api` (an `ApiState`), which
+the Ray Serve ingress fills with handles to model replicas and unit tests fill with local
+services. Every served completion is recorded to `flywheel.completions`, and every event
+to `flywheel.events`, through a buffered producer that never holds up a request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import platform
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import Discriminator, Tag
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from feedback import bus
+from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
+from serving import metrics
+from serving.engine import SamplingSpec
+from serving.replica import GenerateRequest, GenerateResult
+from serving.routing import Split, user_hash
+from serving.schemas import (
+    Choice,
+    CompletionResponse,
+    EventAccepted,
+    EventRequest,
+    LogProbs,
+    OpenAICompletionRequest,
+    TabbyCompletionRequest,
+    Usage,
+)
+from serving.settings import ServeSettings
+
+
+class ReplicaClient(Protocol):
+    async def complete(self, req: GenerateRequest) -> GenerateResult: ...
+
+    def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]: ...
+
+
+class RecordSink(Protocol):
+    def send(self, topic: str, msg: Any) -> bool: ...
+
+
+@dataclass
+class ApiState:
+    cfg: ServeSettings
+    replicas: dict[int, ReplicaClient]
+    split: Split
+    producer: RecordSink
+    editor_tokens: set[str]
+    decode: Any  # token ids -> text (the served model's tokenizer)
+    started: float = field(default_factory=time.time)
+
+
+def _state(request: Request) -> ApiState:
+    return request.app.state.api
+
+
+# --- auth ------------------------------------------------------------------------------------
+
+
+def require_editor(request: Request) -> str:
+    """The caller's bearer token, if it is an editor token; 401 otherwise."""
+    st = _state(request)
+    if not st.editor_tokens and st.cfg.allow_anonymous:
+        return "anonymous"
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(401, "missing bearer token: send `Authorization: Bearer <token>`", headers={"WWW-Authenticate": "Bearer"})
+    if not any(hmac.compare_digest(token.encode(), t.encode()) for t in st.editor_tokens):
+        raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+    return token
+
+
+EditorToken = Annotated[str, Depends(require_editor)]
+StateDep = Annotated[ApiState, Depends(_state)]
+
+
+def _shape(body: Any) -> str:
+    return "tabby" if isinstance(body, dict) and ("segments" in body or ("language" in body and "prompt" not in body)) else "openai"
+
+
+CompletionBody = Annotated[
+    Annotated[OpenAICompletionRequest, Tag("openai")] | Annotated[TabbyCompletionRequest, Tag("tabby")],
+    Discriminator(_shape),
+]
+
+
+# --- request translation -----------------------------------------------------------------------
+
+
+def _to_generate(st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRequest, completion_id: str) -> GenerateRequest:
+    cfg = st.cfg
+    if isinstance(body, TabbyCompletionRequest):
+        seg = body.segments
+        prefix, suffix = seg.prefix, seg.suffix or ""
+        from serving.prompts import header_text
+
+        header = header_text(body.language, seg.filepath)
+        temperature = body.temperature if body.temperature is not None else 0.2
+        spec = SamplingSpec(n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=("\n\n",))
+    else:
+        prefix, suffix, header = body.prompt_text, body.suffix, ""
+        if body.n > cfg.max_n:
+            raise HTTPException(400, f"n={body.n} exceeds the limit of {cfg.max_n}")
+        max_tokens = body.max_tokens or cfg.default_max_tokens
+        if max_tokens > cfg.max_tokens_limit:
+            raise HTTPException(400, f"max_tokens={max_tokens} exceeds the limit of {cfg.max_tokens_limit}")
+        spec = SamplingSpec(
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=tuple(body.stop_list),
+            top_logprobs=body.logprobs or 0,
+        )
+    if len(prefix) + len(suffix or "") > cfg.max_prompt_chars:
+        raise HTTPException(413, f"prompt of {len(prefix) + len(suffix or '')} characters exceeds the limit of {cfg.max_prompt_chars}")
+    return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
+
+
+def _pick(st: ApiState, body, uhash: str) -> int:
+    """The version for this request: a pinned `model: name@vN` if served, else the user's split."""
+    model = getattr(body, "model", None) or ""
+    if "@v" in model:
+        try:
+            pinned = int(model.rsplit("@v", 1)[1])
+        except ValueError:
+            raise HTTPException(400, f"bad model {model!r}: expected {st.cfg.model_name}@v<version>") from None
+        if pinned not in st.replicas:
+            raise HTTPException(404, f"model version {pinned} is not served (serving: {sorted(st.replicas)})")
+        return pinned
+    return st.split.pick(uhash)
+
+
+def _response(st: ApiState, r: GenerateResult, body, created: int) -> CompletionResponse:
+    want_lp = isinstance(body, OpenAICompletionRequest) and body.logprobs is not None
+    choices = []
+    for s in r.samples:
+        lp = None
+        if want_lp:
+            pieces = [st.decode([t]) for t in s.token_ids]
+            offsets, pos = [], 0
+            for p in pieces:
+                offsets.append(pos)
+                pos += len(p)
+            top = [{st.decode([t]): v for t, v in alt.items()} for alt in s.top_logprobs] if body.logprobs else None
+            lp = LogProbs(tokens=pieces, token_logprobs=s.logprobs, top_logprobs=top, text_offset=offsets)
+        finish = s.finish_reason if s.finish_reason in ("stop", "length") else None
+        choices.append(Choice(index=s.index, text=s.text, logprobs=lp, finish_reason=finish))
+    completion_tokens = sum(len(s.token_ids) for s in r.samples)
+    return CompletionResponse(
+        id=r.completion_id,
+        created=created,
+        model=f"{st.cfg.model_name}@v{r.model_version}",
+        choices=choices,
+        usage=Usage(prompt_tokens=len(r.prompt_token_ids), completion_tokens=completion_tokens, total_tokens=len(r.prompt_token_ids) + completion_tokens),
+        system_fingerprint=f"v{r.model_version}",
+    )
+
+
+def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> None:
+    """Count the completion and hand its record to the producer (never blocks, never raises)."""
+    language = filepath = None
+    if isinstance(body, TabbyCompletionRequest):
+        language, filepath = body.language, body.segments.filepath
+    record = CompletionRecord(
+        completion_id=r.completion_id,
+        model_version=r.model_version,
+        user_hash=uhash,
+        language=language,
+        filepath=filepath,
+        prompt_token_ids=r.prompt_token_ids,
+        choices=[
+            CompletionChoice(
+                index=s.index,
+                token_ids=s.token_ids,
+                logprobs=[min(lp, 0.0) for lp in s.logprobs],
+                text=s.text,
+                finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "abort") else None,
+            )
+            for s in r.samples
+        ],
+        summary_ids=r.summary_ids,
+        latency_ms=r.latency_ms,
+        prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
+    )
+    st.producer.send(bus.COMPLETIONS, record)
+    v = str(r.model_version)
+    metrics.COMPLETIONS.labels(v, shape).inc()
+    metrics.TOKENS.labels("prompt").inc(len(r.prompt_token_ids))
+    metrics.TOKENS.labels("completion").inc(sum(len(s.token_ids) for s in r.samples))
+    if all(not s.text for s in r.samples):
+        metrics.EMPTY.labels(v).inc()
+    metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
+    metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
+    metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
+    if r.summary_fallback:
+        metrics.SUMMARY_FALLBACKS.inc()
+
+
+# --- the app -----------------------------------------------------------------------------------
+
+
+def build_app() -> FastAPI:
+    app = FastAPI(
+        title="Flywheel",
+        version="0.1.0",
+        description="Code completion that learns from its users. OpenAI- and Tabby-compatible.",
+    )
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.REQUESTS.labels(path, str(response.status_code)).inc()
+        metrics.LATENCY.labels(path).observe(time.perf_counter() - t0)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "openai", "tabby"))
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return JSONResponse(status_code=422, content={"error": {"message": message, "type": "invalid_request_error", "details": json.loads(json.dumps(errors, default=str))}})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(status_code=exc.status_code, content={"error": {"message": exc.detail, "type": kind}}, headers=getattr(exc, "headers", None))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={401: {}, 404: {}, 413: {}, 422: {}, 503: {}})
+    async def completions(body: CompletionBody, st: StateDep, token: EditorToken, request: Request):
+        """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
+        shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        uhash = user_hash(body.user, fallback=token)
+        gen = _to_generate(st, body, completion_id)
+        replica = st.replicas[_pick(st, body, uhash)]
+        created = int(time.time())
+        if isinstance(body, OpenAICompletionRequest) and body.stream:
+            return StreamingResponse(_sse(st, replica, gen, body, uhash, created), media_type="text/event-stream")
+        try:
+            r = await replica.complete(gen)
+        except Exception as e:  # the engine or its replica is down: the client may retry
+            raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
+        _record(st, r, uhash, body, shape)
+        return _response(st, r, body, created)
+
+    @app.post("/v1/events", response_model=EventAccepted, responses={401: {}, 422: {}})
+    async def events(
+        body: EventRequest,
+        st: StateDep,
+        _token: EditorToken,
+        select_kind: Annotated[str | None, Query(pattern="^(full|line|word)$")] = None,
+    ):
+        """Record what the user did with a completion: view, select (full, line or word), dismiss, or edit."""
+        kind = body.select_kind or select_kind
+        try:
+            event = FeedbackEvent(
+                event_id=body.event_id or uuid.uuid4(),
+                completion_id=body.completion_id,
+                type=body.type,
+                choice_index=body.choice_index,
+                select_kind=kind if body.type == "select" else None,
+                accepted_chars=body.accepted_chars,
+                kept_text=body.kept_text,
+                view_id=body.view_id,
+                elapsed_ms=body.elapsed,
+            )
+        except ValueError as e:
+            raise HTTPException(422, str(e).splitlines()[-1].strip()) from None
+        st.producer.send(bus.EVENTS, event)
+        metrics.EVENTS.labels(event.type).inc()
+        return EventAccepted(event_id=event.event_id)
+
+    @app.get("/v1/health")
+    async def health(st: StateDep) -> dict:
+        """Tabby's health report (public)."""
+        return {
+            "model": st.cfg.model_name,
+            "chat_model": None,
+            "device": "cuda" if st.cfg.engine.num_gpus else "cpu",
+            "arch": platform.machine(),
+            "cpu_info": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "cuda_devices": [],
+            "version": {"build_date": "", "git_describe": "flywheel-0.1.0", "git_sha": "", "build_timestamp": ""},
+            "webserver": True,
+            "flywheel": {
+                "versions": sorted(st.replicas),
+                "stable": st.split.stable,
+                "canary": st.split.canary,
+                "canary_percent": st.split.canary_percent,
+                "records_buffered": getattr(st.producer, "buffered", 0),
+                "uptime_s": round(time.time() - st.started, 1),
+            },
+        }
+
+    @app.get("/v1/models")
+    async def models(st: StateDep, _token: EditorToken) -> dict:
+        """The served model and its live versions (OpenAI shape)."""
+        data = [{"id": st.cfg.model_name, "object": "model", "owned_by": "flywheel"}]
+        data += [{"id": f"{st.cfg.model_name}@v{v}", "object": "model", "owned_by": "flywheel"} for v in sorted(st.replicas)]
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        """Prometheus metrics (requests, latency, tokens, summaries, producer buffer)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _sse(st: ApiState, replica: ReplicaClient, gen: GenerateRequest, body, uhash: str, created: int):
+    """OpenAI server-sent events: one chunk per text delta per choice, then `[DONE]`."""
+    sent = {}
+    final = None
+    try:
+        async for r in replica.stream(gen):
+            final = r
+            for s in r.samples:
+                delta = s.text[len(sent.get(s.index, "")) :]
+                finish = (s.finish_reason if s.finish_reason in ("stop", "length") else None) if r.done else None
+                if delta or finish:
+                    sent[s.index] = s.text
+                    chunk = {
+                        "id": r.completion_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": f"{st.cfg.model_name}@v{r.model_version}",
+                        "choices": [{"index": s.index, "text": delta, "logprobs": None, "finish_reason": finish}],
+                    }
+                    yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as e:  # headers are sent: report in-band, as OpenAI does
+        yield f"data: {json.dumps({'error': {'message': f'model replica failed: {type(e).__name__}', 'type': 'server_error'}})}\n\n"
+        return
+    if final is not None:
+        _record(st, final, uhash, body, "openai")
+    yield "data: [DONE]\n\n"

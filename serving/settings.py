@@ -1,0 +1,100 @@
+"""`flywheel serve` configuration: the `[serve]` section on top of the shared settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Self
+
+from pydantic import Field, SecretStr, model_validator
+
+from ops.config import FlywheelSettings, Section
+
+
+class EngineSettings(Section):
+    """vLLM engine arguments for each model replica."""
+
+    max_model_len: int = Field(default=1024, ge=64)
+    """Context window the engine allocates KV cache for (prompt + completion tokens)."""
+    dtype: str = Field(default="bfloat16", pattern="^(bfloat16|float16|float32)$")
+    enforce_eager: bool = True
+    """Skip CUDA-graph / torch.compile capture (start-up time matters more than peak speed here)."""
+    kv_cache_gib: float = Field(default=1.0, gt=0)
+    """CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`); ignored on GPUs."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    """Most sequences one engine step batches together."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (an editor resends most of a file)."""
+    num_gpus: float = Field(default=0, ge=0)
+    """GPUs per replica (Ray resource); 0 on CPU machines."""
+    num_cpus: float = Field(default=1, ge=0)
+    """CPUs per replica (Ray resource)."""
+
+
+class ServeSettings(Section):
+    host: str = "127.0.0.1"
+    """Address the HTTP API listens on."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    ray_address: str = ""
+    """Ray cluster to join (`ray://head:10001` or `auto`). Empty: start a local Ray."""
+    ray_num_cpus: int | None = Field(default=None, ge=1)
+    """CPUs a local Ray may use (None: all)."""
+    model_dir: Path | None = None
+    """Exported Hugging Face folder of the model to serve. Empty: the cached pretrained base."""
+    model_version: int = Field(default=0, ge=0)
+    """Version number of `model_dir` (the weight store supplies it once the learner publishes)."""
+    model_name: str = "flywheel"
+    """The `model` name clients send and `/v1/models` lists."""
+    replicas: int = Field(default=1, ge=1)
+    """Model replicas of the stable version."""
+    engine: EngineSettings = EngineSettings()
+
+    auth_tokens: list[SecretStr] = []
+    """Bearer tokens editor clients may send. Prefer `auth_tokens_file` or FLYWHEEL_SERVE__AUTH_TOKENS."""
+    auth_tokens_file: Path | None = None
+    """A file with one editor token per line (blank lines and `#` comments ignored)."""
+    allow_anonymous: bool = False
+    """Serve without tokens (local development only; refused unless set explicitly)."""
+
+    max_prompt_chars: int = Field(default=200_000, ge=1)
+    """Longest prefix + suffix accepted, in characters; longer requests get 413."""
+    max_tokens_limit: int = Field(default=256, ge=1)
+    """Upper bound for a request's `max_tokens`."""
+    max_n: int = Field(default=4, ge=1, le=16)
+    """Upper bound for a request's `n`."""
+    default_max_tokens: int = Field(default=64, ge=1)
+    """`max_tokens` when a request does not send one."""
+
+    context_budget: int = Field(default=768, ge=32)
+    """Prompt tokens a completion may use; longer prefixes are self-summarized into it."""
+    summary_chunk_tokens: int = Field(default=192, ge=16)
+    """Size of the prefix chunks that are replaced by summaries."""
+    summary_max_tokens: int = Field(default=48, ge=4)
+    """Longest summary the model may write for one chunk."""
+    summary_cache_size: int = Field(default=4096, ge=0)
+    """Summaries cached per replica (keyed by chunk hash and model version)."""
+
+    producer_buffer: int = Field(default=10_000, ge=1)
+    """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> Self:
+        if self.context_budget + 8 > self.engine.max_model_len:
+            raise ValueError(f"serve.context_budget ({self.context_budget}) must leave room in engine.max_model_len ({self.engine.max_model_len})")
+        return self
+
+    def editor_tokens(self) -> set[str]:
+        tokens = {t.get_secret_value() for t in self.auth_tokens if t.get_secret_value()}
+        if self.auth_tokens_file is not None:
+            try:
+                lines = self.auth_tokens_file.read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"cannot read serve.auth_tokens_file {self.auth_tokens_file}: {e.strerror}") from None
+            tokens |= {ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")}
+        return tokens
+
+
+class ServingSettings(FlywheelSettings):
+    """`flywheel serve`: the Ray Serve application."""
+
+    serve: ServeSettings = ServeSettings()

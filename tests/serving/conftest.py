@@ -1,0 +1,78 @@
+"""Serving fixtures: a real tokenizer, a fake engine behind the `Engine` interface, the app."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from dataclasses import dataclass, field
+
+import pytest
+from fastapi.testclient import TestClient
+
+from learner.tokenizer import train_tokenizer
+from serving.api import ApiState, build_app
+from serving.engine import Sample, SamplingSpec
+from serving.replica import CompletionService
+from serving.routing import Split
+from serving.settings import ServeSettings
+
+TOKEN = "editor-test-token"
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return train_tokenizer([inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap)], vocab_size=512)
+
+
+@dataclass
+class FakeEngine:
+    """Deterministic stand-in for vLLM: answers with fixed text, tokenized for real."""
+
+    tok: object
+    text: str = "return x"
+    calls: list = field(default_factory=list)
+    fail: bool = False
+
+    async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
+        self.calls.append((prompt_ids, spec, request_id))
+        if self.fail:
+            raise RuntimeError("engine down")
+        ids = self.tok.encode(self.text, add_special_tokens=False).ids[: spec.max_tokens]
+        for k in range(1, len(ids) + 1):
+            done = k == len(ids)
+            yield [
+                Sample(
+                    index=i,
+                    token_ids=ids[:k],
+                    logprobs=[-0.5] * k,
+                    top_logprobs=[{t: -0.5} for t in ids[:k]] if spec.top_logprobs else [],
+                    text=self.tok.decode(ids[:k]),
+                    finish_reason=("length" if k == spec.max_tokens else "stop") if done else None,
+                )
+                for i in range(spec.n)
+            ]
+
+    async def abort(self, request_id):
+        pass
+
+
+class ListSink:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, topic, msg):
+        self.sent.append((topic, msg))
+        return True
+
+
+def make_client(tok, engine=None, **cfg_overrides):
+    cfg = ServeSettings(**({"auth_tokens": [TOKEN]} | cfg_overrides))
+    engine = engine or FakeEngine(tok)
+    service = CompletionService(engine, tok, cfg, version=3)
+    sink = ListSink()
+    app = build_app()
+    app.state.api = ApiState(cfg=cfg, replicas={3: service}, split=Split(stable=3), producer=sink, editor_tokens=cfg.editor_tokens(), decode=tok.decode)
+    client = TestClient(app, raise_server_exceptions=False)
+    client.headers["Authorization"] = f"Bearer {TOKEN}"
+    return client, sink, engine
