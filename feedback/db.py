@@ -22,6 +22,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -112,7 +113,51 @@ rewards = Table(
     Column("reward", Float, nullable=False),
     Column("components", JSON, nullable=False, comment="how the reward was computed"),
     Column("computed_at", TS, nullable=False, server_default=func.now()),
+    Column("outcome", String(16), comment="no_suggestion | edit | select | dismiss | ignored | unseen (feedback/reward.py)"),
     UniqueConstraint("completion_id", "choice_index"),
+)
+
+# The sink's own bookkeeping (feedback/sink.py). Kafka coordinates are named kafka_* so that
+# analysts need not quote the reserved words `offset` and `partition`.
+
+pending_events = Table(
+    "pending_events",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("event_id", String(36), nullable=False, unique=True),
+    Column("completion_id", String(64), nullable=False, index=True),
+    Column("payload", LargeBinary, nullable=False, comment="the Kafka message value, decoded again when its completion arrives"),
+    Column("kafka_topic", String(255), nullable=False),
+    Column("kafka_partition", Integer, nullable=False),
+    Column("kafka_offset", BigInteger, nullable=False),
+    Column("held_at", TS, nullable=False, index=True, comment="when the sink first held it; dead-lettered after the grace period"),
+    comment="events whose completion record has not arrived yet",
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("reason", String(32), nullable=False, index=True, comment="malformed | unknown_completion | rejected"),
+    Column("error", Text, nullable=False),
+    Column("kafka_topic", String(255), nullable=False),
+    Column("kafka_partition", Integer, nullable=False),
+    Column("kafka_offset", BigInteger, nullable=False),
+    Column("key", Text),
+    Column("payload", LargeBinary, comment="the raw message value; dropped after retention_days"),
+    Column("completion_id", String(64), index=True),
+    Column("event_id", String(36)),
+    Column("dead_at", TS, nullable=False),
+    UniqueConstraint("kafka_topic", "kafka_partition", "kafka_offset"),
+    comment="messages the sink could not store, never dropped silently",
+)
+
+reward_due = Table(
+    "reward_due",
+    metadata,
+    Column("completion_id", String(64), primary_key=True),
+    Column("due_at", TS, nullable=False, index=True, comment="when its feedback window closes (or now, for a late event)"),
+    comment="completions whose reward is still to be computed",
 )
 
 model_versions = Table(
