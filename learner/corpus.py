@@ -1,0 +1,239 @@
+"""The pretraining corpus: source files, a deterministic split by file, and training rows.
+
+Default corpus: the running Python's standard library (`sysconfig.get_paths()["stdlib"]`),
+its `*.py` files minus test folders and `site-packages`. Any other folder of source files
+works too (`flywheel pretrain --corpus DIR`); there only hidden, vendored and cache folders
+are skipped. Files larger than `max_file_bytes` (generated tables, data dumps) are skipped.
+
+Split: a file is held out when the first 8 bytes of sha256(relative path) fall under
+`heldout_fraction`. That depends on the path alone, so the split is the same on every run
+and every machine, train and held-out never share a file, and adding a file never moves
+another one across.
+
+Training rows (`TrainingData.batch(step)`) are [B, S+1] token ids built from the train
+files. Each row is one of three kinds:
+  - FIM (`fim_rate`): fill-in-the-middle examples (learner.fim), then a plain window;
+  - summary (`summary_rate`, Python files only): code chunks followed by their structural
+    summary (learner.summary), then a plain window;
+  - plain: a window of the train token stream (files joined by <|endoftext|>).
+Everything about a batch derives from (seed, step), so the data position of a resumed run
+is its step: no iterator state to save, and a resumed run sees the same rows as an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from learner.fim import fim_example_ids, fim_header
+from learner.summary import summarize_python, summary_example_ids
+from learner.tokenizer import EOS_ID
+
+LANGUAGES = {
+    ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript", ".jsx": "javascript",
+    ".ts": "typescript", ".tsx": "typescript", ".go": "go", ".rs": "rust", ".java": "java", ".kt": "kotlin",
+    ".scala": "scala", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp", ".hpp": "cpp",
+    ".cs": "csharp", ".rb": "ruby", ".php": "php", ".swift": "swift", ".lua": "lua", ".sh": "shell",
+    ".bash": "shell", ".sql": "sql", ".r": "r", ".jl": "julia", ".hs": "haskell", ".ml": "ocaml",
+    ".ex": "elixir", ".erl": "erlang", ".clj": "clojure", ".dart": "dart", ".m": "objective-c",
+    ".pl": "perl", ".zig": "zig", ".nim": "nim", ".vue": "vue", ".css": "css", ".html": "html",
+}  # fmt: skip
+ALWAYS_SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages", "venv", "vendor"})
+STDLIB_SKIPPED_DIRS = ALWAYS_SKIPPED_DIRS | {"test", "tests", "idle_test"}
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative to the corpus root, with "/" separators
+    text: str
+
+    @property
+    def language(self) -> str:
+        return LANGUAGES.get(Path(self.path).suffix.lower(), "text")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    root: Path
+    train: list[SourceFile]
+    heldout: list[SourceFile]
+    fingerprint: str  # sha256 over (path, content) of every file: the corpus part of a cache key
+
+
+def default_corpus_dir() -> Path:
+    """The running Python's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(rel_path: str, fraction: float) -> bool:
+    """Whether a file belongs to the held-out split: a pure function of its relative path."""
+    h = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "big")
+    return h < fraction * 2**64
+
+
+def list_source_files(root: Path, *, suffixes: Sequence[str], skip_dirs: frozenset[str], max_file_bytes: int) -> list[Path]:
+    """Source files under root, sorted; hidden and `skip_dirs` folders and large files left out."""
+    out = []
+    for p in root.rglob("*"):
+        rel_parts = p.relative_to(root).parts
+        if any(part in skip_dirs or part.startswith(".") for part in rel_parts[:-1]):
+            continue
+        if p.suffix.lower() in suffixes and p.is_file() and 0 < p.stat().st_size <= max_file_bytes:
+            out.append(p)
+    return sorted(out)
+
+
+def load_corpus(root: Path | None = None, *, heldout_fraction: float = 0.05, max_file_bytes: int = 256_000) -> Corpus:
+    """Read and split a corpus; `root=None` is the standard library. ValueError on bad input."""
+    stdlib = root is None
+    root = default_corpus_dir() if stdlib else Path(root).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"corpus folder {root} does not exist; pass --corpus DIR with source files")
+    paths = list_source_files(
+        root,
+        suffixes=(".py",) if stdlib else tuple(LANGUAGES),
+        skip_dirs=STDLIB_SKIPPED_DIRS if stdlib else ALWAYS_SKIPPED_DIRS,
+        max_file_bytes=max_file_bytes,
+    )
+    files, digest = [], hashlib.sha256()
+    for p in paths:
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # binary or another encoding: not worth guessing
+        rel = p.relative_to(root).as_posix()
+        if text.strip():
+            files.append(SourceFile(rel, text))
+            digest.update(f"{rel}\0{hashlib.sha256(raw).hexdigest()}\n".encode())
+    if len(files) < 2:
+        exts = " ".join(sorted(set(LANGUAGES.values()))[:6])
+        raise ValueError(
+            f"corpus folder {root} has {len(files)} usable source file(s); pretraining needs at least 2 "
+            f"(UTF-8, 1 byte to {max_file_bytes} bytes; languages such as {exts}, ...)"
+        )
+    heldout = [f for f in files if is_heldout(f.path, heldout_fraction)]
+    if not heldout:  # a small corpus: hold out the file whose hash is smallest, still deterministic
+        heldout = [min(files, key=lambda f: hashlib.sha256(f.path.encode()).digest())]
+    train = [f for f in files if f not in heldout]
+    if not train:
+        raise ValueError(f"heldout_fraction={heldout_fraction} leaves no training files in {root}; lower it")
+    return Corpus(root, train, heldout, digest.hexdigest())
+
+
+def token_stream(tok: Tokenizer, files: Sequence[SourceFile]) -> torch.Tensor:
+    """All files encoded and joined, each followed by <|endoftext|>: [N] int64."""
+    ids: list[int] = []
+    for enc in tok.encode_batch([f.text for f in files]):
+        ids += enc.ids
+        ids.append(EOS_ID)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def heldout_windows(stream: torch.Tensor, seq_len: int, n: int) -> torch.Tensor:
+    """n evenly spaced, non-overlapping windows [n, seq_len + 1] of a token stream."""
+    L = seq_len + 1
+    available = len(stream) // L
+    if available < 1:
+        raise ValueError(f"held-out split has {len(stream)} tokens, fewer than one window of {L}; use a larger corpus")
+    picks = torch.linspace(0, available - 1, min(n, available)).round().long()
+    return torch.stack([stream[i * L : (i + 1) * L] for i in picks.tolist()])
+
+
+class TrainingData:
+    """Training rows from the train split: a pure function of (seed, step); see the module docstring."""
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        files: Sequence[SourceFile],
+        *,
+        seq_len: int,
+        batch_size: int,
+        fim_rate: float,
+        summary_rate: float,
+        seed: int,
+        stream: torch.Tensor | None = None,
+    ):
+        self.tok, self.files = tok, list(files)
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.fim_rate, self.summary_rate, self.seed = fim_rate, summary_rate, seed
+        self.stream = token_stream(tok, files) if stream is None else stream
+        if len(self.stream) <= seq_len + 1:
+            raise ValueError(f"train split has {len(self.stream)} tokens; it needs more than seq_len + 1 = {seq_len + 1}")
+        self._ends = list(_cumsum(len(f.text) for f in self.files))  # pick files in proportion to size
+        self._python = [i for i, f in enumerate(self.files) if f.language == "python"]
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Rows [B, S+1] for this step; identical for the same (seed, step)."""
+        rng = random.Random(f"{self.seed}:{step}")
+        return torch.tensor([self._row(rng) for _ in range(self.batch_size)], dtype=torch.long)
+
+    def _row(self, rng: random.Random) -> list[int]:
+        L = self.seq_len + 1
+        u = rng.random()
+        make = self._fim if u < self.fim_rate else self._summary if u < self.fim_rate + self.summary_rate else None
+        ids: list[int] = []
+        while make is not None:
+            ex = make(rng)
+            if ex is None or len(ids) + len(ex) > L:
+                break
+            ids += ex
+        start = rng.randrange(len(self.stream) - (L - len(ids)) + 1)
+        return ids + self.stream[start : start + L - len(ids)].tolist()
+
+    def _chunk(self, rng: random.Random, file_ids: Sequence[int] | None, max_chars: int) -> tuple[SourceFile, str]:
+        """Whole lines of one file, about max_chars long at most, from a random line."""
+        if file_ids is None:
+            f = self.files[bisect.bisect_right(self._ends, rng.randrange(self._ends[-1]))]
+        else:
+            f = self.files[rng.choice(file_ids)]
+        lines = f.text.splitlines(keepends=True)
+        first = rng.randrange(len(lines))
+        out, n = [], 0
+        for line in lines[first:]:
+            if out and n + len(line) > max_chars:
+                break
+            out.append(line)
+            n += len(line)
+        return f, "".join(out)[: max_chars * 2]
+
+    def _fim(self, rng: random.Random) -> list[int] | None:
+        f, text = self._chunk(rng, None, rng.randint(self.seq_len, 3 * self.seq_len))
+        if len(text) < 2:
+            return None
+        # Middle length log-uniform from 1 character to half the chunk: mostly short
+        # completions, as an editor asks for, and some multi-line ones.
+        n = min(len(text) - 1, int(math.exp(rng.uniform(0, math.log(max(2, len(text) // 2))))))
+        a = rng.randrange(len(text) - n + 1)
+        header = fim_header(language=f.language, path=f.path) if rng.random() < 0.5 else ""
+        ids = fim_example_ids(self.tok, text[:a], text[a : a + n], text[a + n :], header)
+        return ids if len(ids) <= self.seq_len + 1 else None
+
+    def _summary(self, rng: random.Random) -> list[int] | None:
+        if not self._python:
+            return self._fim(rng)
+        for _ in range(4):  # chunks inside one function body summarize to nothing: try another
+            _, text = self._chunk(rng, self._python, rng.randint(self.seq_len, 2 * self.seq_len))
+            summary = summarize_python(text)
+            if summary:
+                ids = summary_example_ids(self.tok, text, summary)
+                return ids if len(ids) <= self.seq_len + 1 else None
+        return None
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
