@@ -1,9 +1,76 @@
-"""`flywheel` commands of the learner package (registered by ops/cli.py; heavy imports stay inside the commands)."""
+"""`flywheel` commands of the learner package (registered by ops/cli.py; heavy imports stay inside the commands).
+
+    flywheel pretrain [--corpus DIR] [--size small] [--minutes N] [--steps N] [--fp4 nvfp4|mxfp4|off] [--force]
+    flywheel bench fp4 [--steps N] [--out results.json]
+
+`flywheel bench` is shared: other packages add their benchmarks with `bench_subcommands(sub)`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+
+from ops.console import add_config_args, console, print_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's commands to the `flywheel` parser."""
+    p = sub.add_parser(
+        "pretrain",
+        help="train (or reuse) the base model: tokenizer, FP4 QAT with router replay, export",
+        description="Train the base code model on a corpus (default: the Python standard library), "
+        "resuming an interrupted run and reusing a finished one. Settings: the [pretrain] section.",
+    )
+    p.add_argument("--corpus", metavar="DIR", help="folder of source files (pretrain.corpus)")
+    p.add_argument("--size", help="model size: tiny or small (pretrain.size)")
+    p.add_argument("--minutes", type=float, help="training time budget (pretrain.minutes)")
+    p.add_argument("--steps", type=int, help="train exactly N steps (pretrain.steps)")
+    p.add_argument("--fp4", choices=["nvfp4", "mxfp4", "off"], help="QAT format (pretrain.fp4)")
+    p.add_argument("--force", action="store_true", help="retrain even if a finished base is cached")
+    add_config_args(p)
+    p.set_defaults(fn=cmd_pretrain)
+
+    b = bench_subcommands(sub).add_parser(
+        "fp4",
+        help="NVFP4 vs MXFP4 error, pack/unpack speed, QAT vs bf16 loss, router replay KL",
+        description="FP4 benchmark: each number beside its baseline from the same run, as a ratio.",
+    )
+    b.add_argument("--steps", type=int, default=150, help="training steps for the QAT-vs-bf16 comparison (default 150)")
+    b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(b)
+    b.set_defaults(fn=cmd_bench_fp4)
+
+
+def bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The subcommands of `flywheel bench`, creating the `bench` command on first use."""
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks, each against its baseline", description="Benchmarks, each against its baseline.")
+        bench.set_defaults(bench_sub=bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK", parser_class=type(bench)))
+    return bench.get_default("bench_sub")
+
+
+def _settings(args: argparse.Namespace, flags: dict[str, object]):
+    from learner.pretrain_settings import PretrainSettings
+
+    overrides = list(args.overrides) + [f"pretrain.{k}={json.dumps(str(v) if k == 'corpus' else v)}" for k, v in flags.items() if v is not None]
+    return PretrainSettings.load(args.config, overrides)
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    s = _settings(args, {"corpus": args.corpus, "size": args.size, "minutes": args.minutes, "steps": args.steps, "fp4": args.fp4})
+    print_config(s, "flywheel pretrain")
+    from learner.pretrain import ensure_base_model
+
+    ensure_base_model(s, console, force=args.force)
+    return 0
+
+
+def cmd_bench_fp4(args: argparse.Namespace) -> int:
+    s = _settings(args, {})
+    print_config(s, "flywheel bench fp4")
+    from learner.bench_fp4 import run_bench
+
+    run_bench(s, console, steps=args.steps, out=args.out)
+    return 0
