@@ -1,0 +1,304 @@
+"""Ingest benchmark: feedback events into SQL through Kafka and the sink, against direct inserts.
+
+Both paths write the same kind of events (each referring to a stored completion) into the
+same database in one run, and both are measured the same way, from the rows: throughput is
+events / (last `ingested_at` - first `created_at`), lag is `ingested_at - created_at` per
+event (p50, p99).
+
+- direct: the baseline. The events are written straight into the database in batches of
+  `sink.batch_size` with the sink's own idempotent write (`ingest.write_batch`), no Kafka.
+- kafka: events go through the real buffered producer (acks=all) to an events topic; a
+  `flywheel sink` process (a separate process, as in production) stores them. First as fast
+  as the producer sends (throughput; the lag then includes the backlog), then paced at half
+  that rate (the lag of a sink that keeps up).
+
+The events are handed to `send_events(list[FeedbackEvent])`, by default the Kafka producer.
+An HTTP sender (POST /v1/events) plugs in there; the API then produces to `events_topic`,
+which the benchmark passes on to the sink.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
+
+EventSender = Callable[[list[FeedbackEvent]], None]
+
+
+@dataclass
+class PathResult:
+    path: str
+    events: int
+    seconds: float
+    events_per_s: float
+    lag_p50_ms: float
+    lag_p99_ms: float
+    offered_per_s: float | None = None
+    """Paced send rate; None when sent as fast as possible."""
+
+
+@dataclass
+class IngestBenchResult:
+    database: str
+    batch_size: int
+    direct: PathResult
+    kafka: PathResult
+    kafka_paced: PathResult | None
+    throughput_ratio: float
+    """kafka events/s / direct events/s."""
+
+
+def make_completion(cid: str, *, now: datetime | None = None) -> CompletionRecord:
+    tokens = [5, 6, 7, 8]
+    return CompletionRecord(
+        completion_id=cid,
+        model_version=1,
+        user_hash="bench",
+        language="python",
+        prompt_token_ids=list(range(64)),
+        choices=[CompletionChoice(index=0, token_ids=tokens, logprobs=[-0.5] * len(tokens), text="x = 1\n")],
+        latency_ms=20.0,
+        prompt_text="def f():\n    " * 8,
+        created_at=now or datetime.now(UTC),
+    )
+
+
+def make_events(cids: list[str], n: int, offset: int = 0) -> list[FeedbackEvent]:
+    """`n` events over the completions in turn (view, select, view, dismiss, ...), stamped now."""
+    now = datetime.now(UTC)
+    types = ("view", "select", "view", "dismiss")
+    return [FeedbackEvent(completion_id=cids[(offset + i) % len(cids)], type=types[(offset + i) % 4], created_at=now) for i in range(n)]
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest rank, as the v_latency view computes it."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p * len(ordered)) - 1)]
+
+
+def measure(engine, prefix: str, path: str, offered: float | None = None) -> PathResult:
+    """Throughput and lag of the events whose completion ids start with `prefix`, from their rows."""
+    from sqlalchemy import select
+
+    from feedback import db
+    from feedback.ingest import utc
+
+    ev = db.events
+    with engine.connect() as conn:
+        rows = conn.execute(select(ev.c.created_at, ev.c.ingested_at).where(ev.c.completion_id.like(f"{prefix}%"))).all()
+    created = [utc(r.created_at) for r in rows]
+    ingested = [utc(r.ingested_at) for r in rows]
+    lags = [(i - c).total_seconds() * 1000 for c, i in zip(created, ingested)]
+    span = (max(ingested) - min(created)).total_seconds() if rows else float("nan")
+    return PathResult(path, len(rows), span, len(rows) / span if span else float("nan"), percentile(lags, 0.50), percentile(lags, 0.99), offered)
+
+
+# --- the baseline: direct inserts --------------------------------------------------------------
+
+
+def run_direct(engine, *, n_events: int, cids: list[str], batch_size: int) -> None:
+    from feedback import ingest
+    from feedback.ingest import Batch, Origin
+
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        comps = [(make_completion(c, now=now), Origin("direct", 0, i, None, None)) for i, c in enumerate(cids)]
+        ingest.write_batch(conn, Batch(completions=comps), now=now, feedback_window_s=3600)
+    for start in range(0, n_events, batch_size):
+        events = make_events(cids, min(batch_size, n_events - start), start)
+        batch = Batch(events=[(e, Origin("direct", 0, start + i, None, None)) for i, e in enumerate(events)])
+        with engine.begin() as conn:
+            ingest.write_batch(conn, batch, now=datetime.now(UTC), feedback_window_s=3600)
+
+
+# --- the measured path: producer -> Kafka -> sink process -> SQL -------------------------------
+
+
+def sink_process(settings, *, database_url: str, completions_topic: str, events_topic: str, group_id: str, log) -> subprocess.Popen:
+    """`flywheel sink` in its own process, pointed at the benchmark's topics and database."""
+    s = settings.sink
+    overrides = {
+        "data_dir": str(settings.data_dir),
+        "kafka.bootstrap_servers": settings.kafka.bootstrap,
+        "database.url": database_url,
+        "sink.group_id": group_id,
+        "sink.completions_topic": completions_topic,
+        "sink.events_topic": events_topic,
+        "sink.batch_size": s.batch_size,
+        "sink.max_batch_wait_s": s.max_batch_wait_s,
+        "sink.feedback_window_s": 3600,
+        "sink.retention_days": 0,
+        "sink.progress_interval_s": 5,
+    }
+    args = [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    return subprocess.Popen([sys.executable, "-m", "ops.cli", "sink", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _count(engine, prefix: str) -> int:
+    from sqlalchemy import func, select
+
+    from feedback import db
+
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(db.events).where(db.events.c.completion_id.like(f"{prefix}%"))).scalar_one()
+
+
+def _wait_for(engine, prefix: str, n: int, sink: subprocess.Popen, timeout_s: float, table: str = "events") -> None:
+    from sqlalchemy import func, select
+
+    from feedback import db
+
+    t = db.metadata.tables[table]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            got = conn.execute(select(func.count()).select_from(t).where(t.c.completion_id.like(f"{prefix}%"))).scalar_one()
+        if got >= n:
+            return
+        if sink.poll() is not None:
+            raise RuntimeError(f"the sink exited with code {sink.returncode} after storing {got} of {n} {table}")
+        time.sleep(0.1)
+    raise RuntimeError(f"only {got} of {n} {table} arrived within {timeout_s:.0f}s")
+
+
+def _send_paced(send: EventSender, cids: list[str], n: int, rate: float | None, offset: int, chunk: int = 100) -> None:
+    t0 = time.monotonic()
+    for start in range(0, n, chunk):
+        if rate:
+            ahead = t0 + start / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        send(make_events(cids, min(chunk, n - start), offset + start))
+
+
+def run_ingest_bench(
+    settings,
+    *,
+    n_events: int = 20_000,
+    events_per_completion: int = 4,
+    database_url: str | None = None,
+    send_events: EventSender | None = None,
+    events_topic: str | None = None,
+    paced: bool = True,
+    progress: Callable[[str], None] = lambda m: None,
+    timeout_s: float = 600.0,
+) -> IngestBenchResult:
+    """Run both paths against one database; `send_events` replaces the producer (e.g. HTTP)."""
+    from feedback import bus, db
+    from feedback.producer import BufferedProducer
+
+    run = uuid.uuid4().hex[:8]
+    bench_dir = settings.data_dir / "bench"
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    url = database_url or f"sqlite:///{bench_dir / f'ingest-{run}.db'}"
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    n_comp = max(1, math.ceil(n_events / events_per_completion))
+    batch_size = settings.sink.batch_size
+
+    progress(f"direct: {n_events} events in batches of {batch_size} into {engine.url.render_as_string(hide_password=True)}")
+    run_direct(engine, n_events=n_events, cids=[f"bd{run}-{i}" for i in range(n_comp)], batch_size=batch_size)
+    direct = measure(engine, f"bd{run}-", "direct")
+    progress(f"direct: {direct.events_per_s:,.0f} events/s")
+
+    c_topic = f"flywheel.bench-{run}.completions"
+    e_topic = events_topic or f"flywheel.bench-{run}.events"
+    _create_topics(settings, [c_topic] + ([e_topic] if events_topic is None else []))
+    producer = BufferedProducer(settings.kafka, max_buffered=max(100_000, 2 * n_events))
+    send = send_events or (lambda evs: [producer.send(e_topic, e) for e in evs])
+    log_path = bench_dir / f"sink-{run}.log"
+    with open(log_path, "wb") as log:
+        sink = sink_process(settings, database_url=url, completions_topic=c_topic, events_topic=e_topic, group_id=f"bench-{run}", log=log)
+        try:
+            kc = [f"bk{run}-{i}" for i in range(n_comp)]
+            for c in kc:
+                producer.send(c_topic, make_completion(c))
+            producer.flush(timeout_s)
+            _wait_for(engine, f"bk{run}-", n_comp, sink, timeout_s, table="completions")
+            progress(f"kafka: {n_comp} completions stored; sending {n_events} events as fast as possible")
+            _send_paced(send, kc, n_events, None, 0)
+            producer.flush(timeout_s)
+            _wait_for(engine, f"bk{run}-", n_events, sink, timeout_s)
+            kafka = measure(engine, f"bk{run}-", "kafka")
+            progress(f"kafka: {kafka.events_per_s:,.0f} events/s, lag p50 {kafka.lag_p50_ms:.0f} ms, p99 {kafka.lag_p99_ms:.0f} ms")
+            kafka_paced = None
+            if paced:
+                rate = kafka.events_per_s / 2
+                n_paced = max(100, min(n_events, int(rate * 10)))
+                kp = [f"bp{run}-{i}" for i in range(n_comp)]
+                for c in kp:
+                    producer.send(c_topic, make_completion(c))
+                producer.flush(timeout_s)
+                _wait_for(engine, f"bp{run}-", n_comp, sink, timeout_s, table="completions")
+                progress(f"kafka: sending {n_paced} events paced at {rate:,.0f}/s")
+                _send_paced(send, kp, n_paced, rate, 0)
+                producer.flush(timeout_s)
+                _wait_for(engine, f"bp{run}-", n_paced, sink, timeout_s)
+                kafka_paced = measure(engine, f"bp{run}-", "kafka (paced at half)", offered=rate)
+        finally:
+            producer.close()
+            sink.send_signal(signal.SIGTERM)
+            try:
+                sink.wait(30)
+            except subprocess.TimeoutExpired:
+                sink.kill()
+            _delete_topics(settings, [c_topic] + ([e_topic] if events_topic is None else []))
+            engine.dispose()
+    return IngestBenchResult(
+        database=engine.url.render_as_string(hide_password=True),
+        batch_size=batch_size,
+        direct=direct,
+        kafka=kafka,
+        kafka_paced=kafka_paced,
+        throughput_ratio=kafka.events_per_s / direct.events_per_s,
+    )
+
+
+def _create_topics(settings, names: list[str]) -> None:
+    from kafka.admin import NewTopic
+
+    from feedback import bus
+
+    client = bus.admin(settings.kafka)
+    try:
+        parts = settings.kafka.events.partitions
+        client.create_topics([NewTopic(n, num_partitions=parts, replication_factor=1 if settings.kafka.managed else -1) for n in names])
+    finally:
+        client.close()
+
+
+def _delete_topics(settings, names: list[str]) -> None:
+    from feedback import bus
+
+    try:
+        client = bus.admin(settings.kafka)
+        try:
+            client.delete_topics(names)
+        finally:
+            client.close()
+    except Exception:  # best effort: a leftover bench topic is harmless
+        pass
+
+
+def print_result(r: IngestBenchResult, console) -> None:
+    from rich.table import Table
+
+    t = Table("path", "events", "events/s", "lag p50 (ms)", "lag p99 (ms)", "offered/s", title=f"ingest into {r.database} (batch {r.batch_size})")
+    for p in [r.direct, r.kafka] + ([r.kafka_paced] if r.kafka_paced else []):
+        t.add_row(p.path, str(p.events), f"{p.events_per_s:,.0f}", f"{p.lag_p50_ms:,.1f}", f"{p.lag_p99_ms:,.1f}", "max" if p.offered_per_s is None else f"{p.offered_per_s:,.0f}")
+    console.print(t)
+    console.print(f"Kafka + sink throughput = {r.throughput_ratio:.2f}x direct inserts")

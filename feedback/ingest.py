@@ -1,0 +1,381 @@
+"""What the sink does to the database: decode a batch of Kafka messages, write it, sweep.
+
+Every write is idempotent (`INSERT ... ON CONFLICT DO NOTHING` on the unique keys, through
+the SQLite or PostgreSQL insert construct), so a batch written twice (the sink crashed after
+the database commit and before the offset commit) leaves the same rows as written once.
+That, with offsets committed only after the database commit, makes the rows exactly once.
+
+- Completions go to `completions` and `completion_choices`, and their reward is queued in
+  `reward_due` for when the feedback window closes.
+- An event whose completion is known goes to `events`. Otherwise it waits in
+  `pending_events` (an event may overtake its completion record: they travel on different
+  topics) until its completion arrives, or the grace period ends and it becomes a dead letter.
+- A malformed message becomes a dead letter with its raw bytes, topic, partition, offset
+  and the error.
+
+Functions take the connection of a transaction the caller owns and `now` from the caller,
+so that tests control time. Timestamps are stored in UTC (SQLite keeps no time zone).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import Table, delete, select
+from sqlalchemy.engine import Connection
+
+from feedback import db
+from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
+from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode
+
+log = logging.getLogger(__name__)
+
+CHUNK = 500  # ids per IN (...) list: far below SQLite's bound-parameter limit
+
+
+class RawMessage(Protocol):
+    """The part of a kafka-python ConsumerRecord the sink reads."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a message came from: enough to find it in Kafka again and to dead-letter it."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    payload: bytes | None
+
+
+@dataclass
+class Batch:
+    completions: list[tuple[CompletionRecord, Origin]] = field(default_factory=list)
+    events: list[tuple[FeedbackEvent, Origin]] = field(default_factory=list)
+    malformed: list[tuple[Origin, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.completions) + len(self.events) + len(self.malformed)
+
+
+@dataclass
+class Counts:
+    """Rows a step wrote (new rows only: a duplicate counts 0)."""
+
+    completions: int = 0
+    events: int = 0
+    held: int = 0
+    promoted: int = 0
+    dead_letters: dict[str, int] = field(default_factory=dict)
+    rewards: int = 0
+
+    def add(self, other: Counts) -> Counts:
+        self.completions += other.completions
+        self.events += other.events
+        self.held += other.held
+        self.promoted += other.promoted
+        self.rewards += other.rewards
+        for k, v in other.dead_letters.items():
+            self.dead_letters[k] = self.dead_letters.get(k, 0) + v
+        return self
+
+
+def utc(dt: datetime) -> datetime:
+    """Aware UTC; a naive value (SQLite hands them back) is UTC already."""
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+
+
+# --- decoding (pure) ---------------------------------------------------------------------------
+
+
+def decode_batch(messages: Iterable[RawMessage], *, completions_topic: str, events_topic: str) -> Batch:
+    """Sort raw messages into completions, events and malformed ones; never raises."""
+    out = Batch()
+    for m in messages:
+        origin = Origin(m.topic, m.partition, m.offset, m.key, m.value)
+        try:
+            if m.topic == completions_topic:
+                out.completions.append((decode(CompletionRecord, m.value), origin))
+            elif m.topic == events_topic:
+                out.events.append((decode(FeedbackEvent, m.value), origin))
+            else:
+                out.malformed.append((origin, f"unexpected topic {m.topic!r}"))
+        except MalformedMessage as e:
+            out.malformed.append((origin, str(e)))
+    return out
+
+
+def completion_rows(rec: CompletionRecord, now: datetime) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    row = dict(
+        completion_id=rec.completion_id,
+        model_version=rec.model_version,
+        user_hash=rec.user_hash,
+        session_id=rec.session_id,
+        language=rec.language,
+        filepath=rec.filepath,
+        prompt_token_ids=rec.prompt_token_ids,
+        prompt_text=rec.prompt_text,
+        summary_ids=rec.summary_ids,
+        n_choices=len(rec.choices),
+        latency_ms=rec.latency_ms,
+        created_at=utc(rec.created_at),
+        ingested_at=now,
+    )
+    choices = [
+        dict(
+            completion_id=rec.completion_id,
+            choice_index=c.index,
+            token_ids=c.token_ids,
+            logprobs=c.logprobs,
+            # The record carries one routing trace, recorded for its first choice.
+            routing=rec.routing if c.index == 0 else None,
+            text=c.text,
+            n_chars=len(c.text or ""),
+            finish_reason=c.finish_reason,
+        )
+        for c in rec.choices
+    ]
+    return row, choices
+
+
+def event_row(ev: FeedbackEvent, now: datetime) -> dict[str, Any]:
+    return dict(
+        event_id=str(ev.event_id),
+        completion_id=ev.completion_id,
+        choice_index=ev.choice_index,
+        type=ev.type,
+        select_kind=ev.select_kind,
+        accepted_chars=ev.accepted_chars,
+        kept_text=ev.kept_text,
+        view_id=ev.view_id,
+        elapsed_ms=ev.elapsed_ms,
+        created_at=utc(ev.created_at),
+        ingested_at=now,
+    )
+
+
+def dead_letter_row(origin: Origin, reason: str, error: str, now: datetime, *, completion_id=None, event_id=None) -> dict[str, Any]:
+    return dict(
+        reason=reason,
+        error=error[:2000],
+        kafka_topic=origin.topic,
+        kafka_partition=origin.partition,
+        kafka_offset=origin.offset,
+        key=origin.key.decode(errors="backslashreplace") if origin.key is not None else None,
+        payload=origin.payload,
+        completion_id=completion_id,
+        event_id=event_id,
+        dead_at=now,
+    )
+
+
+# --- writing a batch ---------------------------------------------------------------------------
+
+
+def _insert(conn: Connection, table: Table):
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif conn.dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise ValueError(f"the sink supports SQLite and PostgreSQL, not {conn.dialect.name}")
+    return insert(table)
+
+
+def insert_new(conn: Connection, table: Table, rows: Sequence[dict[str, Any]], returning=None) -> list:
+    """INSERT ... ON CONFLICT DO NOTHING; the `returning` column of the rows really inserted."""
+    if not rows:
+        return []
+    stmt = _insert(conn, table).on_conflict_do_nothing()
+    if returning is None:
+        conn.execute(stmt, list(rows))
+        return []
+    return list(conn.execute(stmt.returning(returning), list(rows)).scalars())
+
+
+def _chunks(items: Sequence, n: int = CHUNK):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def existing(conn: Connection, column, values: Iterable) -> set:
+    """The subset of `values` present in `column`."""
+    wanted = sorted(set(values))
+    found: set = set()
+    for part in _chunks(wanted):
+        found.update(conn.execute(select(column).where(column.in_(part))).scalars())
+    return found
+
+
+def write_batch(conn: Connection, batch: Batch, *, now: datetime, feedback_window_s: float) -> Counts:
+    """Write one decoded batch inside the caller's transaction."""
+    counts = Counts()
+    new_ids = _write_completions(conn, batch.completions, now=now, feedback_window_s=feedback_window_s)
+    counts.completions = len(new_ids)
+
+    known = {rec.completion_id for rec, _ in batch.completions}
+    known |= existing(conn, db.completions.c.completion_id, {ev.completion_id for ev, _ in batch.events} - known)
+    seen: set[str] = set()
+    ready, held = [], []
+    for ev, origin in batch.events:
+        if str(ev.event_id) in seen:
+            continue  # a retry inside the same batch
+        seen.add(str(ev.event_id))
+        (ready if ev.completion_id in known else held).append((ev, origin))
+
+    inserted = insert_new(conn, db.events, [event_row(ev, now) for ev, _ in ready], returning=db.events.c.completion_id)
+    counts.events = len(inserted)
+    _requeue_rewarded(conn, inserted, now=now)
+    counts.held = len(
+        insert_new(
+            conn,
+            db.pending_events,
+            [
+                dict(
+                    event_id=str(ev.event_id),
+                    completion_id=ev.completion_id,
+                    payload=o.payload,
+                    kafka_topic=o.topic,
+                    kafka_partition=o.partition,
+                    kafka_offset=o.offset,
+                    held_at=now,
+                )
+                for ev, o in held
+            ],
+            returning=db.pending_events.c.event_id,
+        )
+    )
+    counts.promoted = promote_pending(conn, completion_ids=new_ids, now=now)
+
+    dead = [dead_letter_row(o, "malformed", err, now) for o, err in batch.malformed]
+    if n := len(insert_new(conn, db.dead_letters, dead, returning=db.dead_letters.c.id)):
+        counts.dead_letters["malformed"] = n
+    return counts
+
+
+def _write_completions(conn: Connection, items, *, now: datetime, feedback_window_s: float) -> list[str]:
+    rows, choices, due = [], [], []
+    seen: set[str] = set()
+    for rec, _ in items:
+        if rec.completion_id in seen:
+            continue
+        seen.add(rec.completion_id)
+        row, ch = completion_rows(rec, now)
+        rows.append(row)
+        choices += ch
+        due.append(dict(completion_id=rec.completion_id, due_at=row["created_at"] + timedelta(seconds=feedback_window_s)))
+    new_ids = insert_new(conn, db.completions, rows, returning=db.completions.c.completion_id)
+    # A duplicate record's choices are already there; ON CONFLICT keeps the first copy.
+    insert_new(conn, db.completion_choices, choices)
+    fresh = set(new_ids)
+    insert_new(conn, db.reward_due, [d for d in due if d["completion_id"] in fresh])
+    return new_ids
+
+
+def _requeue_rewarded(conn: Connection, completion_ids: Iterable[str], *, now: datetime) -> None:
+    """A new event for a completion already rewarded (the sink lagged behind the window): recompute."""
+    rewarded = existing(conn, db.rewards.c.completion_id, completion_ids)
+    insert_new(conn, db.reward_due, [dict(completion_id=cid, due_at=now) for cid in sorted(rewarded)])
+
+
+# --- sweeps: pending events, rewards -----------------------------------------------------------
+
+
+def promote_pending(conn: Connection, *, now: datetime, completion_ids: Sequence[str] | None = None) -> int:
+    """Move held events whose completion has arrived into `events`; all of them when ids is None."""
+    p, c = db.pending_events, db.completions
+    if completion_ids is not None and not completion_ids:
+        return 0
+    query = select(p.c.id, p.c.payload).join(c, c.c.completion_id == p.c.completion_id)
+    batches = [query.where(p.c.completion_id.in_(part)) for part in _chunks(list(completion_ids))] if completion_ids else [query]
+    moved = 0
+    for q in batches:
+        found = conn.execute(q).all()
+        if not found:
+            continue
+        rows = [event_row(decode(FeedbackEvent, payload), now) for _, payload in found]
+        inserted = insert_new(conn, db.events, rows, returning=db.events.c.completion_id)
+        _requeue_rewarded(conn, inserted, now=now)
+        for part in _chunks([i for i, _ in found]):
+            conn.execute(delete(p).where(p.c.id.in_(part)))
+        moved += len(found)
+    return moved
+
+
+def expire_pending(conn: Connection, *, now: datetime, grace_s: float) -> int:
+    """Held events older than the grace period, still without a completion, become dead letters."""
+    p = db.pending_events
+    promote_pending(conn, now=now)  # a completion another sink member wrote meanwhile
+    expired = conn.execute(select(p).where(p.c.held_at < now - timedelta(seconds=grace_s)).order_by(p.c.id).limit(5000)).all()
+    if not expired:
+        return 0
+    rows = [
+        dead_letter_row(
+            Origin(r.kafka_topic, r.kafka_partition, r.kafka_offset, r.completion_id.encode(), r.payload),
+            "unknown_completion",
+            f"no completion record {r.completion_id!r} arrived within {grace_s:g}s",
+            now,
+            completion_id=r.completion_id,
+            event_id=r.event_id,
+        )
+        for r in expired
+    ]
+    n = len(insert_new(conn, db.dead_letters, rows, returning=db.dead_letters.c.id))
+    for part in _chunks([r.id for r in expired]):
+        conn.execute(delete(p).where(p.c.id.in_(part)))
+    return n
+
+
+def compute_due_rewards(conn: Connection, *, now: datetime, feedback_window_s: float, weights: RewardWeights, limit: int = 1000) -> int:
+    """Compute and upsert the reward of every choice whose completion's feedback window has closed."""
+    due_t, comp_t, ch_t, ev_t = db.reward_due, db.completions, db.completion_choices, db.events
+    due = list(conn.execute(select(due_t.c.completion_id).where(due_t.c.due_at <= now).order_by(due_t.c.due_at).limit(limit)).scalars())
+    if not due:
+        return 0
+    window = timedelta(seconds=feedback_window_s)
+    comps = {r.completion_id: r for r in conn.execute(select(comp_t.c.completion_id, comp_t.c.model_version, comp_t.c.created_at).where(comp_t.c.completion_id.in_(due)))}
+    choices = conn.execute(
+        select(ch_t.c.completion_id, ch_t.c.choice_index, ch_t.c.text, ch_t.c.n_chars).where(ch_t.c.completion_id.in_(due))
+    ).all()
+    events: dict[tuple[str, int], list[Event]] = {}
+    for e in conn.execute(
+        select(ev_t.c.completion_id, ev_t.c.choice_index, ev_t.c.type, ev_t.c.select_kind, ev_t.c.accepted_chars, ev_t.c.kept_text, ev_t.c.created_at).where(
+            ev_t.c.completion_id.in_(due)
+        )
+    ):
+        comp = comps.get(e.completion_id)
+        if comp is not None and utc(e.created_at) <= utc(comp.created_at) + window:
+            events.setdefault((e.completion_id, e.choice_index), []).append(Event(e.type, e.select_kind, e.accepted_chars, e.kept_text, utc(e.created_at)))
+    rows = []
+    for ch in choices:
+        value, parts = reward(ChoiceFeedback(ch.n_chars, ch.text, events.get((ch.completion_id, ch.choice_index), ())), weights)
+        rows.append(
+            dict(
+                completion_id=ch.completion_id,
+                choice_index=ch.choice_index,
+                model_version=comps[ch.completion_id].model_version,
+                reward=value,
+                components=parts,
+                outcome=parts["outcome"],
+                computed_at=now,
+            )
+        )
+    if rows:
+        stmt = _insert(conn, db.rewards)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["completion_id", "choice_index"],
+            set_={k: stmt.excluded[k] for k in ("model_version", "reward", "components", "outcome", "computed_at")},
+        )
+        conn.execute(stmt, rows)
+    conn.execute(delete(due_t).where(due_t.c.completion_id.in_(due), due_t.c.due_at <= now))
+    return len(rows)
