@@ -1,8 +1,7 @@
 """The HTTP API: `/v1/completions` (OpenAI and Tabby shapes), `/v1/events`, health, metrics.
 
-`build_app()` makes the FastAPI app; its routes read `app.state.api` (an `ApiState`), which
-the Ray Serve ingress fills with handles to model replicas and unit tests fill with local
-services. Every served completion is recorded to `flywheel.completions`, and every event
+`build_app()` makes the FastAPI app; its routes read an `ApiState`, which the Ray Serve
+ingress installs with handles to model replicas and unit tests set with local services. Every served completion is recorded to `flywheel.completions`, and every event
 to `flywheel.events`, through a buffered producer that never holds up a request.
 """
 
@@ -64,8 +63,21 @@ class ApiState:
     started: float = field(default_factory=time.time)
 
 
+# The Ray Serve ingress builds its own app in its replica process (`serve.ingress(build_app)`)
+# and installs the state here; tests set `app.state.api` on the app they build.
+_installed: ApiState | None = None
+
+
+def install(state: ApiState) -> None:
+    global _installed
+    _installed = state
+
+
 def _state(request: Request) -> ApiState:
-    return request.app.state.api
+    st = getattr(request.app.state, "api", None) or _installed
+    if st is None:
+        raise HTTPException(503, "the API is starting up")
+    return st
 
 
 # --- auth ------------------------------------------------------------------------------------
