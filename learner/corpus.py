@@ -12,7 +12,9 @@ another one across.
 
 Training rows (`TrainingData.batch(step)`) are [B, S+1] token ids built from the train
 files. Each row is one of three kinds:
-  - FIM (`fim_rate`): fill-in-the-middle examples (learner.fim), then a plain window;
+  - FIM (`fim_rate`): fill-in-the-middle examples (learner.fim), then a plain window; in
+    `summary_context_rate` of the Python ones the older part of the prefix is replaced by
+    its summary between the markers, as serving's self-summarization shows long files;
   - summary (`summary_rate`, Python files only): code chunks followed by their structural
     summary (learner.summary), then a plain window;
   - plain: a window of the train token stream (files joined by <|endoftext|>).
@@ -37,7 +39,7 @@ from tokenizers import Tokenizer
 
 from learner.fim import fim_example_ids, fim_header
 from learner.summary import summarize_python, summary_example_ids
-from learner.tokenizer import EOS_ID
+from learner.tokenizer import EOS_ID, SUMMARY_END, SUMMARY_START
 
 LANGUAGES = {
     ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript", ".jsx": "javascript",
@@ -164,10 +166,12 @@ class TrainingData:
         summary_rate: float,
         seed: int,
         stream: torch.Tensor | None = None,
+        summary_context_rate: float = 0.3,
     ):
         self.tok, self.files = tok, list(files)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.fim_rate, self.summary_rate, self.seed = fim_rate, summary_rate, seed
+        self.summary_context_rate = summary_context_rate  # share of Python FIM rows with a summarized prefix
         self.stream = token_stream(tok, files) if stream is None else stream
         if len(self.stream) <= seq_len + 1:
             raise ValueError(f"train split has {len(self.stream)} tokens; it needs more than seq_len + 1 = {seq_len + 1}")
@@ -217,7 +221,10 @@ class TrainingData:
         n = min(len(text) - 1, int(math.exp(rng.uniform(0, math.log(max(2, len(text) // 2))))))
         a = rng.randrange(len(text) - n + 1)
         header = fim_header(language=f.language, path=f.path) if rng.random() < 0.5 else ""
-        ids = fim_example_ids(self.tok, text[:a], text[a : a + n], text[a + n :], header)
+        prefix = text[:a]
+        if f.language == "python" and rng.random() < self.summary_context_rate:
+            prefix = summarized_prefix(prefix, rng)
+        ids = fim_example_ids(self.tok, prefix, text[a : a + n], text[a + n :], header)
         return ids if len(ids) <= self.seq_len + 1 else None
 
     def _summary(self, rng: random.Random) -> list[int] | None:
@@ -230,6 +237,23 @@ class TrainingData:
                 ids = summary_example_ids(self.tok, text, summary)
                 return ids if len(ids) <= self.seq_len + 1 else None
         return None
+
+
+def summarized_prefix(prefix: str, rng: random.Random) -> str:
+    """The prefix with its older lines replaced by their summary between the markers.
+
+    This is how serving shows a long file (serving/prompts.py): older chunks as
+    `<|summary_start|>summary<|summary_end|>`, then the recent code verbatim. Training on it
+    teaches the model to read summaries in place of the code they stand for.
+    """
+    lines = prefix.splitlines(keepends=True)
+    if len(lines) < 4:
+        return prefix
+    k = rng.randint(1, len(lines) // 2)
+    summary = summarize_python("".join(lines[:k]))
+    if not summary:
+        return prefix
+    return f"{SUMMARY_START}{summary}{SUMMARY_END}" + "".join(lines[k:])
 
 
 def _cumsum(xs):
