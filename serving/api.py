@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
+from learner.fim import fim_header
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.replica import GenerateRequest, GenerateResult
@@ -118,9 +119,7 @@ def _to_generate(st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRe
     if isinstance(body, TabbyCompletionRequest):
         seg = body.segments
         prefix, suffix = seg.prefix, seg.suffix or ""
-        from serving.prompts import header_text
-
-        header = header_text(body.language, seg.filepath)
+        header = fim_header(language=body.language, path=seg.filepath)
         temperature = body.temperature if body.temperature is not None else 0.2
         spec = SamplingSpec(n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=("\n\n",))
     else:

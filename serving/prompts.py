@@ -25,17 +25,12 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from learner.fim import fim_prompt_ids
 from learner.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SUMMARY_END, SUMMARY_START
 
 log = logging.getLogger(__name__)
 
 Summarizer = Callable[[str], Awaitable[list[int]]]  # chunk text -> summary token ids
-
-
-def header_text(language: str | None, filepath: str | None) -> str:
-    """A first line naming the file and language, as a comment the model saw in training."""
-    parts = [p for p in (filepath, f"language: {language}" if language else None) if p]
-    return f"# {' | '.join(parts)}\n" if parts else ""
 
 
 @dataclass
@@ -67,6 +62,7 @@ class Prompt:
 
 
 def fim_ids(sp: SpecialIds, header: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
+    """learner.fim's layout over already-encoded parts (the prefix may hold summary blocks)."""
     return [sp.fim_prefix, *header, *prefix, sp.fim_suffix, *suffix, sp.fim_middle]
 
 
@@ -125,24 +121,26 @@ class PromptBuilder:
 
     async def build(self, prefix: str, suffix: str | None, header: str, summarize: Summarizer | None) -> Prompt:
         """A FIM prompt within `budget` tokens (plain left-to-right when `suffix` is None)."""
+        suffix_ids = self.encode(suffix)[: self.budget // 4] if suffix else []  # the code right after the cursor matters most
+        if suffix is not None:
+            kept_suffix = suffix if len(suffix_ids) == len(self.encode(suffix)) else self.tok.decode(suffix_ids)
+            whole = fim_prompt_ids(self.tok, prefix, kept_suffix, header)  # exactly the trained format
+        else:
+            whole = self.encode(header + prefix)
+        if len(whole) <= self.budget:
+            return Prompt(whole)
+
         header_ids = self.encode(header)
-        suffix_ids = self.encode(suffix) if suffix else []
+        room = self.budget - len(header_ids) - len(suffix_ids) - (3 if suffix is not None else 0)
         prefix_ids = self.encode(prefix)
-        overhead = len(header_ids) + (3 if suffix is not None else 0)
-        # The suffix may take at most a quarter of the budget; the code right after the
-        # cursor matters most, so its start is kept.
-        suffix_ids = suffix_ids[: self.budget // 4]
-        room = self.budget - overhead - len(suffix_ids)
 
         def assemble(body: list[int]) -> list[int]:
             return fim_ids(self.sp, header_ids, body, suffix_ids) if suffix is not None else header_ids + body
 
-        if len(prefix_ids) <= room:
-            return Prompt(assemble(prefix_ids))
         if summarize is not None:
             try:
-                body, prompt = await self._summarized(prefix, room, summarize)
-                return Prompt(assemble(body), **prompt)
+                body, stats = await self._summarized(prefix, room, summarize)
+                return Prompt(assemble(body), **stats)
             except Exception as e:  # any summarizer failure degrades to truncation, never fails the request
                 log.warning("self-summarization failed (%s: %s); truncating the prefix instead", type(e).__name__, e)
         kept = prefix_ids[-room:]

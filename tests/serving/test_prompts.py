@@ -2,7 +2,8 @@
 
 import asyncio
 
-from serving.prompts import PromptBuilder, SummaryCache, header_text, split_lines_by_tokens
+from learner.fim import fim_header, fim_prompt_ids
+from serving.prompts import PromptBuilder, SummaryCache, split_lines_by_tokens
 
 LONG = "".join(f"def function_{i}(a, b):\n    return a * {i} + b\n\n" for i in range(200))
 
@@ -17,9 +18,11 @@ def run(coro):
 
 def test_short_prompt_is_plain_fim(tok):
     b = builder(tok)
-    p = run(b.build("x = 1\n", "\ny = 2", header_text("python", "m.py"), None))
+    header = fim_header(language="python", path="m.py")
+    p = run(b.build("x = 1\n", "\ny = 2", header, None))
+    assert p.ids == fim_prompt_ids(tok, "x = 1\n", "\ny = 2", header)  # the format the model was trained on
     text = tok.decode(p.ids, skip_special_tokens=False)
-    assert text == "<|fim_prefix|># m.py | language: python\nx = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
+    assert text == "<|fim_prefix|># python: m.py\nx = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
     assert not p.summary_ids and not p.fallback and p.truncated_tokens == 0
 
 
