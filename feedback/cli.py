@@ -65,6 +65,7 @@ def _logging() -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.ERROR)  # reconnect chatter while a broker restarts
+    logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def cmd_sink(args: argparse.Namespace) -> int:

@@ -55,6 +55,9 @@ class SinkSection(Section):
     """Most messages written in one database transaction."""
     max_batch_wait_s: float = Field(default=0.5, gt=0, le=60)
     """A batch is written when it is full or this long after collecting began."""
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    """A sink that dies without leaving the group loses its partitions after this long (the broker's
+    group.min.session.timeout.ms, 6000 by default, is the floor)."""
     grace_period_s: float = Field(default=600.0, ge=0)
     """How long an event waits for its completion record before it becomes a dead letter."""
     feedback_window_s: float = Field(default=300.0, gt=0)
@@ -111,7 +114,10 @@ def run_sink(
     stats = SinkStats()
     try:
         db.upgrade(engine)
-        consumer = bus.consumer(settings.kafka, cfg.completions_topic, cfg.events_topic, group_id=cfg.group_id, max_poll_records=cfg.batch_size)
+        consumer = bus.consumer(
+            settings.kafka, cfg.completions_topic, cfg.events_topic, group_id=cfg.group_id, max_poll_records=cfg.batch_size,
+            session_timeout_ms=cfg.session_timeout_ms,
+        )
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
