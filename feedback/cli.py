@@ -79,7 +79,7 @@ def cmd_sink(args: argparse.Namespace) -> int:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from feedback.query import QuerySettings, run_query, to_csv, to_json, to_table
+    from feedback.query import QuerySettings, run_query, table_width, to_csv, to_json, to_table
 
     s = QuerySettings.load(args.config, args.overrides)
     result = run_query(s.database_url, args.sql, role=s.query.role, statement_timeout_s=s.query.statement_timeout_s)
@@ -87,8 +87,12 @@ def cmd_query(args: argparse.Namespace) -> int:
         sys.stdout.write(to_csv(result))
     elif args.format == "json":
         sys.stdout.write(to_json(result) + "\n")
-    else:
+    elif console.is_terminal:
         console.print(to_table(result))
+    else:  # piped: no terminal width to respect, so never fold a cell
+        from rich.console import Console
+
+        Console(width=max(80, table_width(result)), highlight=False).print(to_table(result))
     return 0
 
 
@@ -99,6 +103,7 @@ def cmd_retention(args: argparse.Namespace) -> int:
     from feedback.sink import SinkSettings
 
     s = SinkSettings.load(args.config, args.overrides)
+    print_config(s, "flywheel retention")
     days = s.sink.retention_days
     if days == 0:
         console.print("retention is off (sink.retention_days = 0): text is kept")

@@ -189,9 +189,20 @@ def to_json(r: QueryResult) -> str:
 
 
 def to_table(r: QueryResult):
+    """A rich table; cells fold onto more lines rather than hide behind an ellipsis."""
     from rich.table import Table
 
-    t = Table(*r.columns, caption=f"{len(r.rows)} row{'s' if len(r.rows) != 1 else ''}")
+    t = Table(caption=f"{len(r.rows)} row{'s' if len(r.rows) != 1 else ''}")
+    for c in r.columns:
+        t.add_column(c, overflow="fold")
     for row in r.rows:
         t.add_row(*[_cell(v) for v in row])
     return t
+
+
+def table_width(r: QueryResult) -> int:
+    """Characters the table needs to show every cell on one line."""
+    widths = [len(c) for c in r.columns]
+    for row in r.rows:
+        widths = [max(w, len(_cell(v))) for w, v in zip(widths, row)]
+    return sum(widths) + 3 * len(widths) + 1
