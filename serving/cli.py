@@ -17,6 +17,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.set_defaults(fn=cmd_serve)
 
+    from learner.cli import bench_subcommands
+
+    b = bench_subcommands(sub).add_parser(
+        "serve",
+        help="serving overhead: bare vLLM AsyncLLM vs Flywheel over HTTP through Ray Serve",
+        description="Serving overhead: the same model, load and machine, bare vLLM AsyncLLM in-process "
+        "against Flywheel over HTTP through Ray Serve, in one run.",
+    )
+    b.add_argument("--requests", type=int, default=128, help="requests per side (default 128)")
+    b.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    b.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
+    b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(b)
+    b.set_defaults(fn=cmd_bench_serve)
+
 
 def load_settings(args: argparse.Namespace):
     from serving.settings import ServingSettings
@@ -37,13 +52,24 @@ def check_ready(s) -> Path:
             "no editor tokens configured: set serve.auth_tokens_file (one token per line) or "
             "FLYWHEEL_SERVE__AUTH_TOKENS='[\"...\"]' (or serve.allow_anonymous=true for local development)"
         )
-    model_dir = s.serve.model_dir
-    if model_dir is None:
-        raise UserError("no model to serve: set serve.model_dir to an exported model folder (`flywheel pretrain` makes one)")
-    if not (Path(model_dir) / "config.json").is_file():
-        raise UserError(f"serve.model_dir {model_dir} is not an exported model folder (no config.json)")
+    model_dir = resolve_model_dir(s)
     if not port_free(s.serve.host, s.serve.port):
         raise UserError(f"port {s.serve.port} on {s.serve.host} is already in use; choose another with --set serve.port=...")
+    return model_dir
+
+
+def resolve_model_dir(s) -> Path:
+    """`serve.model_dir`, else the cached pretrained base; UserError if there is neither."""
+    model_dir = s.serve.model_dir
+    if model_dir is None:
+        from learner.pretrain import find_base_model
+
+        base = find_base_model(s)
+        if base is None:
+            raise UserError("no model to serve: run `flywheel pretrain` first, or set serve.model_dir to an exported model folder")
+        model_dir = base / "hf"
+    if not (Path(model_dir) / "config.json").is_file():
+        raise UserError(f"serve.model_dir {model_dir} is not an exported model folder (no config.json)")
     return Path(model_dir)
 
 
@@ -63,4 +89,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop.wait()
     console.print("shutting down")
     app.stop()
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
+    from ops import bench_serving
+
+    s = load_settings(args)
+    model_dir = resolve_model_dir(s)
+    print_config(s, "flywheel bench serve")
+    r = bench_serving.run(s, model_dir, n=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens, progress=console.print)
+    t = Table("path", "req/s", "tokens/s", "p50 ms", "p99 ms", "errors", title=f"serving overhead ({r['requests']} requests, concurrency {r['concurrency']}, {r['max_tokens']} tokens)")
+    for side in (r["bare"], r["flywheel"]):
+        t.add_row(side["name"], f"{side['rps']:.1f}", f"{side['tokens_per_s']:.0f}", f"{side['p50_ms']:.0f}", f"{side['p99_ms']:.0f}", str(side["errors"]))
+    console.print(t)
+    console.print(f"throughput ratio Flywheel / bare vLLM: {r['throughput_ratio']:.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(r, indent=2))
     return 0

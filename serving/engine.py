@@ -27,6 +27,8 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
     """Alternatives per position to return (the sampled token's logprob is always returned)."""
+    stream: bool = True
+    """Yield as tokens arrive; False yields once, when the request finishes (less per-token work)."""
 
 
 @dataclass
@@ -73,6 +75,7 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             n=spec.n,
@@ -84,6 +87,7 @@ class VLLMEngine:
             stop_token_ids=list(spec.stop_token_ids) or None,
             logprobs=spec.top_logprobs,  # 0: just the sampled token's logprob
             skip_special_tokens=True,
+            output_kind=RequestOutputKind.CUMULATIVE if spec.stream else RequestOutputKind.FINAL_ONLY,
         )
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
             yield [_sample(c, spec.top_logprobs) for c in out.outputs]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from learner.fim import fim_prompt_ids
-from learner.tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SUMMARY_END, SUMMARY_START
+from learner.tokenizer import EOS_ID, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SUMMARY_END, SUMMARY_START
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class PromptBuilder:
             kept_suffix = suffix if len(suffix_ids) == len(self.encode(suffix)) else self.tok.decode(suffix_ids)
             whole = fim_prompt_ids(self.tok, prefix, kept_suffix, header)  # exactly the trained format
         else:
-            whole = self.encode(header + prefix)
+            # An empty plain prompt starts a document: <|endoftext|> doubles as BOS (learner.model).
+            whole = self.encode(header + prefix) or [EOS_ID]
         if len(whole) <= self.budget:
             return Prompt(whole)
 

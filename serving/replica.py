@@ -6,6 +6,7 @@ Serve (`ModelReplica` below), in a benchmark, or in a unit test with a fake engi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -70,7 +71,7 @@ class CompletionService:
         prompt = await self.prompts.build(req.prefix, req.suffix, req.header, self.summarize)
         spec = req.spec
         if req.suffix is not None:  # the middle ends where the model says end-of-text
-            spec = SamplingSpec(**{**spec.__dict__, "stop_token_ids": (*spec.stop_token_ids, EOS_ID)})
+            spec = dataclasses.replace(spec, stop_token_ids=(*spec.stop_token_ids, EOS_ID))
         samples: list[Sample] = []
         async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
             yield self._result(req, prompt, samples, t0, done=False)
@@ -78,7 +79,7 @@ class CompletionService:
 
     async def complete(self, req: GenerateRequest) -> GenerateResult:
         result = None
-        async for result in self.stream(req):
+        async for result in self.stream(dataclasses.replace(req, spec=dataclasses.replace(req.spec, stream=False))):
             pass
         assert result is not None
         return result

@@ -66,3 +66,9 @@ def test_no_summarizer_truncates_without_counting_a_fallback(tok):
 def test_split_lines_by_tokens():
     assert split_lines_by_tokens(["a", "b", "c", "d"], [3, 3, 3, 3], 6) == [(0, 2), (2, 4)]
     assert split_lines_by_tokens(["a"], [10], 6) == [(0, 1)]
+
+
+def test_empty_plain_prompt_starts_a_document(tok):
+    from learner.tokenizer import EOS_ID
+
+    assert run(builder(tok).build("", None, "", None)).ids == [EOS_ID]

@@ -1,0 +1,136 @@
+"""Serving overhead: bare vLLM AsyncLLM in-process against Flywheel over HTTP via Ray Serve.
+
+Same model, same prompts, same sampling, same concurrency, same machine, one run. The
+baseline calls the engine directly; Flywheel's path adds HTTP, the FastAPI ingress, a
+Ray Serve handle hop to the replica, prompt building, and the completion record to Kafka.
+The baseline runs first and its engine is shut down before Flywheel starts, so the two
+never share the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from serving.engine import SamplingSpec
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):\n    ",
+    "class Config:\n    def __init__(self, path):\n        self.path = path\n\n    def load(self):\n        ",
+    "def read_lines(path):\n    with open(path) as f:\n        ",
+    "for key, value in sorted(items.items()):\n    ",
+]
+
+
+@dataclass
+class Side:
+    name: str
+    requests: int
+    seconds: float
+    completion_tokens: int
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int, int]:
+    sem = asyncio.Semaphore(concurrency)
+    lat, tokens, errors = [], 0, 0
+
+    async def task(i: int):
+        nonlocal tokens, errors
+        async with sem:
+            t0 = time.perf_counter()
+            try:
+                tokens += await one(PROMPTS[i % len(PROMPTS)])
+            except Exception:  # counted, not fatal: the benchmark reports failures
+                errors += 1
+            lat.append((time.perf_counter() - t0) * 1000)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(task(i) for i in range(n)))
+    return time.perf_counter() - t0, lat, tokens, errors
+
+
+async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tokens: int) -> Side:
+    from learner.tokenizer import load_tokenizer
+    from serving.engine import VLLMEngine
+
+    tok = load_tokenizer(model_dir)
+    engine = VLLMEngine(model_dir, settings.serve.engine)
+    spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0)
+
+    async def one(prompt: str) -> int:
+        final = []
+        async for final in engine.generate(tok.encode(prompt).ids, spec, uuid.uuid4().hex):
+            pass
+        return len(final[0].token_ids)
+
+    try:
+        await _drive(concurrency, concurrency, one)  # warm-up
+        secs, lat, tokens, errors = await _drive(n, concurrency, one)
+    finally:
+        engine.shutdown()
+    return Side("bare vLLM AsyncLLM (in-process)", n, secs, tokens, statistics.median(lat), _percentile(lat, 0.99), errors)
+
+
+async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_tokens: int) -> Side:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
+
+        async def one(prompt: str) -> int:
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        await _drive(concurrency, concurrency, one)
+        secs, lat, tokens, errors = await _drive(n, concurrency, one)
+    return Side("Flywheel: HTTP -> Ray Serve -> vLLM (+ Kafka record)", n, secs, tokens, statistics.median(lat), _percentile(lat, 0.99), errors)
+
+
+def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int, progress) -> dict:
+    import secrets
+
+    from serving import app
+
+    progress(f"baseline: bare AsyncLLM, {n} requests x {max_tokens} tokens, concurrency {concurrency}")
+    bare = asyncio.run(bare_vllm(model_dir, settings, n, concurrency, max_tokens))
+    progress(f"baseline: {bare.rps:.1f} req/s, p50 {bare.p50_ms:.0f} ms, p99 {bare.p99_ms:.0f} ms")
+    token = secrets.token_urlsafe(16)
+    from pydantic import SecretStr
+
+    s = settings.model_copy(update={"serve": settings.serve.model_copy(update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir})})
+    progress("Flywheel: starting Ray Serve with one vLLM replica")
+    url = app.start(s, model_dir, s.serve.model_version, progress)
+    try:
+        progress(f"Flywheel: {n} requests over HTTP")
+        fly = asyncio.run(flywheel_http(url, token, n, concurrency, max_tokens))
+    finally:
+        app.stop()
+    return {
+        "model_dir": str(model_dir),
+        "requests": n,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "bare": asdict(bare) | {"rps": bare.rps, "tokens_per_s": bare.tokens_per_s},
+        "flywheel": asdict(fly) | {"rps": fly.rps, "tokens_per_s": fly.tokens_per_s},
+        "throughput_ratio": fly.rps / bare.rps,
+    }
