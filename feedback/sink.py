@@ -1,7 +1,7 @@
 """`flywheel sink`: Kafka completions and events into SQL, each row exactly once.
 
 A consumer-group member reads `flywheel.completions` and `flywheel.events`, collects a batch
-(up to `batch_size` messages or `max_batch_wait_s`), writes it in one database transaction
+(up to `batch_size` messages, until it has caught up, or `max_batch_wait_s`), writes it in one database transaction
 (feedback/ingest.py: idempotent inserts), and only then commits the batch's offsets. A crash
 between the two commits replays the batch, which the unique keys absorb: at-least-once
 delivery plus idempotent writes gives exactly-once rows. Several sinks in one group split
@@ -54,7 +54,7 @@ class SinkSection(Section):
     batch_size: int = Field(default=1000, ge=1, le=100_000)
     """Most messages written in one database transaction."""
     max_batch_wait_s: float = Field(default=0.5, gt=0, le=60)
-    """A batch is written when it is full or this long after collecting began."""
+    """A batch is written when it is full, when the consumer has nothing more buffered, or this long after collecting began."""
     session_timeout_ms: int = Field(default=10_000, ge=1_000)
     """A sink that dies without leaving the group loses its partitions after this long (the broker's
     group.min.session.timeout.ms, 6000 by default, is the floor)."""
@@ -167,15 +167,23 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
 
 
 def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event) -> list:
+    """Up to `batch_size` records: once some arrived, stop at the first poll that finds no more.
+
+    Under light load a batch is written as soon as the consumer has caught up (low lag);
+    under heavy load polls keep returning records and batches fill up (high throughput).
+    """
     records: list = []
     deadline = time.monotonic() + max_wait_s
     while len(records) < batch_size and not stop.is_set():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        polled = consumer.poll(timeout_ms=max(1, int(remaining * 1000)), max_records=batch_size - len(records))
-        for part in polled.values():
-            records.extend(part)
+        timeout_ms = 0 if records else max(1, int(remaining * 1000))
+        polled = consumer.poll(timeout_ms=timeout_ms, max_records=batch_size - len(records))
+        got = [r for part in polled.values() for r in part]
+        if records and not got:
+            break
+        records.extend(got)
     return records
 
 
