@@ -1,0 +1,187 @@
+"""Simulated editor sessions: real held-out code files replayed as an editor would.
+
+Each simulated user opens a held-out file, places the cursor at a line in it, and asks for
+a completion with the code before the cursor as prefix and the code after the line as
+suffix. The true continuation is the rest of that line (and the next lines). The user
+reports `view`, then accepts when the suggestion matches the truth (fully, or partly by
+line or by word) and dismisses otherwise; a few seconds later it sends `edit` with the
+text it kept. Empty suggestions are not shown, so they get no event.
+
+`judge()` is pure: the learner's held-out replay uses it with the model directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from learner.corpus import SourceFile
+
+_WORD = re.compile(r"\s*(?:\w+|[^\w\s])")  # a word: an identifier or one punctuation mark
+
+
+@dataclass(frozen=True)
+class Site:
+    """One cursor position in a file: what the editor sends, and what the user would type."""
+
+    path: str
+    language: str | None
+    prefix: str
+    suffix: str
+    truth: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the simulated user does with a suggestion."""
+
+    type: str  # select | dismiss | none (nothing shown)
+    select_kind: str | None = None
+    accepted_chars: int = 0
+    kept_text: str | None = None
+
+
+def cursor_sites(files: Sequence[SourceFile], n: int, rng: random.Random, *, min_chars: int = 4) -> list[Site]:
+    """n cursor positions: inside a non-trivial line, after its leading indentation and a few characters."""
+    sites: list[Site] = []
+    candidates = [f for f in files if f.text.count("\n") > 5]
+    attempts = 0
+    while len(sites) < n and candidates and attempts < n * 50:
+        attempts += 1
+        f = rng.choice(candidates)
+        lines = f.text.splitlines(keepends=True)
+        i = rng.randrange(1, len(lines))
+        line = lines[i]
+        body = line.strip()
+        if len(body) < min_chars + 4 or body.startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        cut = indent + rng.randint(min_chars // 2, max(min_chars // 2, len(body) // 2))
+        prefix = "".join(lines[:i]) + line[:cut]
+        truth = line[cut:].rstrip("\n")
+        suffix = "\n" + "".join(lines[i + 1 :])
+        sites.append(Site(f.path, f.language, prefix, suffix, truth))
+    return sites
+
+
+def judge(suggestion: str, truth: str) -> Verdict:
+    """Accept what matches the true continuation: all of it, its first line, or its first words."""
+    if not suggestion:
+        return Verdict("none")
+    first_line = suggestion.split("\n", 1)[0]
+    if truth.startswith(first_line) and first_line == suggestion:
+        return Verdict("select", "full", len(suggestion), suggestion)
+    if first_line and truth.startswith(first_line):
+        return Verdict("select", "line", len(first_line), first_line)
+    kept = ""
+    for m in _WORD.finditer(suggestion):
+        if not truth.startswith(kept + m.group()):
+            break
+        kept += m.group()
+    if kept.strip():
+        return Verdict("select", "word", len(kept), kept)
+    return Verdict("dismiss")
+
+
+@dataclass
+class SimStats:
+    requests: int = 0
+    errors: int = 0
+    shown: int = 0
+    accepted: int = 0
+    accepted_chars: int = 0
+    events: int = 0
+    by_version: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.shown if self.shown else 0.0
+
+    @property
+    def suggestion_rate(self) -> float:
+        return self.shown / self.requests if self.requests else 0.0
+
+
+async def run_sessions(
+    url: str,
+    token: str,
+    sites: Sequence[Site],
+    *,
+    users: int = 4,
+    rate: float = 4.0,
+    edit_delay_s: float = 2.0,
+    max_tokens: int = 32,
+    seed: int = 0,
+    progress=lambda stats: None,
+) -> SimStats:
+    """Replay `sites` as `users` editors at about `rate` requests/s in all, over the real HTTP API."""
+    import httpx
+
+    stats = SimStats()
+    rng = random.Random(seed)
+    pending_edits: list[asyncio.Task] = []
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
+
+        async def event(body: dict, query: str = "") -> None:
+            r = await client.post(f"/v1/events{query}", json=body)
+            if r.status_code == 200:
+                stats.events += 1
+            else:
+                stats.errors += 1
+
+        async def later_edit(body: dict) -> None:
+            await asyncio.sleep(edit_delay_s)
+            await event(body)
+
+        async def one(site: Site, user: str) -> None:
+            stats.requests += 1
+            req = {
+                "language": site.language,
+                "segments": {"prefix": site.prefix, "suffix": site.suffix, "filepath": site.path},
+                "user": user,
+                "seed": rng.randrange(2**31),
+            }
+            t0 = time.perf_counter()
+            r = await client.post("/v1/completions", json=req)
+            if r.status_code != 200:
+                stats.errors += 1
+                return
+            body = r.json()
+            cid, text = body["id"], body["choices"][0]["text"]
+            version = body.get("system_fingerprint") or "?"
+            per = stats.by_version.setdefault(version, {"requests": 0, "shown": 0, "accepted": 0, "accepted_chars": 0})
+            per["requests"] += 1
+            verdict = judge(text, site.truth)
+            if verdict.type == "none":
+                return
+            stats.shown += 1
+            per["shown"] += 1
+            elapsed = int((time.perf_counter() - t0) * 1000)
+            await event({"type": "view", "completion_id": cid, "choice_index": 0, "view_id": uuid.uuid4().hex, "elapsed": elapsed})
+            if verdict.type == "select":
+                stats.accepted += 1
+                stats.accepted_chars += verdict.accepted_chars
+                per["accepted"] += 1
+                per["accepted_chars"] += verdict.accepted_chars
+                await event({"type": "select", "completion_id": cid, "choice_index": 0, "accepted_chars": verdict.accepted_chars}, f"?select_kind={verdict.select_kind}")
+                pending_edits.append(asyncio.create_task(later_edit({"type": "edit", "completion_id": cid, "kept_text": verdict.kept_text})))
+            else:
+                await event({"type": "dismiss", "completion_id": cid, "choice_index": 0})
+            progress(stats)
+
+        sem = asyncio.Semaphore(users)
+        interval = 1.0 / rate if rate > 0 else 0.0
+
+        async def paced(i: int, site: Site) -> None:
+            await asyncio.sleep(i * interval)
+            async with sem:
+                await one(site, f"sim-user-{i % max(1, users * 4)}")
+
+        await asyncio.gather(*(paced(i, s) for i, s in enumerate(sites)))
+        await asyncio.gather(*pending_edits)
+    return stats
