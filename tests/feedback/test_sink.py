@@ -171,3 +171,47 @@ def test_killed_sink_restarts_without_loss_or_duplicates(kafka_settings, tmp_pat
         produced = len(comps) + len(events) + len(events[::4])
         assert sum(o.offset for o in committed.values()) == produced  # a graceful stop commits its last batch
         engine.dispose()
+
+
+def test_broker_restart_mid_stream_loses_nothing(tmp_path):
+    """A broker of its own, stopped and started again under a running sink and producer."""
+    from feedback import bus
+    from feedback.producer import BufferedProducer
+    from ops import kafka_broker
+    from tests.helpers import free_port, make_settings
+
+    s = make_settings(tmp_path, kafka={"port": free_port(), "controller_port": free_port()})
+    url = f"sqlite:///{tmp_path / 'restart.db'}"
+    comps = [completion(f"r-c{i}") for i in range(100)]
+    events = [e for c in comps for e in events_for(c.completion_id, "view", "select", "dismiss")]
+    half = len(events) // 2
+    kafka_broker.start(s, progress=lambda m: None)
+    producer = None
+    try:
+        bus.wait_until_ready(s.kafka, 90)
+        bus.ensure_topics(s.kafka)
+        settings = sink_settings(s, url, (bus.COMPLETIONS, bus.EVENTS))
+        engine = db.make_engine(url)
+        db.upgrade(engine)
+        producer = BufferedProducer(s.kafka, retry_backoff_s=0.2)
+        with running_sink(settings):
+            for c in comps:
+                producer.send(bus.COMPLETIONS, c)
+            for e in events[:half]:
+                producer.send(bus.EVENTS, e)
+            wait_until(lambda: count(engine, "events") >= half // 2, 60, "rows before the restart")
+            kafka_broker.stop(s)
+            for e in events[half:]:  # the broker is down: the producer buffers them
+                producer.send(bus.EVENTS, e)
+            kafka_broker.start(s, progress=lambda m: None)
+            bus.wait_until_ready(s.kafka, 90)
+            wait_until(lambda: count(engine, "events") == len(events), 120, "every event after the restart")
+        with engine.connect() as conn:
+            ids = list(conn.execute(select(db.events.c.event_id)).scalars())
+        assert sorted(ids) == sorted(str(e.event_id) for e in events)
+        assert count(engine, "completions") == len(comps) and count(engine, "dead_letters") == 0
+        engine.dispose()
+    finally:
+        if producer is not None:
+            producer.close(timeout_s=2)
+        kafka_broker.stop(s)
