@@ -4,6 +4,11 @@ The schema follows DESIGN.md's contracts. Unique keys carry idempotency: `comple
 `(completion_id, choice_index)`, `event_id`, `version`. Events have no foreign key to
 completions on purpose: an event may arrive before its completion record.
 
+The sink keeps its bookkeeping here too: `pending_events` (events waiting for their
+completion), `dead_letters` (what could not be stored, with its Kafka coordinates; unique
+on them, so a replay adds nothing) and `reward_due` (rewards to compute when a feedback
+window closes). Analyst views (`v_*`) are created by migration 0002.
+
 Alembic owns the schema (`feedback/migrations`); `upgrade()` runs it. The tables below are
 the single description both the migrations and the code read.
 """

@@ -10,7 +10,9 @@ Outcomes, in order of precedence (the first that applies decides):
      reward = accepted * similarity(suggested, kept), where similarity is difflib's
      `SequenceMatcher(None, suggested, kept, autojunk=False).ratio()`: 2*M / (len(a)+len(b)),
      M the characters of the matching blocks. Kept verbatim: 1.0; all deleted: 0.0. The last
-     `edit` (by created_at) wins: it is the latest view of what survived.
+     `edit` (by created_at) wins: it is the latest view of what survived. The kept text is
+     compared with the whole suggestion, also after a partial accept. When retention has
+     dropped either text, the edit scores as a select: its selects, or a full accept.
   3. `select`: accepted. reward = accepted * fraction, fraction = min(1, accepted chars /
      n_chars). A `full` select accepts the whole suggestion (its `accepted_chars`, else
      `n_chars`); `line` / `word` selects add their `accepted_chars` (several partial accepts
@@ -100,13 +102,14 @@ def reward(choice: ChoiceFeedback, weights: RewardWeights | None = None) -> tupl
         return w.no_suggestion, {"outcome": "no_suggestion", "n_events": n_events}
 
     if edits := by_type.get("edit"):
-        if choice.text is not None:
-            last = max(edits, key=lambda e: (e.created_at is not None, e.created_at or 0))
-            sim = similarity(choice.text, last.kept_text or "")
+        last = max(edits, key=lambda e: (e.created_at is not None, e.created_at or 0))
+        if choice.text is not None and last.kept_text is not None:
+            sim = similarity(choice.text, last.kept_text)
             scale = sim if sim >= w.min_similarity else 0.0
             return w.accepted * scale, {"outcome": "edit", "similarity": round(sim, 6), "n_events": n_events}
         # Text already dropped by retention: the edit still proves an accept.
 
+    # An edit that fell through (texts dropped) without any select counts as a full accept.
     if selects := by_type.get("select") or by_type.get("edit"):
         chars, unknown = 0, 0
         for e in selects:

@@ -307,7 +307,7 @@ def _lag(consumer) -> int | None:
         for tp in consumer.assignment():
             high = consumer.highwater(tp)
             if high is not None:
-                total += max(0, high - consumer.position(tp))
+                total += max(0, high - consumer.position(tp, timeout_ms=200))
     except Exception:  # a rebalance in progress: report no number rather than a wrong one
         return None
     LAG.set(total)

@@ -162,3 +162,18 @@ def test_an_unreachable_database_keeps_the_batch_and_retries():
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     assert _write_until_done(engine, Batch(completions=[Offsets()(completion("x"))]), s, stop) is None
+
+
+def test_sink_settings_from_toml_env_and_overrides(tmp_path, monkeypatch):
+    from ops.errors import UserError
+
+    f = tmp_path / "flywheel.toml"
+    f.write_text('[sink]\nbatch_size = 200\nfeedback_window_s = 120\n[sink.reward]\naccepted = 1.0\n[serve]\nwhatever = 1\n')
+    monkeypatch.setenv("FLYWHEEL_SINK__GRACE_PERIOD_S", "30")
+    s = SinkSettings.load(f, ["sink.retention_days=7"])
+    assert (s.sink.batch_size, s.sink.feedback_window_s, s.sink.reward.accepted, s.sink.reward.dismissed) == (200, 120, 1.0, -0.25)
+    assert (s.sink.grace_period_s, s.sink.retention_days) == (30, 7)
+    with pytest.raises(UserError, match="sink.batch_size"):
+        SinkSettings.load(f, ["sink.batch_size=0"])
+    with pytest.raises(UserError, match="sink.reward.acepted"):
+        SinkSettings.load(f, ["sink.reward.acepted=1"])  # a typo is an error, not ignored

@@ -40,6 +40,7 @@ CASES = [
     ("edit beats dismiss", [DISMISS, ev("edit", kept_text=TEXT)], TEXT, 11, None, 0.75, "edit"),
     ("last edit wins", [ev("edit", kept_text=TEXT, at=9), ev("edit", kept_text="", at=3)], TEXT, 11, None, 0.75, "edit"),
     ("edit after retention: counts as accept", [ev("edit", kept_text="x")], None, 11, None, 0.75, "select"),
+    ("edit whose kept text was dropped: its select", [ev("select", "word", 5), ev("edit")], TEXT, 11, None, 0.75 * 5 / 11, "select"),
     ("custom dismiss weight", [DISMISS], TEXT, 11, RewardWeights(dismissed=-1.0), -1.0, "dismiss"),
     ("custom accept weight, partial", [ev("select", "word", 5)], TEXT, 11, RewardWeights(accepted=1.0), 5 / 11, "select"),
     ("edit below min_similarity", [ev("edit", kept_text="hello there")], TEXT, 11, RewardWeights(min_similarity=0.7), 0.0, "edit"),
