@@ -74,7 +74,7 @@ def cmd_sink(args: argparse.Namespace) -> int:
     s = SinkSettings.load(args.config, args.overrides)
     print_config(s, "flywheel sink")
     _logging()
-    run_sink(s, progress=lambda msg: console.print(msg, markup=False, highlight=False), handle_signals=True)
+    run_sink(s, progress=lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True), handle_signals=True)
     return 0
 
 
@@ -124,7 +124,7 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
     s = SinkSettings.load(args.config, args.overrides)
     print_config(s, "flywheel bench ingest")
     _logging()
-    result = run_ingest_bench(s, n_events=args.events, database_url=args.database, progress=lambda m: console.print(m, markup=False))
+    result = run_ingest_bench(s, n_events=args.events, database_url=args.database, progress=lambda m: console.print(m, markup=False, soft_wrap=True))
     print_result(result, console)
     if args.out:
         import json

@@ -31,6 +31,7 @@ from feedback import db, ingest
 from feedback.ingest import Batch, Counts
 from feedback.reward import RewardWeights
 from ops.config import FlywheelSettings, Section
+from ops.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ def run_sink(
     handle_signals: bool = False,
 ) -> SinkStats:
     """Consume until `stop` is set (or SIGTERM/SIGINT with `handle_signals`); return what was written."""
-    from feedback import bus
-
     cfg = settings.sink
     stop = stop or threading.Event()
     restore = _install_signal_handlers(stop) if handle_signals else None
@@ -114,10 +113,7 @@ def run_sink(
     stats = SinkStats()
     try:
         db.upgrade(engine)
-        consumer = bus.consumer(
-            settings.kafka, cfg.completions_topic, cfg.events_topic, group_id=cfg.group_id, max_poll_records=cfg.batch_size,
-            session_timeout_ms=cfg.session_timeout_ms,
-        )
+        consumer = _consumer(settings)
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
@@ -132,6 +128,21 @@ def run_sink(
             restore()
     progress(f"sink: stopped after {stats.messages} messages; {_summary(stats)}")
     return stats
+
+
+def _consumer(settings: SinkSettings):
+    from kafka.errors import KafkaError
+
+    from feedback import bus
+
+    cfg = settings.sink
+    try:
+        return bus.consumer(
+            settings.kafka, cfg.completions_topic, cfg.events_topic, group_id=cfg.group_id, max_poll_records=cfg.batch_size,
+            session_timeout_ms=cfg.session_timeout_ms,
+        )
+    except KafkaError as e:
+        raise UserError(f"Kafka at {settings.kafka.bootstrap} is unreachable ({type(e).__name__}); is `flywheel up` running?") from None
 
 
 def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats: SinkStats, progress) -> None:
