@@ -107,9 +107,40 @@ def cmd_db(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ops import demo
 
-    s = _stack_settings(args)
+    s = demo.DemoSettings.load(args.config, args.overrides)
     print_config(s, "flywheel demo")
     return demo.run(s, console)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import asyncio
+    import random
+
+    from learner.corpus import load_corpus
+    from ops.simulate import SimulateSettings, cursor_sites, run_sessions
+
+    s = SimulateSettings.load(args.config, args.overrides)
+    print_config(s, "flywheel simulate")
+    sim = s.simulate
+    url, token = s.target()
+    if not token:
+        raise UserError("no editor token: set simulate.token, or serve.auth_tokens / serve.auth_tokens_file")
+    try:
+        corpus = load_corpus(sim.corpus)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    sites = cursor_sites(corpus.heldout, sim.requests, random.Random(sim.seed))
+    update, status = progress_line()
+    with status:
+        stats = asyncio.run(
+            run_sessions(url, token, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s, max_tokens=sim.max_tokens, seed=sim.seed,
+                         progress=lambda st: update(f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, {st.errors} errors"))
+        )
+    console.print(
+        f"{stats.requests} requests: suggestion rate {stats.suggestion_rate:.1%}, accept rate {stats.accept_rate:.1%}, "
+        f"{stats.accepted_chars} accepted characters, {stats.events} events, {stats.errors} errors"
+    )
+    return 0 if stats.errors == 0 else 1
 
 
 def build_parser() -> Parser:
@@ -121,6 +152,7 @@ def build_parser() -> Parser:
         ("down", cmd_down, "stop what `up` started (data is kept)"),
         ("status", cmd_status, "show the health of Kafka, its topics and the database"),
         ("demo", cmd_demo, "run the main job end to end"),
+        ("simulate", cmd_simulate, "replay held-out code files as editor sessions against the API"),
     ]:
         sp = sub.add_parser(name, help=help_, description=help_)
         add_config_args(sp)

@@ -72,6 +72,10 @@ class CompletionService:
         spec = req.spec
         if req.suffix is not None:  # the middle ends where the model says end-of-text
             spec = dataclasses.replace(spec, stop_token_ids=(*spec.stop_token_ids, EOS_ID))
+        # Generation ends at the context window; vLLM refuses a request that asks for more.
+        room = self.cfg.engine.max_model_len - len(prompt.ids)
+        if spec.max_tokens > room:
+            spec = dataclasses.replace(spec, max_tokens=max(1, room))
         samples: list[Sample] = []
         async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
             yield self._result(req, prompt, samples, t0, done=False)
@@ -101,7 +105,10 @@ class CompletionService:
 
 
 def load_service(model_dir: Path, cfg: ServeSettings, version: int) -> CompletionService:
+    import json
+
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
 
+    cfg = cfg.fitted_to(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
     return CompletionService(VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), cfg, version)

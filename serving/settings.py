@@ -83,6 +83,17 @@ class ServeSettings(Section):
             raise ValueError(f"serve.context_budget ({self.context_budget}) must leave room in engine.max_model_len ({self.engine.max_model_len})")
         return self
 
+    def fitted_to(self, model_max_len: int) -> ServeSettings:
+        """These settings within a model's context window (its max_position_embeddings): the
+        engine allocates no more than the model can attend to, and a quarter of the window is
+        kept for the completion."""
+        max_len = min(self.engine.max_model_len, model_max_len)
+        budget = min(self.context_budget, max_len * 3 // 4)
+        chunk = min(self.summary_chunk_tokens, max(16, budget // 2))
+        return self.model_copy(
+            update={"engine": self.engine.model_copy(update={"max_model_len": max_len}), "context_budget": budget, "summary_chunk_tokens": chunk}
+        )
+
     def editor_tokens(self) -> set[str]:
         tokens = {t.get_secret_value() for t in self.auth_tokens if t.get_secret_value()}
         if self.auth_tokens_file is not None:
