@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 from ops.console import add_config_args, console, print_config
 
@@ -72,5 +74,5 @@ def cmd_bench_fp4(args: argparse.Namespace) -> int:
     print_config(s, "flywheel bench fp4")
     from learner.bench_fp4 import run_bench
 
-    run_bench(s, console, steps=args.steps, out=args.out)
+    run_bench(s, console, steps=args.steps, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))
     return 0

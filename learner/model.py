@@ -24,6 +24,11 @@ indices, so the router keeps its gradient (as in R3 / Megatron's RouterReplay).
 
 FP4 hook: `fp4(param_name, weight) -> weight` is applied to every matrix weight at use
 time (embedding, projections, router, experts, lm_head); the callable decides by name.
+
+Load balancing: pass a list as `balance_losses=` and each MoE layer appends its
+Switch-Transformer auxiliary loss E * sum_e f_e * P_e (f_e: share of the layer's expert
+slots routed to e, P_e: mean router probability of e; 1.0 when perfectly balanced). Without
+it a small MoE trained from scratch routes most tokens to a few experts.
 """
 
 from collections.abc import Callable
@@ -228,7 +233,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_dim) for _ in range(args.n_experts))
 
-    def forward(self, x_TD: torch.Tensor, fp4: WeightHook | None, forced_TK: torch.Tensor | None = None):
+    def forward(self, x_TD: torch.Tensor, fp4: WeightHook | None, forced_TK: torch.Tensor | None = None, balance_losses: list | None = None):
         """Returns (out_TD, idx_TK): the mixed expert outputs and the experts chosen."""
         logits_TE = F.linear(x_TD, _w(self.gate, fp4))
         probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float)
@@ -238,6 +243,10 @@ class MoE(nn.Module):
             idx_TK = forced_TK
             w_TK = probs_TE.gather(-1, idx_TK)  # differentiable: the router still learns
         w_TK = (w_TK / w_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+        if balance_losses is not None:
+            E = probs_TE.shape[-1]
+            f_E = torch.bincount(idx_TK.flatten(), minlength=E).float() / idx_TK.numel()
+            balance_losses.append(E * (f_E * probs_TE.mean(0)).sum())
 
         out_TD = torch.zeros_like(x_TD)
         for e, expert in enumerate(self.experts):
@@ -257,11 +266,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args)
 
-    def forward(self, x, cos, sin, fp4, forced_BSK):
+    def forward(self, x, cos, sin, fp4, forced_BSK, balance_losses=None):
         B, S, D = x.shape
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, fp4)
         forced_TK = None if forced_BSK is None else forced_BSK.reshape(B * S, -1)
-        h_TD, idx_TK = self.mlp(self.post_attention_layernorm(x).reshape(B * S, D), fp4, forced_TK)
+        h_TD, idx_TK = self.mlp(self.post_attention_layernorm(x).reshape(B * S, D), fp4, forced_TK, balance_losses)
         return x + h_TD.view(B, S, D), idx_TK.view(B, S, -1)
 
 
@@ -302,9 +311,11 @@ class Transformer(nn.Module):
         routing: list[torch.Tensor] | None = None,
         return_routing: bool = False,
         fp4: WeightHook | None = None,
+        balance_losses: list[torch.Tensor] | None = None,
     ):
         """input_ids [B, S] -> logits [B, S, V], plus the routing ([B, S, K] per layer)
-        when `return_routing` is set. `routing` forces the experts chosen in each layer."""
+        when `return_routing` is set. `routing` forces the experts chosen in each layer;
+        `balance_losses`, a list, receives each layer's load-balancing loss."""
         B, S = input_ids.shape
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence of {S} tokens is longer than max_seq_len={self.args.max_seq_len}")
@@ -314,7 +325,7 @@ class Transformer(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         chosen = []
         for i, layer in enumerate(self.model.layers):
-            x, idx_BSK = layer(x, cos, sin, fp4, None if routing is None else routing[i])
+            x, idx_BSK = layer(x, cos, sin, fp4, None if routing is None else routing[i], balance_losses)
             chosen.append(idx_BSK.detach())
         logits = F.linear(self.model.norm(x), _w(self.lm_head, fp4))  # [B, S, V]
         return (logits, chosen) if return_routing else logits

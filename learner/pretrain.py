@@ -7,7 +7,8 @@ Each step (see `train_step`):
   2. the FP4 forward fake-quantizes the FP4 targets (expert weights, straight-through
      estimator) and replays that routing, so FP4 noise cannot flip expert choices while the
      router still gets its gradient from the gate weights at the replayed experts;
-  3. AdamW on fp32 master weights, gradient clipping, warmup then cosine decay.
+  3. AdamW on fp32 master weights on the next-token loss plus the MoE load-balancing loss,
+     gradient clipping, warmup then cosine decay.
 
 Run folder `<cache_dir>/base/<size>/<key>/`, key = sha256 of the corpus contents, the model
 size and every setting that changes the model (pretrain_settings.NOT_IN_CACHE_KEY lists the
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 from tokenizers import Tokenizer
 
 from learner import fp4 as fp4_codec
@@ -130,9 +132,12 @@ def train_step(
         if hook is not None and cfg.router_replay:
             with torch.no_grad():
                 _, routing = model(x, return_routing=True)
-        logits = model(x, routing=routing, fp4=hook)
+        balance: list[torch.Tensor] = []
+        logits = model(x, routing=routing, fp4=hook, balance_losses=balance)
         loss, metrics = lm_loss(logits, y)
-    loss.backward()
+        balance_loss = torch.stack(balance).mean()
+    (loss + cfg.balance_coef * balance_loss).backward()
+    metrics["balance_loss"] = balance_loss.item()
     metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -283,7 +288,8 @@ def train(
 
     hook = fp4_hook(cfg.fp4)
     _train_loop(model, opt, data, periodic, hook, cfg, state, folder, console, on_step)
-    return _finish(model, args, tok, data, windows, cfg, state, folder, console, time.perf_counter() - t_start)
+    prompts = completion_prompts(corpus.heldout, 1)
+    return _finish(model, args, tok, data, windows, prompts, cfg, state, folder, console, time.perf_counter() - t_start)
 
 
 def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Path, console: Console, on_step) -> None:
@@ -310,6 +316,8 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
             ema_loss = m["loss"] if ema_loss is None else 0.95 * ema_loss + 0.05 * m["loss"]
             frac = min(1.0, max(progress_of(state.step, state.elapsed_s, cfg), state.elapsed_s / (cfg.minutes * 60)))
             progress.update(task, completed=1000 * frac, step=state.step, loss=ema_loss, tps=tps)
+            if on_step is not None:
+                on_step(state.step, m)
             if stop.requested:
                 _save_checkpoint(folder / CHECKPOINT, model, opt, state)
                 progress.console.print(f"interrupted at step {state.step}; checkpoint saved, rerun the same command to resume")
@@ -317,13 +325,11 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
             if time.perf_counter() - last_ckpt >= cfg.checkpoint_minutes * 60:
                 _save_checkpoint(folder / CHECKPOINT, model, opt, state)
                 last_ckpt = time.perf_counter()
-            if on_step is not None:
-                on_step(state.step, m)
         progress.update(task, completed=1000)
     _save_checkpoint(folder / CHECKPOINT, model, opt, state)
 
 
-def _finish(model, args, tok, data, windows, cfg, state: _State, folder: Path, console: Console, wall_s: float) -> dict:
+def _finish(model, args, tok, data, windows, held_prompts, cfg, state: _State, folder: Path, console: Console, wall_s: float) -> dict:
     """Export, verify, evaluate the exported model against the bigram baseline, mark COMPLETE."""
     t0 = time.perf_counter()
     model = model.to("cpu")
@@ -352,7 +358,26 @@ def _finish(model, args, tok, data, windows, cfg, state: _State, folder: Path, c
     console.print(t)
     extra = f"; packed FP4 in {folder / 'fp4'} (round trip bit-identical on {checked} tensors)" if checked else ""
     console.print(f"trained {state.elapsed_s / 60:.1f} min, this run {metrics['this_run_wall_minutes']:.1f} min{extra}")
+    if held_prompts:
+        prompt = held_prompts[0]
+        completion = tok.decode(greedy_complete(served, tok.encode(prompt).ids, 48))
+        console.print("greedy completion of held-out code ([dim]prompt[/], then the model's continuation):")
+        console.print(Text(prompt[-300:], style="dim") + Text(completion))
     return metrics
+
+
+def completion_prompts(files: list[SourceFile], n: int, context_lines: int = 8) -> list[str]:
+    """Prompts from held-out files: the lines before a function's first body line, so the
+    model writes the body. One per file, from files that have a def after line `context_lines`."""
+    out = []
+    for f in files:
+        lines = f.text.splitlines(keepends=True)
+        i = next((i for i in range(context_lines, len(lines) - 1) if lines[i].lstrip().startswith("def ") and lines[i].rstrip().endswith(":")), None)
+        if i is not None:
+            out.append("".join(lines[i - context_lines : i + 1]))
+        if len(out) == n:
+            break
+    return out
 
 
 def _tokenizer(folder: Path, files: list[SourceFile], cfg: PretrainSection, console: Console) -> Tokenizer:

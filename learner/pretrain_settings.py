@@ -50,6 +50,8 @@ class PretrainSection(Section):
     """Quantization-aware training format for the FP4 targets (expert weights); `off` trains in bf16 only."""
     router_replay: bool = True
     """Route with a no-grad high-precision forward and replay that routing in the FP4 forward."""
+    balance_coef: float = Field(default=0.01, ge=0)
+    """Weight of the MoE load-balancing loss (1.0 when balanced), which keeps every expert in use."""
     precision: Literal["bf16", "fp32"] = "bf16"
     """Matmul precision (autocast); master weights and optimizer state are always fp32."""
     fim_rate: float = Field(default=0.5, ge=0, le=1)
