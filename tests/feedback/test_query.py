@@ -120,16 +120,34 @@ WRITES = [
 ]
 
 
-@pytest.mark.parametrize("sql", WRITES)
-def test_cli_query_refuses_writes_and_ddl(tmp_path, sql):
-    url = f"sqlite:///{tmp_path / 'ro.db'}"
+@pytest.fixture(scope="module")
+def loaded_sqlite(tmp_path_factory) -> str:
+    url = f"sqlite:///{tmp_path_factory.mktemp('ro') / 'ro.db'}"
     load(url)
-    r = flywheel("query", sql, env={"FLYWHEEL_DATABASE__URL": url}, tmp_path=tmp_path)
+    return url
+
+
+def _unchanged(url: str) -> bool:
+    engine = db.make_engine(url)
+    try:
+        return count(engine, "events") == 10 and count(engine, "completions") == 6
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("sql", WRITES)
+def test_query_refuses_writes_and_ddl(loaded_sqlite, sql):
+    with pytest.raises(UserError, match="^refused"):
+        run_query(loaded_sqlite, sql)
+    assert _unchanged(loaded_sqlite)
+
+
+@pytest.mark.parametrize("sql", [WRITES[0], WRITES[1], WRITES[2], WRITES[3], WRITES[4]])
+def test_cli_query_refuses_with_one_line_and_exit_1(loaded_sqlite, tmp_path, sql):
+    r = flywheel("query", sql, env={"FLYWHEEL_DATABASE__URL": loaded_sqlite}, tmp_path=tmp_path)
     assert r.returncode == 1
     assert r.stderr.startswith("flywheel: error: refused") and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    engine = db.make_engine(url)
-    assert count(engine, "events") == 10 and count(engine, "completions") == 6
-    engine.dispose()
+    assert _unchanged(loaded_sqlite)
 
 
 def test_read_only_check_ignores_strings_and_identifiers():
