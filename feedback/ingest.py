@@ -19,7 +19,6 @@ so that tests control time. Timestamps are stored in UTC (SQLite keeps no time z
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -30,9 +29,7 @@ from sqlalchemy.engine import Connection
 
 from feedback import db
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
-from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode
-
-log = logging.getLogger(__name__)
+from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode, encode
 
 CHUNK = 500  # ids per IN (...) list: far below SQLite's bound-parameter limit
 
@@ -164,6 +161,18 @@ def event_row(ev: FeedbackEvent, now: datetime) -> dict[str, Any]:
     )
 
 
+def pending_row(ev: FeedbackEvent, origin: Origin, now: datetime) -> dict[str, Any]:
+    return dict(
+        event_id=str(ev.event_id),
+        completion_id=ev.completion_id,
+        payload=origin.payload if origin.payload is not None else encode(ev),
+        kafka_topic=origin.topic,
+        kafka_partition=origin.partition,
+        kafka_offset=origin.offset,
+        held_at=now,
+    )
+
+
 def dead_letter_row(origin: Origin, reason: str, error: str, now: datetime, *, completion_id=None, event_id=None) -> dict[str, Any]:
     return dict(
         reason=reason,
@@ -236,25 +245,7 @@ def write_batch(conn: Connection, batch: Batch, *, now: datetime, feedback_windo
     inserted = insert_new(conn, db.events, [event_row(ev, now) for ev, _ in ready], returning=db.events.c.completion_id)
     counts.events = len(inserted)
     _requeue_rewarded(conn, inserted, now=now)
-    counts.held = len(
-        insert_new(
-            conn,
-            db.pending_events,
-            [
-                dict(
-                    event_id=str(ev.event_id),
-                    completion_id=ev.completion_id,
-                    payload=o.payload,
-                    kafka_topic=o.topic,
-                    kafka_partition=o.partition,
-                    kafka_offset=o.offset,
-                    held_at=now,
-                )
-                for ev, o in held
-            ],
-            returning=db.pending_events.c.event_id,
-        )
-    )
+    counts.held = len(insert_new(conn, db.pending_events, [pending_row(ev, o, now) for ev, o in held], returning=db.pending_events.c.event_id))
     counts.promoted = promote_pending(conn, completion_ids=new_ids, now=now)
 
     dead = [dead_letter_row(o, "malformed", err, now) for o, err in batch.malformed]
