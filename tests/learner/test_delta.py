@@ -1,0 +1,144 @@
+"""The XOR delta codec on a tiny model's packed checkpoint before and after real optimizer steps."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from learner import delta as D
+from learner import fp4
+from learner.model import ModelArgs, Transformer
+from learner.pretrain import fp4_hook
+from learner.store import pack_checkpoint, to_hf_tensors
+
+
+def train_steps(model: Transformer, steps: int, lr: float, seed: int = 0) -> None:
+    """AdamW steps of FP4 QAT on random tokens: the kind of update the learner makes."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(seed)
+    hook = fp4_hook("nvfp4")
+    for _ in range(steps):
+        ids = torch.randint(0, model.args.vocab_size, (4, 33), generator=g)
+        logits = model(ids[:, :-1], fp4=hook)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def versions():
+    """Packed checkpoints v0, v1 (after 3 AdamW steps at lr 1e-5) and the model args."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("tiny", vocab_size=512, max_seq_len=64))
+    model.init_weights(0.02)
+    v0 = pack_checkpoint(model.state_dict())
+    train_steps(model, 3, lr=1e-5)
+    return v0, pack_checkpoint(model.state_dict())
+
+
+def same_bits(a: D.Entry, b: D.Entry) -> bool:
+    pa, pb = D.parts(a), D.parts(b)
+    return len(pa) == len(pb) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(pa, pb))
+
+
+def test_round_trip_is_bit_exact(versions):
+    v0, v1 = versions
+    d = D.decode(D.encode(D.diff(v0, v1, base_version=0, version=1), level=3, threads=0))
+    assert (d.base_version, d.version) == (0, 1)
+    out = D.apply(v0, d)
+    assert out.keys() == v1.keys()
+    for name in v1:
+        assert type(out[name]) is type(v1[name]) and same_bits(out[name], v1[name]), name
+    assert D.tensor_hashes(out) == D.tensor_hashes(v1)
+    # and the base is untouched
+    assert D.checkpoint_digest(D.tensor_hashes(v0)) == d.base_digest
+
+
+def test_delta_is_much_smaller_than_the_full_checkpoint(versions):
+    v0, v1 = versions
+    d = D.diff(v0, v1)
+    blob = D.encode(d)
+    full = D.checkpoint_nbytes(v1)
+    changed_fp4 = sum(isinstance(v1[n], fp4.PackedTensor) for n in d.changed)
+    print(f"\ntiny model, 3 AdamW steps at lr 1e-5: delta {len(blob)} B / full {full} B = 1/{full / len(blob):.1f}; "
+          f"{len(d.changed)}/{len(v1)} tensors changed ({changed_fp4} FP4)")  # fmt: skip
+    assert len(blob) * 5 < full
+    assert d.changed, "training changed nothing?"
+
+
+def test_unchanged_tensors_are_skipped(versions):
+    v0, _ = versions
+    d = D.diff(v0, v0)
+    assert d.changed == {} and d.digest == d.base_digest
+    blob = D.encode(d)
+    assert len(blob) < 200
+    assert D.apply(v0, D.decode(blob)).keys() == v0.keys()
+
+
+def test_mxfp4_and_plain_bf16_checkpoints(versions):
+    torch.manual_seed(1)
+    a = {"w.weight": torch.randn(8, 64), "mlp.experts.0.up_proj.weight": torch.randn(8, 64)}
+    b = {k: v + 0.01 * torch.randn_like(v) for k, v in a.items()}
+    for fmt in ("mxfp4", "nvfp4"):
+        pa, pb = pack_checkpoint(a, fmt), pack_checkpoint(b, fmt)
+        out = D.apply(pa, D.decode(D.encode(D.diff(pa, pb))))
+        assert all(same_bits(out[n], pb[n]) for n in pb)
+    v0, v1 = versions  # the bf16 (HF) form: dense tensors only
+    h0, h1 = to_hf_tensors(v0), to_hf_tensors(v1)
+    out = D.apply(h0, D.decode(D.encode(D.diff(h0, h1))))
+    assert all(torch.equal(out[n].view(torch.uint8), h1[n].view(torch.uint8)) for n in h1)
+
+
+def corrupt(blob: bytes, at: int) -> bytes:
+    b = bytearray(blob)
+    b[at] ^= 0x5A
+    return bytes(b)
+
+
+def test_corrupt_bytes_are_rejected(versions):
+    v0, v1 = versions
+    blob = D.encode(D.diff(v0, v1))
+    for bad in (b"", blob[:20], blob[: len(blob) // 2], corrupt(blob, 0), corrupt(blob, 14), corrupt(blob, len(blob) - 100), corrupt(blob, len(blob) - 1)):
+        with pytest.raises(D.DeltaError):
+            D.apply(v0, D.decode(bad))
+
+
+def test_wrong_base_is_rejected(versions):
+    v0, v1 = versions
+    d = D.diff(v0, v1, base_version=0, version=1)
+    with pytest.raises(D.DeltaError, match="wrong base"):
+        D.apply(v1, d)  # already at v1
+    with pytest.raises(D.DeltaError, match="wrong base"):
+        D.apply({k: v for k, v in v0.items() if k != "lm_head.weight"}, d)
+
+
+def test_checksum_mismatches_are_rejected(versions):
+    v0, v1 = versions
+    d = D.diff(v0, v1)
+    name = next(iter(d.changed))
+    # a flipped bit in the XOR bytes: the result is not the recorded new tensor
+    td = d.changed[name]
+    xor = list(td.xor)
+    xor[0] = xor[0].clone()
+    xor[0][0] ^= 1
+    bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, xor=tuple(xor))})
+    with pytest.raises(D.DeltaError, match="result sha256"):
+        D.apply(v0, bad)
+    # a base tensor modified behind the caller's back (its stale hash passed in)
+    hashes = D.tensor_hashes(v0)
+    base = dict(v0)
+    entry = base[name]
+    first = D.parts(entry)[0].clone()
+    first.view(torch.uint8).view(-1)[0] ^= 1
+    base[name] = dataclasses.replace(entry, weight_packed=first) if isinstance(entry, fp4.PackedTensor) else first
+    with pytest.raises(D.DeltaError, match="base tensor"):
+        D.apply(base, d, base_hashes=hashes)
+
+
+def test_a_changed_layout_needs_a_full_snapshot():
+    a = {"x": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    with pytest.raises(D.DeltaError, match="full snapshot"):
+        D.diff(a, {"x": torch.zeros(2, 8, dtype=torch.bfloat16)})
+    with pytest.raises(D.DeltaError, match="full snapshot"):
+        D.diff(a, {"y": torch.zeros(4, 4, dtype=torch.bfloat16)})
