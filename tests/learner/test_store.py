@@ -1,0 +1,191 @@
+"""The weight store: publish protocol (STABLE last), chains and full snapshots, materialize,
+planning, retention, and the announce/record helpers."""
+
+import json
+
+import pytest
+import torch
+
+from feedback import bus, db
+from learner import delta as D
+from learner import store as S
+from learner.export import checkpoint_tensors, export_packed_fp4, fp4_dequantized
+from learner.model import ModelArgs, Transformer
+from tests.learner.test_delta import train_steps
+
+
+@pytest.fixture(scope="module")
+def chain():
+    """Packed checkpoints of a tiny model after 0, 2, 4, ... AdamW steps (6 versions), and the model at the end."""
+    torch.manual_seed(0)
+    args = ModelArgs.from_name("tiny", vocab_size=512, max_seq_len=64)
+    model = Transformer(args)
+    model.init_weights(0.02)
+    out = [S.pack_checkpoint(model.state_dict())]
+    for v in range(1, 6):
+        train_steps(model, 2, lr=1e-5, seed=v)
+        out.append(S.pack_checkpoint(model.state_dict()))
+    return out, model, args
+
+
+def publish_all(store: S.Store, ckpts, n: int | None = None):
+    msgs = []
+    for v, c in enumerate(ckpts[:n]):
+        msgs.append(store.publish(c, parent=v - 1 if v else None))
+    return msgs
+
+
+def test_publish_writes_stable_last_and_a_complete_manifest(tmp_path, chain):
+    ckpts, _, _ = chain
+    store = S.open_store(tmp_path.as_uri(), full_every=100)
+    m0, m1 = publish_all(store, ckpts, 2)
+    assert (m0.kind, m0.parent, m1.kind, m1.parent) == ("full", None, "delta", 0)
+    assert sorted(p.name for p in (tmp_path / "v000000").iterdir()) == ["STABLE", "full.safetensors", "manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "v000001").iterdir()) == ["STABLE", "delta.zst", "manifest.json"]
+    man = json.loads((tmp_path / "v000001" / "manifest.json").read_text())
+    assert (man["version"], man["parent"], man["base_version"], man["kind"]) == (1, 0, 0, "delta")
+    assert man["tensors"]["lm_head.weight"]["sha256"] == D.tensor_sha256(ckpts[1]["lm_head.weight"])
+    assert man["digest"] == D.checkpoint_digest(D.tensor_hashes(ckpts[1])) and man["created_at"] and man["description"]
+    assert (tmp_path / "v000001" / "STABLE").read_text().strip() == m1.sha256  # the manifest's sha256
+    assert m1.uri == (tmp_path / "v000001").as_uri() and m1.size_bytes == (tmp_path / "v000001" / "delta.zst").stat().st_size
+    print(f"\ndelta v0->v1: {m1.size_bytes} B, full {m1.full_size_bytes} B (1/{m1.full_size_bytes / m1.size_bytes:.1f})")
+    assert m1.size_bytes * 4 < m1.full_size_bytes
+
+
+def test_a_crash_mid_publish_leaves_nothing_visible(tmp_path, chain, monkeypatch):
+    ckpts, _, _ = chain
+    store = S.LocalStore(tmp_path)
+    publish_all(store, ckpts, 2)
+    real = S._write_synced
+
+    def crash_at_marker(path, data):
+        if path.name == "STABLE.tmp":
+            raise OSError("simulated crash before the STABLE marker")
+        real(path, data)
+
+    monkeypatch.setattr(S, "_write_synced", crash_at_marker)
+    with pytest.raises(OSError):
+        store.publish(ckpts[2], parent=1)
+    monkeypatch.setattr(S, "_write_synced", real)
+    assert (tmp_path / "v000002" / "delta.zst").is_file()  # the files are there ...
+    reader = S.LocalStore(tmp_path)  # ... but no reader takes the version
+    assert reader.versions() == [0, 1] and reader.latest() == 1
+    with pytest.raises(S.StoreError):
+        reader.materialize(2)
+    # a crash before the rename leaves only a temporary folder; cleanup removes both leftovers
+    (tmp_path / ".tmp-v000009-deadbeef").mkdir()
+    assert reader.cleanup(keep=10) == [] and not (tmp_path / "v000002").exists() and not (tmp_path / ".tmp-v000009-deadbeef").exists()
+    # the next publish of that number goes through
+    assert store.publish(ckpts[2], parent=1).version == 2 and S.LocalStore(tmp_path).versions() == [0, 1, 2]
+
+
+def test_full_snapshot_every_n_versions_and_materialize(tmp_path, chain):
+    ckpts, _, _ = chain
+    store = S.open_store(tmp_path, full_every=3)
+    msgs = publish_all(store, ckpts)
+    assert [m.kind for m in msgs] == ["full", "delta", "delta", "full", "delta", "delta"]
+    assert "delta" in store.manifest(3)["files"] and "full" in store.manifest(3)["files"]  # a full one keeps its delta
+    for reader in (S.open_store(tmp_path), store):  # cold (from snapshots) and warm (cached)
+        for v in (5, 1, 4, 2):
+            assert D.tensor_hashes(reader.materialize(v)) == D.tensor_hashes(ckpts[v])
+    got = S.open_store(tmp_path).materialize(5)
+    assert all(torch.equal(D.parts(got[n])[0].view(torch.uint8), D.parts(ckpts[5][n])[0].view(torch.uint8)) for n in got)
+
+
+def test_plan_takes_deltas_from_what_the_reader_holds(tmp_path, chain):
+    ckpts, _, _ = chain
+    store = S.open_store(tmp_path, full_every=3)
+    publish_all(store, ckpts)
+    assert store.plan(5, have=4).deltas == (5,) and store.plan(5, have=4).have == 4
+    p = store.plan(5, have=1)  # a delta chain 2..5 is still smaller than snapshot 3 + delta 4, 5
+    assert (p.have, p.full, p.deltas) == (1, None, (2, 3, 4, 5))
+    p = store.plan(5)  # a cold reader starts from the nearest full snapshot
+    assert (p.have, p.full, p.deltas) == (None, 3, (4, 5))
+    assert store.plan(2, have=4).full == 0  # not an ancestor: from a snapshot
+    got, hashes = store.fetch(store.plan(5, have=1), ckpts[1])
+    assert hashes == D.tensor_hashes(ckpts[5]) == store.hashes(5)
+    with pytest.raises(S.StoreError):
+        store.plan(9)
+
+
+def test_corrupt_payloads_are_rejected(tmp_path, chain):
+    ckpts, _, _ = chain
+    publish_all(S.open_store(tmp_path), ckpts, 3)
+    f = tmp_path / "v000002" / "delta.zst"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    store = S.open_store(tmp_path)
+    assert D.tensor_hashes(store.materialize(1)) == D.tensor_hashes(ckpts[1])
+    with pytest.raises(D.DeltaError, match="corrupt"):
+        store.materialize(2)
+    (tmp_path / "v000001" / "manifest.json").write_text("{}")
+    with pytest.raises(D.DeltaError, match="STABLE"):
+        S.open_store(tmp_path).manifest(1)
+
+
+def test_cleanup_keeps_what_the_kept_versions_need(tmp_path, chain):
+    ckpts, _, _ = chain
+    store = S.open_store(tmp_path, full_every=3)
+    publish_all(store, ckpts)
+    assert store.cleanup(keep=2) == [0, 1, 2]  # 4 and 5 need the snapshot 3
+    assert store.versions() == [3, 4, 5]
+    assert D.tensor_hashes(S.open_store(tmp_path).materialize(5)) == D.tensor_hashes(ckpts[5])
+    assert store.cleanup(keep=1) == []  # 5 still needs 3 and 4
+
+
+def test_packed_forms_agree_with_the_export(tmp_path, chain):
+    ckpts, model, args = chain
+    packed = S.pack_checkpoint(model.state_dict())
+    assert D.tensor_hashes(packed) == D.tensor_hashes(ckpts[5])
+    # what serving loads: the bf16 tensors export_hf writes
+    hf = S.to_hf_tensors(packed)
+    ref = checkpoint_tensors(model, weight_fn=fp4_dequantized("nvfp4"))
+    assert hf.keys() == ref.keys() and all(torch.equal(hf[n].view(torch.uint8), ref[n].view(torch.uint8)) for n in ref)
+    # the pretrained base's packed artifact reads back as the same packed checkpoint
+    export_packed_fp4(model, args, tmp_path / "fp4", fmt="nvfp4")
+    assert D.tensor_hashes(S.load_packed_artifact(tmp_path / "fp4")) == D.tensor_hashes(packed)
+    # and a full snapshot in the store is that layout
+    store = S.open_store(tmp_path / "store")
+    store.publish(packed, parent=None)
+    assert D.tensor_hashes(S.open_store(tmp_path / "store").materialize(0)) == D.tensor_hashes(packed)
+
+
+def test_announce_and_record(tmp_path, chain):
+    ckpts, _, _ = chain
+    store = S.open_store(tmp_path / "w")
+    msgs = publish_all(store, ckpts, 2)
+
+    class Sink:
+        sent = []
+
+        def send(self, topic, msg):
+            self.sent.append((topic, msg))
+
+    assert S.announce(msgs[1], Sink()) is msgs[1] and Sink.sent == [(bus.VERSIONS, msgs[1])]
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'f.db'}")
+    db.upgrade(engine)
+    for m in msgs:
+        S.record(m, engine)
+    S.record(store.model_version(1, gate_passed=False, gate_reason="kl spike", metrics={"kl": 0.3}), engine)
+    with engine.connect() as conn:
+        rows = conn.execute(db.model_versions.select().order_by(db.model_versions.c.version)).mappings().all()
+    assert [(r["version"], r["kind"], r["parent"]) for r in rows] == [(0, "full", None), (1, "delta", 0)]
+    assert (rows[1]["gate_passed"], rows[1]["gate_reason"], rows[1]["metrics"]) == (False, "kl spike", {"kl": 0.3})
+    assert rows[1]["sha256"] == msgs[1].sha256 and rows[1]["size_bytes"] == msgs[1].size_bytes
+
+
+def test_only_local_stores_and_increasing_versions(tmp_path, chain):
+    ckpts, _, _ = chain
+    with pytest.raises(ValueError, match="object stores"):
+        S.open_store("s3://bucket/weights")
+    store = S.open_store(tmp_path)
+    publish_all(store, ckpts, 2)
+    with pytest.raises(S.StoreError, match="not newer"):
+        store.publish(ckpts[2], parent=1, version=1)
+    with pytest.raises(S.StoreError, match="parent 7"):
+        store.publish(ckpts[2], parent=7)
+    # a changed layout goes out as a full snapshot
+    bigger = {**ckpts[2], "extra.weight": torch.zeros(4, dtype=torch.bfloat16)}
+    m = store.publish(bigger, parent=1)
+    assert m.kind == "full" and store.manifest(m.version)["full_reason"] == "the tensor layout changed"
