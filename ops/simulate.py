@@ -20,9 +20,43 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pydantic import Field, SecretStr
+
 from learner.corpus import SourceFile
+from ops.config import Section
+from serving.settings import ServingSettings
 
 _WORD = re.compile(r"\s*(?:\w+|[^\w\s])")  # a word: an identifier or one punctuation mark
+
+
+class SimulateSection(Section):
+    url: str = ""
+    """The API to call. Empty: this machine's `flywheel serve` (serve.host and serve.port)."""
+    token: SecretStr = SecretStr("")
+    """Editor token to send. Empty: the first of serve.auth_tokens / serve.auth_tokens_file."""
+    requests: int = Field(default=100, ge=1)
+    """Completions to request in all."""
+    users: int = Field(default=4, ge=1)
+    """Simulated editors working at once."""
+    rate: float = Field(default=2.0, gt=0)
+    """Requests per second, over all users."""
+    edit_delay_s: float = Field(default=2.0, ge=0)
+    """Seconds between accepting a suggestion and reporting the text kept (`edit`)."""
+    max_tokens: int = Field(default=32, ge=1)
+    seed: int = 0
+    corpus: str | None = None
+    """Folder of source files whose held-out split is replayed. Empty: the standard library."""
+
+
+class SimulateSettings(ServingSettings):
+    """`flywheel simulate`: editor traffic against a running API."""
+
+    simulate: SimulateSection = SimulateSection()
+
+    def target(self) -> tuple[str, str]:
+        url = self.simulate.url or f"http://{self.serve.host}:{self.serve.port}"
+        token = self.simulate.token.get_secret_value() or next(iter(sorted(self.serve.editor_tokens())), "")
+        return url, token
 
 
 @dataclass(frozen=True)
