@@ -269,7 +269,7 @@ def run_ingest_bench(
         _send_paced(send, ids["k"], n_events, None, 0)
         producer.flush(timeout_s)
         _wait_for(engine, f"bk{run}-", n_events, sink, timeout_s)
-        kafka = measure(engine, f"bk{run}-", "producer -> Kafka -> sink")
+        kafka = measure(engine, f"bk{run}-", "HTTP -> Kafka -> sink" if send_events else "producer -> Kafka -> sink")
         progress(f"kafka: {kafka.events_per_s:,.0f} events/s, lag p50 {kafka.lag_p50_ms:.0f} ms, p99 {kafka.lag_p99_ms:.0f} ms")
 
         kafka_paced = None

@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--events", type=int, default=20_000, help="events per path (default 20000)")
     b.add_argument("--database", metavar="URL", help="database to write (default: a fresh SQLite file in the data folder)")
     b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    b.add_argument(
+        "--via", choices=["http", "producer"], default="http",
+        help="how events enter: POST /v1/events on the real API (default), or the producer directly",
+    )
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_ingest)
 
@@ -124,7 +128,23 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
     s = SinkSettings.load(args.config, args.overrides)
     print_config(s, "flywheel bench ingest")
     _logging()
-    result = run_ingest_bench(s, n_events=args.events, database_url=args.database, progress=lambda m: console.print(m, markup=False, soft_wrap=True))
+    progress = lambda m: console.print(m, markup=False, soft_wrap=True)  # noqa: E731
+    sender = None
+    if args.via == "http":
+        from ops.bench_ingest_http import HttpEventSender
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        sender = HttpEventSender(s)
+        progress(f"events enter over HTTP: POST {sender.url}/v1/events (the real API app and its buffered producer)")
+    try:
+        result = run_ingest_bench(
+            s, n_events=args.events, database_url=args.database, progress=progress,
+            send_events=sender.send if sender else None, events_topic=sender.topic if sender else None,
+        )
+    finally:
+        if sender is not None:
+            sender.close()
+
     print_result(result, console)
     if args.out:
         import json
