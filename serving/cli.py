@@ -32,6 +32,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_serve)
 
+    lc = bench_subcommands(sub).add_parser(
+        "longctx",
+        help="long context: full context vs truncation vs self-summary on held-out files",
+        description="Completions whose answer was defined far back in a held-out file: full context (where it fits), "
+        "truncation to the budget, and self-summary to the same budget, on one engine in one run.",
+    )
+    lc.add_argument("--examples", type=int, default=60, help="held-out examples (default 60)")
+    lc.add_argument("--budget", type=int, default=96, help="prompt tokens for truncation and self-summary (default 96)")
+    lc.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
+    lc.add_argument("--seed", type=int, default=0)
+    lc.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(lc)
+    lc.set_defaults(fn=cmd_bench_longctx)
+
 
 def load_settings(args: argparse.Namespace):
     from serving.settings import ServingSettings
@@ -108,6 +122,30 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         t.add_row(side["name"], f"{side['rps']:.1f}", f"{side['tokens_per_s']:.0f}", f"{side['p50_ms']:.0f}", f"{side['p99_ms']:.0f}", str(side["errors"]))
     console.print(t)
     console.print(f"throughput ratio Flywheel / bare vLLM: {r['throughput_ratio']:.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def cmd_bench_longctx(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
+    from ops import bench_longctx
+
+    s = load_settings(args)
+    model_dir = resolve_model_dir(s)
+    print_config(s, "flywheel bench longctx")
+    try:
+        r = bench_longctx.run(s, model_dir, n=args.examples, budget=args.budget, max_tokens=args.max_tokens, seed=args.seed, progress=console.print)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    t = Table("strategy", "exact match", "edit similarity", "prompt tokens", "summary fallbacks",
+              title=f"long context: {r['examples']} held-out examples, budget {r['budget']} tokens, window {r['window']}")
+    for row in r["results"]:
+        t.add_row(row["strategy"], f"{row['exact_match']:.1%}", f"{row['edit_similarity']:.3f}", f"{row['prompt_tokens']:.0f}", str(row["fallbacks"]))
+    console.print(t)
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=2))
     return 0
