@@ -74,9 +74,13 @@ def test_example_config_is_valid_and_complete():
     example = Path(__file__).parents[2] / "flywheel.example.toml"
     s = StackSettings.load(example)
     text = example.read_text()
-    for section, model in (("kafka", s.kafka), ("database", s.database)):
+    from ops.simulate import SimulateSettings
+
+    sim = SimulateSettings.load(example)
+    sections = (("kafka", s.kafka), ("database", s.database), ("serve", sim.serve), ("serve.engine", sim.serve.engine), ("simulate", sim.simulate))
+    for section, model in sections:
         for name in type(model).model_fields:
-            documented = f"\n{name} =" in text or f"[{section}.{name}]" in text
+            documented = f"\n{name} =" in text or f"\n# {name} =" in text or f"[{section}.{name}]" in text
             assert documented, f"{section}.{name} missing from the example config"
     for name in ("data_dir", "cache_dir"):
         assert f"# {name} =" in text
