@@ -32,9 +32,12 @@ class ModelReplica:
     """One vLLM engine on one exported model version."""
 
     def __init__(self, model_dir: str, settings: ServingSettings, version: int):
+        from learner.store import default_store_uri
+        from serving.hotswap import HotSwapper
         from serving.replica import load_service
 
         self.service = load_service(Path(model_dir), settings.serve, version)
+        self.swapper = HotSwapper(self.service, default_store_uri(settings))  # gates admission from now on
 
     async def complete(self, req: GenerateRequest) -> GenerateResult:
         return await self.service.complete(req)
@@ -45,6 +48,16 @@ class ModelReplica:
 
     def version(self) -> int:
         return self.service.version
+
+    # --- hot swap (serving/hotswap.py) ---------------------------------------------------------
+
+    async def swap_to(self, version: int) -> dict:
+        """Swap the weights in place to `version` of the weight store; the report says ok, or why not."""
+        return await self.swapper.swap_report(version)
+
+    def swap_status(self) -> dict:
+        """Served version, swap counts and the last swap's report or error."""
+        return self.swapper.status()
 
 
 class RayReplica:

@@ -69,6 +69,7 @@ class VLLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             disable_log_stats=True,
+            worker_extension_cls="serving.hotswap.WeightSwapExtension",  # in-place weight updates
         )
         self.llm = AsyncLLM.from_engine_args(args)
 
@@ -97,6 +98,21 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+    # --- hot swap (serving/hotswap.py) ---------------------------------------------------------
+
+    async def update_weights(self, path: str, sha256: str, version: int) -> dict:
+        """Reload the tensors of the safetensors file `path` in place, inside the worker.
+
+        The replica has already drained, so the pause returns at once; it also clears the
+        prefix cache, whose KV entries the old weights computed."""
+        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            results = await self.llm.collective_rpc("flywheel_load_weights", args=(path, sha256))
+            await self.llm.update_weight_version(str(version))
+        finally:
+            await self.llm.resume_generation()
+        return results[0]
 
 
 def _sample(c, top: int) -> Sample:

@@ -1,0 +1,361 @@
+"""Hot swap: move a serving replica from version N to a newer one in place, without a restart.
+
+    HotSwapper.swap_to(target)                                      (replica process)
+      1. plan     store.plan(target, have=N): the deltas after N, or the nearest full
+                  snapshot and the deltas after it when N is unknown, not an ancestor, or
+                  further back than a snapshot is big (learner.store)
+      2. fetch    download, decode and apply them, verifying the base digest, every touched
+                  tensor and the result against the target's manifest (learner.delta); a
+                  corrupt or mismatched delta stops here, before the engine is touched
+      3. write    the tensors whose sha256 changed, widened to whole vLLM layers (`reload_set`),
+                  as the bf16 tensors vLLM loads (learner.store.to_hf_tensors), into one
+                  safetensors file in a temp folder
+      4. pause    close admission, let in-flight requests finish (drain), then inside the
+                  vLLM worker (WeightSwapExtension, via collective_rpc with the file's path,
+                  never tensors) check the file's sha256, `reload_weights` those tensors and
+                  prepack reloaded CPU experts again (`_repack_cpu_experts`); switch
+                  `CompletionService.version` and reopen admission
+    Steps 1-3 run in a thread while the replica keeps serving N; only step 4 pauses it.
+
+In-flight requests finish on the old weights. Admission closes at the replica's engine
+(`GatedEngine`): requests that arrive during the pause wait, then run on N+1. A request's
+tokens therefore all come from one version, and the version a result carries is the one
+that produced it: outputs are only produced while no swap is in progress. (vLLM's own
+`pause_generation(mode="keep")` would make the pause shorter, but a frozen request would
+then continue on new weights over a KV cache built by the old ones: tokens of neither
+version.) The pause is the drain (at most the longest in-flight request) plus the reload.
+
+A failed swap (bad plan, corrupt delta, checksum mismatch, drain timeout, worker error)
+leaves the replica on N: it is logged, kept in `last_swap_error` and counted in
+`flywheel_swap_failures_total`; `flywheel_swap_pause_seconds` records each pause. Should
+the reload fail inside the worker after it began, the old tensors are reloaded.
+
+The replica keeps the packed checkpoint of the version it serves (the FP4 form: about a
+third of bf16), so the next swap is a delta away. Until its first swap it does not know
+that its weights equal any stored version (it was started from a model folder), so that
+first swap reloads every tensor; `adopt(version)` declares the weights equal to a stored
+version instead.
+
+The metrics live in the process that swaps (each Ray Serve replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prometheus_client import Counter, Histogram
+
+log = logging.getLogger(__name__)
+
+SWAPS = Counter("flywheel_swaps_total", "Successful in-place weight swaps")
+SWAP_FAILURES = Counter("flywheel_swap_failures_total", "Weight swaps that failed and left the replica on its version")
+SWAP_PAUSE = Histogram(
+    "flywheel_swap_pause_seconds",
+    "Time admission was closed for a weight swap (drain + reload)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+WORKER_METHOD = "flywheel_load_weights"
+
+
+class SwapError(RuntimeError):
+    """A swap that did not happen; the replica still serves its previous version."""
+
+
+# --- inside the vLLM worker ----------------------------------------------------------------------
+
+
+class WeightSwapExtension:
+    """Mixed into vLLM's worker class (engine argument `worker_extension_cls`), so the engine
+    can call `collective_rpc("flywheel_load_weights", args=(path, sha256))`. Runs in the worker
+    process: `self` is vLLM's Worker."""
+
+    def flywheel_load_weights(self, path: str, sha256: str) -> dict:
+        from safetensors.torch import load
+
+        t0 = time.perf_counter()
+        data = Path(path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ValueError(f"{path}: sha256 mismatch, refusing to load (the file changed after the replica wrote it)")
+        tensors = load(data)
+        self.reload_weights(weights_iterator=iter(tensors.items()))
+        _repack_cpu_experts(self.model_runner.get_model(), tensors)
+        return {"tensors": len(tensors), "bytes": len(data), "seconds": time.perf_counter() - t0}
+
+
+def _repack_cpu_experts(model, names) -> None:
+    """Work around vLLM 0.32's CPU MoE reload: its experts keep their weights in a prepacked
+    grouped-GEMM layout, but a reload writes checkpoint-layout data into that storage and
+    skips the prepack (it is meant to run once). Measured: reloading a layer's unchanged
+    expert weights changed greedy tokens. Prepack the reloaded layers again."""
+    for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.mlp\.experts)\.\d+\.", n))}):
+        for layer in model.get_submodule(prefix).modules():  # the RoutedExperts inside vLLM's MoE runner
+            experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+                experts.process_weights_after_loading(layer)
+
+
+# vLLM fuses some checkpoint tensors into one layer (q/k/v -> qkv_proj, every expert of a layer
+# -> one RoutedExperts, gate/up -> gate_up_proj). Its in-place reload rebuilds a layer only from
+# what is sent: a layer given part of its tensors gets uninitialized memory for the rest
+# (measured: reloading q_proj alone turned greedy logprobs into NaN). So a swap sends whole layers.
+_FUSED = (
+    (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.weight$"), ".qkv_proj"),
+    (re.compile(r"^(.*\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$"), ""),
+    (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.weight$"), ".gate_up_proj"),
+)
+
+
+def vllm_layer(name: str) -> str:
+    """The vLLM layer a checkpoint tensor loads into (the name itself when not fused)."""
+    for pattern, suffix in _FUSED:
+        if m := pattern.match(name):
+            return m.group(1) + suffix
+    return name
+
+
+def reload_set(changed, names) -> list[str]:
+    """The tensors to send so that every vLLM layer touched by `changed` gets all of its tensors."""
+    layers = {vllm_layer(n) for n in changed}
+    return sorted(n for n in names if vllm_layer(n) in layers)
+
+
+# --- admission ---------------------------------------------------------------------------------
+
+
+class GatedEngine:
+    """An `Engine` whose admission can close while in-flight requests drain (see the module docstring)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.inflight = 0
+
+    async def generate(self, prompt_ids, spec, request_id) -> AsyncIterator:
+        while not self._open.is_set():  # re-check: a new pause may start before this task runs
+            await self._open.wait()
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            async for out in self.inner.generate(prompt_ids, spec, request_id):
+                yield out
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    @contextlib.asynccontextmanager
+    async def paused(self, drain_timeout_s: float):
+        """Close admission and wait until nothing is in flight; reopen on exit, whatever happens."""
+        self._open.clear()
+        try:
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+            except TimeoutError:
+                raise SwapError(f"{self.inflight} in-flight request(s) did not finish within {drain_timeout_s:g} s") from None
+            yield
+        finally:
+            self._open.set()
+
+    def __getattr__(self, name):  # update_weights, shutdown, ...
+        return getattr(self.inner, name)
+
+
+# --- the replica side ---------------------------------------------------------------------------
+
+
+@dataclass
+class SwapReport:
+    ok: bool
+    version: int  # served after the call
+    from_version: int
+    target: int
+    plan: dict = field(default_factory=dict)
+    tensors_reloaded: int = 0
+    reload_bytes: int = 0
+    prepare_s: float = 0.0  # plan + fetch + verify + write, while serving continues
+    pause_s: float = 0.0  # admission closed: drain + reload
+    drain_s: float = 0.0
+    reload_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class _Served:
+    version: int
+    ckpt: dict
+    hashes: dict[str, str]
+
+
+@dataclass
+class _Prepared:
+    version: int
+    plan: dict
+    served: _Served
+    changed: list[str]
+    folder: Path | None = None
+    path: str = ""
+    sha256: str = ""
+    nbytes: int = 0
+
+
+class HotSwapper:
+    """Swaps a `CompletionService`'s weights to versions of a weight store, one swap at a time."""
+
+    def __init__(self, service, store, *, drain_timeout_s: float = 60.0):
+        """`store`: a learner.store.Store, or its URI (opened on first use)."""
+        self.service = service
+        if not isinstance(service.engine, GatedEngine):
+            service.engine = GatedEngine(service.engine)
+        self._store = store
+        self.drain_timeout_s = drain_timeout_s
+        self._served: _Served | None = None
+        self._lock = asyncio.Lock()
+        self.last_swap_error: str | None = None
+        self.last_report: SwapReport | None = None
+        self.swaps = 0
+        self.failures = 0
+
+    @property
+    def store(self):
+        if isinstance(self._store, str):
+            from learner.store import open_store
+
+            self._store = open_store(self._store)
+        return self._store
+
+    @property
+    def gate(self) -> GatedEngine:
+        return self.service.engine
+
+    def status(self) -> dict:
+        return {
+            "version": self.service.version,
+            "store": self.store.uri() if not isinstance(self._store, str) else self._store,
+            "weights_known": self._served is not None,
+            "swaps": self.swaps,
+            "failures": self.failures,
+            "last_swap_error": self.last_swap_error,
+            "last_swap": asdict(self.last_report) if self.last_report else None,
+        }
+
+    def adopt(self, version: int) -> None:
+        """Declare that the engine's weights are the store's `version` (e.g. the replica was
+        started from that version's export), so the next swap reloads only changed tensors."""
+        ckpt = self.store.materialize(version)
+        self._served = _Served(version, ckpt, self.store.hashes(version))
+        self.service.version = self.service.prompts.version = version
+
+    async def swap_to(self, version: int) -> SwapReport:
+        """Swap to `version`; raises SwapError (replica unchanged) on failure."""
+        async with self._lock:
+            frm = self.service.version
+            report = SwapReport(ok=False, version=frm, from_version=frm, target=version)
+            prepared = None
+            try:
+                t0 = time.perf_counter()
+                prepared = await asyncio.to_thread(self._prepare, version)
+                report.plan, report.tensors_reloaded, report.reload_bytes = prepared.plan, len(prepared.changed), prepared.nbytes
+                report.prepare_s = time.perf_counter() - t0
+                await self._switch(prepared, report)
+            except Exception as e:
+                report.error = f"swap v{frm} -> v{version} failed: {type(e).__name__}: {e}"
+                self.failures += 1
+                SWAP_FAILURES.inc()
+                self.last_swap_error, self.last_report = report.error, report
+                log.error("%s; still serving v%d", report.error, self.service.version)
+                raise SwapError(report.error) from e
+            finally:
+                if prepared is not None and prepared.folder is not None:
+                    shutil.rmtree(prepared.folder, ignore_errors=True)
+            report.ok, report.version = True, version
+            self.swaps += 1
+            SWAPS.inc()
+            self.last_swap_error, self.last_report = None, report
+            log.info("swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s)",
+                     frm, version, report.tensors_reloaded, report.pause_s, report.drain_s, report.reload_s)  # fmt: skip
+            return report
+
+    async def swap_report(self, version: int) -> dict:
+        """swap_to, but failures come back as a report with ok=False (for callers over Ray)."""
+        try:
+            return asdict(await self.swap_to(version))
+        except SwapError:
+            return asdict(self.last_report)
+
+    def _prepare(self, version: int) -> _Prepared:
+        """Plan, fetch, verify, and write the changed tensors (runs in a thread)."""
+        from safetensors.torch import save
+
+        from learner.store import to_hf_tensors
+
+        served = self._served
+        plan = self.store.plan(version, have=served.version if served is not None else None)
+        base = served if served is not None and plan.have is not None else None
+        ckpt, hashes = self.store.fetch(plan, base.ckpt if base else None, base.hashes if base else None)
+        changed = reload_set([n for n in hashes if served is None or served.hashes.get(n) != hashes[n]], hashes)
+        p = _Prepared(version, {"have": plan.have, "full": plan.full, "deltas": list(plan.deltas), "nbytes": plan.nbytes},
+                      _Served(version, ckpt, hashes), changed)  # fmt: skip
+        if changed:
+            p.folder, p.path, p.sha256, p.nbytes = self._write(to_hf_tensors(ckpt, changed), save)
+        return p
+
+    @staticmethod
+    def _write(tensors: dict, save) -> tuple[Path, str, str, int]:
+        folder = Path(tempfile.mkdtemp(prefix="flywheel-swap-"))
+        data = save(tensors)
+        path = folder / "update.safetensors"
+        path.write_bytes(data)
+        return folder, str(path), hashlib.sha256(data).hexdigest(), len(data)
+
+    async def _switch(self, p: _Prepared, report: SwapReport) -> None:
+        t0 = time.perf_counter()
+        try:
+            async with self.gate.paused(self.drain_timeout_s):
+                t1 = time.perf_counter()
+                report.drain_s = t1 - t0
+                if p.changed:
+                    await self._reload(p)
+                report.reload_s = time.perf_counter() - t1
+                self.service.version = self.service.prompts.version = p.version
+                self._served = p.served
+        finally:
+            report.pause_s = time.perf_counter() - t0
+            SWAP_PAUSE.observe(report.pause_s)
+
+    async def _reload(self, p: _Prepared) -> None:
+        try:
+            await self.gate.inner.update_weights(p.path, p.sha256, p.version)
+        except Exception:
+            # The worker checks the file before loading, so most failures change nothing; if the
+            # reload broke off midway, put the old tensors back so the replica really serves N.
+            old = self._served
+            if old is not None:
+                from safetensors.torch import save
+
+                from learner.store import to_hf_tensors
+
+                folder, path, sha, _ = self._write(to_hf_tensors(old.ckpt, p.changed), save)
+                try:
+                    await self.gate.inner.update_weights(path, sha, old.version)
+                except Exception:
+                    log.exception("restoring v%d's tensors failed too: this replica's weights may be mixed", old.version)
+                    self._served = None  # unknown: the next swap reloads every tensor
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+            raise

@@ -1,0 +1,312 @@
+"""Hot swap: a replica moves between weight-store versions in place.
+
+The fast tests drive the real HotSwapper, store and codec against an engine that holds
+weights the way vLLM does (it loads the update file by path) and tags every token with the
+weights that produced it. The slow test does it with vLLM itself and checks the logprobs."""
+
+import asyncio
+import functools
+import hashlib
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner import delta as D
+from learner import store as S
+from learner.model import ModelArgs, Transformer
+from serving.engine import Sample, SamplingSpec
+from serving.hotswap import SWAP_FAILURES, HotSwapper, SwapError, reload_set, vllm_layer
+from serving.replica import CompletionService, GenerateRequest
+from serving.settings import EngineSettings, ServeSettings
+from tests.learner.test_delta import train_steps
+
+
+def sync(fn):
+    """Run an async test function on a fresh event loop (no pytest-asyncio here)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
+class WeightsEngine:
+    """A fake engine with weights: `update_weights` loads the file as vLLM's worker does, and
+    every generated token id is the version of the weights that produced it."""
+
+    def __init__(self, weights: dict, version: int, token_delay_s: float = 0.0):
+        self.weights, self.version, self.delay = dict(weights), version, token_delay_s
+        self.reloads: list[list[str]] = []
+        self.fail_reloads = 0
+
+    async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
+        ids = []
+        for k in range(spec.max_tokens):
+            await asyncio.sleep(self.delay)
+            ids.append(self.version)
+            done = k == spec.max_tokens - 1
+            yield [Sample(index=0, token_ids=list(ids), logprobs=[0.0] * len(ids), text="", finish_reason="length" if done else None)]
+
+    async def abort(self, request_id):
+        pass
+
+    async def update_weights(self, path: str, sha256: str, version: int) -> dict:
+        with open(path, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == sha256
+        tensors = load_file(path)
+        if self.fail_reloads:
+            self.fail_reloads -= 1
+            self.weights.update(dict(list(tensors.items())[:1]))  # broke off after one tensor
+            raise RuntimeError("worker died mid-reload")
+        self.weights.update(tensors)
+        self.version = version
+        self.reloads.append(sorted(tensors))
+        return {"tensors": len(tensors)}
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A store with v0..v3 of a tiny model (2 AdamW steps apart; v3 a full snapshot), and the checkpoints."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("tiny", vocab_size=512, max_seq_len=64))
+    model.init_weights(0.02)
+    ckpts = [S.pack_checkpoint(model.state_dict())]
+    for v in range(1, 4):
+        train_steps(model, 2, lr=1e-5, seed=v)
+        ckpts.append(S.pack_checkpoint(model.state_dict()))
+    root = tmp_path_factory.mktemp("store")
+    store = S.open_store(root, full_every=3)
+    for v, c in enumerate(ckpts):
+        store.publish(c, parent=v - 1 if v else None)
+    return root, ckpts
+
+
+def make_service(tok, engine) -> CompletionService:
+    return CompletionService(engine, tok, ServeSettings(), version=0)
+
+
+def request(i: int, max_tokens: int = 4) -> GenerateRequest:
+    return GenerateRequest(completion_id=f"c{i}", prefix="def f(x):\n    return ", suffix=None, header="", spec=SamplingSpec(max_tokens=max_tokens))
+
+
+def bits_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+@sync
+async def test_swaps_reload_only_changed_tensors(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root))
+
+    r1 = await swapper.swap_to(1)  # weights not known yet: everything is reloaded
+    assert r1.ok and service.version == 1 and r1.tensors_reloaded == len(ckpts[1])
+    assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
+    assert (await service.complete(request(0))).model_version == 1
+
+    r2 = await swapper.swap_to(2)  # now a delta away: only what changed
+    changed = set(D.diff(ckpts[1], ckpts[2]).changed)
+    assert r2.plan == {"have": 1, "full": None, "deltas": [2], "nbytes": r2.plan["nbytes"]}
+    assert set(engine.reloads[-1]) == set(reload_set(changed, ckpts[2])) and 0 < len(changed) < len(ckpts[2])
+    assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[2]))
+    r3 = await swapper.swap_to(3)  # v3 is a full snapshot that still carries its delta
+    assert r3.plan["deltas"] == [3] and r3.plan["full"] is None
+    assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[3]))
+    print(f"\nswap pauses (fake engine): {r1.pause_s * 1e3:.1f} / {r2.pause_s * 1e3:.1f} / {r3.pause_s * 1e3:.1f} ms; "
+          f"{r2.tensors_reloaded} tensors, {r2.reload_bytes} B for v1 -> v2")  # fmt: skip
+
+
+@sync
+async def test_adopt_and_a_replica_far_behind(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    swapper = HotSwapper(make_service(tok, engine), S.open_store(root))
+    swapper.adopt(0)
+    r = await swapper.swap_to(3)
+    assert r.plan["have"] == 0 and r.plan["deltas"] == [1, 2, 3]  # the deltas are far smaller than a snapshot
+    changed = {n for n in ckpts[3] if D.tensor_sha256(ckpts[3][n]) != D.tensor_sha256(ckpts[0][n])}
+    assert set(engine.reloads[-1]) == set(reload_set(changed, ckpts[3]))
+    assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[3]))
+
+
+def test_a_swap_reloads_whole_vllm_layers():
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"] + ["model.layers.0.self_attn.q_norm.weight"]
+    names += [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in (0, 1) for e in range(3) for p in ("gate", "up", "down")]
+    names += ["model.layers.0.mlp.gate.weight", "lm_head.weight"]
+    assert vllm_layer("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn.qkv_proj"
+    assert vllm_layer("model.layers.1.mlp.experts.2.up_proj.weight") == "model.layers.1.mlp.experts"
+    assert vllm_layer("model.layers.0.mlp.gate.weight") == "model.layers.0.mlp.gate.weight"  # the router is its own layer
+    got = reload_set(["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.1.down_proj.weight", "lm_head.weight"], names)
+    assert got == sorted([f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["lm_head.weight"]
+                         + [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up", "down")])  # fmt: skip
+
+
+@sync
+async def test_in_flight_requests_finish_on_old_weights_new_ones_wait(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0, token_delay_s=0.02)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root))
+    swapper.adopt(0)
+
+    old = [asyncio.create_task(service.complete(request(i, max_tokens=10))) for i in range(3)]
+    await asyncio.sleep(0.05)  # they are generating
+    swap = asyncio.create_task(swapper.swap_to(1))
+    await asyncio.sleep(0.03)
+    new = [asyncio.create_task(service.complete(request(10 + i))) for i in range(3)]  # arrive during the drain
+    report = await swap
+    results = await asyncio.gather(*old, *new)
+    for r in results:
+        # every token came from one version, and the result says which
+        assert set(r.samples[0].token_ids) == {r.model_version}, (r.model_version, r.samples[0].token_ids)
+    assert [r.model_version for r in results] == [0, 0, 0, 1, 1, 1]
+    assert report.drain_s > 0.05 and report.pause_s >= report.drain_s
+
+
+@sync
+async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published, tmp_path):
+    root, ckpts = published
+    store = S.open_store(tmp_path, full_every=10)
+    for v in range(3):
+        store.publish(ckpts[v], parent=v - 1 if v else None)
+    f = tmp_path / "v000002" / "delta.zst"
+    f.write_bytes(f.read_bytes()[:-7] + b"garbage")
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(tmp_path))
+    await swapper.swap_to(1)
+    reloads, before = len(engine.reloads), SWAP_FAILURES._value.get()
+    with pytest.raises(SwapError, match="corrupt"):
+        await swapper.swap_to(2)
+    assert service.version == 1 and len(engine.reloads) == reloads and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
+    assert "v1 -> v2" in swapper.last_swap_error and swapper.status()["failures"] == 1
+    assert SWAP_FAILURES._value.get() == before + 1
+    assert (await service.complete(request(1))).model_version == 1  # and it keeps serving
+    # a version that is not in the store, and a drain that does not finish, fail the same way
+    report = await swapper.swap_report(9)
+    assert not report["ok"] and report["version"] == 1 and "not in the store" in report["error"]
+    engine.delay = 0.2
+    swapper.drain_timeout_s = 0.05
+    slow = asyncio.create_task(service.complete(request(2, max_tokens=3)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(SwapError, match="did not finish"):
+        await swapper.swap_to(0)
+    engine.delay = 0.0
+    assert (await slow).model_version == 1 and (await service.complete(request(3))).model_version == 1  # admission reopened
+
+
+@sync
+async def test_a_reload_that_breaks_off_restores_the_old_tensors(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root))
+    swapper.adopt(0)
+    engine.fail_reloads = 1
+    with pytest.raises(SwapError, match="mid-reload"):
+        await swapper.swap_to(1)
+    assert service.version == 0 and bits_equal(engine.weights, S.to_hf_tensors(ckpts[0]))
+    assert (await swapper.swap_to(1)).ok and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
+
+
+# --- with vLLM -------------------------------------------------------------------------------------
+
+LOGPROB_TOL = 0.15  # as in tests/learner/test_export.py (bf16 activations in vLLM)
+
+
+def teacher_forced(model: Transformer, prompt_ids: list[int], gen: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + gen]))[0, len(prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1)[torch.arange(len(gen)), gen]
+
+
+def model_from(hf: dict, args: ModelArgs) -> Transformer:
+    with torch.device("meta"):
+        m = Transformer(args)
+    m.load_state_dict({k: v.float() for k, v in hf.items()}, assign=True)
+    return m.eval()
+
+
+@pytest.mark.slow
+@sync
+async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
+    from learner.export import export_hf, fp4_dequantized
+    from serving.engine import VLLMEngine
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args = ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=256)
+    torch.manual_seed(1)
+    model = Transformer(args)
+    model.init_weights(0.1)  # as in test_export: wide logits, clear greedy margins
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    v0 = S.pack_checkpoint(model.state_dict())
+    train_steps(model, 3, lr=3e-3, seed=5)  # big steps, so v1's logprobs differ clearly
+    v1 = S.pack_checkpoint(model.state_dict())
+    with torch.no_grad():  # v2 changes two tensors only: a partial reload (whole vLLM layers)
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+        model.model.layers[1].mlp.experts[0].up_proj.weight.mul_(-1.0)
+    v2 = S.pack_checkpoint(model.state_dict())
+    train_steps(model, 1, lr=3e-3, seed=6)
+    v3 = S.pack_checkpoint(model.state_dict())
+    store = S.open_store(tmp_path / "store")
+    for v, c in enumerate((v0, v1, v2, v3)):
+        store.publish(c, parent=v - 1 if v else None)
+    f = tmp_path / "store" / "v000003" / "delta.zst"
+    f.write_bytes(f.read_bytes()[:-1] + b"\x00")  # v3 arrives corrupt
+    folder = export_hf(model_from(S.to_hf_tensors(v0), args), args, tok, tmp_path / "hf", weight_fn=fp4_dequantized("nvfp4"))
+
+    cfg = ServeSettings(engine=EngineSettings(max_model_len=256, max_num_seqs=8), context_budget=200, summary_chunk_tokens=64)
+    t0 = time.perf_counter()
+    engine = VLLMEngine(folder, cfg.engine)
+    print(f"\nvLLM engine started in {time.perf_counter() - t0:.1f} s")
+    try:
+        service = CompletionService(engine, tok, cfg, version=0)
+        swapper = HotSwapper(service, store)
+        swapper.adopt(0)
+        greedy = SamplingSpec(max_tokens=12, temperature=0.0)
+        prompts = ["def parse(s):\n    ", "import json\n\nclass Encoder:\n", "return {'key': value, "]
+
+        async def served() -> list:
+            return [await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy)) for i, p in enumerate(prompts)]
+
+        def max_diff(results, hf: dict) -> float:
+            m = model_from(hf, args)
+            return max(
+                (teacher_forced(m, r.prompt_token_ids, r.samples[0].token_ids) - torch.tensor(r.samples[0].logprobs)).abs().max().item()
+                for r in results
+            )
+
+        before = await served()
+        assert {r.model_version for r in before} == {0}
+        assert max_diff(before, S.to_hf_tensors(v0)) < LOGPROB_TOL
+
+        report = await swapper.swap_to(1)
+        after = await served()
+        d_new, d_old = max_diff(after, S.to_hf_tensors(v1)), max_diff(after, S.to_hf_tensors(v0))
+        print(f"swap v0 -> v1: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
+              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v1| max {d_new:.4f}, vs v0 weights {d_old:.3f}")  # fmt: skip
+        assert {r.model_version for r in after} == {1}
+        assert d_new < LOGPROB_TOL and d_old > 5 * LOGPROB_TOL
+
+        report = await swapper.swap_to(2)
+        after = await served()
+        d_new, d_old = max_diff(after, S.to_hf_tensors(v2)), max_diff(after, S.to_hf_tensors(v1))
+        print(f"swap v1 -> v2: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
+              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v2| max {d_new:.4f}, vs v1 weights {d_old:.3f}")  # fmt: skip
+        assert report.tensors_reloaded == 3 + 3 * args.n_experts  # q, k, v and layer 1's experts
+        assert {r.model_version for r in after} == {2} and d_new < LOGPROB_TOL
+
+        with pytest.raises(SwapError):
+            await swapper.swap_to(3)
+        still = await served()
+        assert {r.model_version for r in still} == {2} and service.version == 2
+        assert max_diff(still, S.to_hf_tensors(v2)) < LOGPROB_TOL
+        assert swapper.last_swap_error and "v2 -> v3" in swapper.last_swap_error
+    finally:
+        engine.shutdown()
