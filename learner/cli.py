@@ -43,6 +43,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_fp4)
 
+    d = bench_subcommands(sub).add_parser(
+        "delta",
+        help="published delta size / full checkpoint (packed FP4 and bf16), codec speed, vs zstd, fireworks arc_v2/v3, zipnn",
+        description="Weight-delta benchmark on checkpoint pairs from real training steps: Flywheel's codec beside its baselines, one run.",
+    )
+    d.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], help="learning rates, one series each (default 1e-6 1e-5)")
+    d.add_argument("--steps", type=int, default=10, help="AdamW steps between versions (default 10)")
+    d.add_argument("--versions", type=int, default=2, help="versions per learning rate (default 2)")
+    d.add_argument("--level", type=int, default=3, help="zstd level for every zstd-based method (default 3)")
+    d.add_argument("--threads", type=int, default=-1, help="zstd threads (-1: all cores)")
+    d.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(d)
+    d.set_defaults(fn=cmd_bench_delta)
+
 
 def bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The subcommands of `flywheel bench`, creating the `bench` command on first use."""
@@ -75,4 +89,14 @@ def cmd_bench_fp4(args: argparse.Namespace) -> int:
     from learner.bench_fp4 import run_bench
 
     run_bench(s, console, steps=args.steps, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))
+    return 0
+
+
+def cmd_bench_delta(args: argparse.Namespace) -> int:
+    s = _settings(args, {})
+    print_config(s, "flywheel bench delta")
+    from learner.bench_delta import run_bench
+
+    run_bench(s, console, lrs=tuple(args.lr), steps=args.steps, versions=args.versions, level=args.level, threads=args.threads,
+              out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))  # fmt: skip
     return 0

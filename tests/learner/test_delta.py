@@ -142,3 +142,21 @@ def test_a_changed_layout_needs_a_full_snapshot():
         D.diff(a, {"x": torch.zeros(2, 8, dtype=torch.bfloat16)})
     with pytest.raises(D.DeltaError, match="full snapshot"):
         D.diff(a, {"y": torch.zeros(4, 4, dtype=torch.bfloat16)})
+
+
+def test_bench_methods_round_trip_and_flywheel_is_smallest(versions):
+    """`flywheel bench delta`'s methods on one pair: each one checks its own round trip."""
+    from learner import bench_delta as B
+
+    v0, v1 = versions
+    methods = ["flywheel", "xor+zstd", "zstd (full)"]
+    methods += [m for m, mod in (("arc_v2", "fireworks_delta_compression"), ("arc_v3", "fireworks_delta_compression"), ("zipnn", "zipnn")) if _importable(mod)]
+    sizes = {m: B.RUNNERS[m](v0, v1, 3, 1, 1)["bytes"] for m in methods}
+    print("\n" + ", ".join(f"{m} {b} B" for m, b in sizes.items()))
+    assert sizes["flywheel"] == min(sizes.values())
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
