@@ -17,6 +17,11 @@ vLLM loads, side by side in one run:
   arc_v3        fireworks-delta-compression: changed indices + mantissa transforms, best of zstd/bz2
   zipnn         ZipNN delta mode (XOR, byte grouping, Huffman) per tensor
 
+With `swap`, the versions of the first learning rate are also published to a temporary
+weight store and swapped into a vLLM engine (serving.hotswap) while simulated clients keep
+requesting completions: the pause of each swap (drain + reload), request latency p50/p99
+in steady state against requests that overlapped a swap, and failed requests.
+
 Sizes are reported as full / delta (1/x: larger is better). Throughput is MB/s of full
 checkpoint bytes: encode from the two in-memory checkpoints (hashing included where the
 method checksums), decode+apply from the compressed bytes and the old checkpoint, verified.
@@ -24,8 +29,10 @@ method checksums), decode+apply from the compressed bytes and the old checkpoint
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import tempfile
 import statistics
 import time
 from collections.abc import Callable
@@ -223,7 +230,7 @@ def _base(settings: FlywheelSettings, cfg, console: Console):
         what = "random tiny model (no trained base cached: run `flywheel pretrain` first)"
     console.print(f"weights: {what}")
     data = TrainingData(tok, corpus.train, seq_len=SEQ_LEN, batch_size=BATCH, fim_rate=cfg.fim_rate, summary_rate=cfg.summary_rate, seed=cfg.seed + 1)
-    return model, data, what
+    return model, data, what, tok, corpus
 
 
 # --- the benchmark ---------------------------------------------------------------------------------
@@ -240,21 +247,24 @@ def run_bench(
     threads: int = -1,
     repeats: int = 3,
     methods: tuple[str, ...] = METHODS,
+    swap: bool = False,
     out: str | Path | None = None,
     command: str = "flywheel bench delta",
 ) -> dict:
     cfg = getattr(settings, "pretrain", None) or PretrainSection()
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    model, data, what = _base(settings, cfg, console)
+    model, data, what, tok, corpus = _base(settings, cfg, console)
     results: dict = {
         "command": command, "weights": what, "steps_per_version": steps, "versions": versions, "zstd_level": level,
         "zstd_threads": threads, "torch_threads": torch.get_num_threads(), "batch": [BATCH, SEQ_LEN], "runs": [],
     }  # fmt: skip
+    series = []
     for lr in lrs:
         with console.status(f"lr {lr:g}: {steps * versions} training steps"):
             states = checkpoint_series(model, data, cfg, lr, steps, versions)
         packed = [pack_checkpoint(s, cfg.fp4 if cfg.fp4 != "off" else "nvfp4") for s in states]
+        series.append(packed)
         for v in range(1, len(states)):
             pair = {"lr": lr, "pair": [v - 1, v], "forms": {}}
             forms = {"packed fp4": (packed[v - 1], packed[v]), "bf16": (to_hf_tensors(packed[v - 1]), to_hf_tensors(packed[v]))}
@@ -272,10 +282,15 @@ def run_bench(
             pair["flywheel_parts"] = part_ratios(packed[v - 1], packed[v], level)
             pair["changed"] = changed_fraction(packed[v - 1], packed[v])
             results["runs"].append(pair)
+    if swap:
+        with console.status("swap: starting vLLM, then swaps under load"):
+            results["swap"] = asyncio.run(bench_swap(model.args, tok, series[0], [f.text for f in corpus.heldout], settings, lr=lrs[0]))
     results["wall_s"] = time.perf_counter() - t0
     console.print(_table(results))
     for line in _notes(results):
         console.print(line)
+    if swap:
+        console.print(_swap_table(results["swap"]))
     console.print(f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, zstd threads {threads})")
     if out:
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
@@ -308,3 +323,96 @@ def _notes(r: dict) -> list[str]:
             f"packed bytes); changed: {ch['fp4_code_bytes']:.2%} of FP4 code bytes, {ch['bf16_elements']:.1%} of bf16 elements"
         )
     return out
+
+
+# --- swaps under load --------------------------------------------------------------------------
+
+
+async def bench_swap(args: ModelArgs, tok, packed: list[dict], texts: list[str], settings, *, lr: float, clients: int = 8,
+                     max_tokens: int = 32, steady_s: float = 8.0, gap_s: float = 3.0) -> dict:  # fmt: skip
+    """Publish `packed` (v0, v1, ...) to a temporary store, serve v0 with vLLM, keep `clients`
+    concurrent greedy completions going, swap to each later version in turn, and measure."""
+    import os
+
+    from learner.export import export_hf
+    from learner.store import open_store
+    from serving.engine import SamplingSpec, VLLMEngine
+    from serving.hotswap import HotSwapper
+    from serving.replica import CompletionService, GenerateRequest
+    from serving.settings import EngineSettings, ServeSettings
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-swap-"))
+    store = open_store(tmp / "store")
+    for v, c in enumerate(packed):
+        store.publish(c, parent=v - 1 if v else None)
+    with torch.device("meta"):
+        served = Transformer(args)
+    served.load_state_dict({k: t.float() for k, t in to_hf_tensors(packed[0]).items()}, assign=True)
+    folder = export_hf(served, args, tok, tmp / "hf")  # exactly v0's bf16 tensors
+    n_ctx = args.max_seq_len  # vLLM refuses a window beyond the model's positions
+    cfg = ServeSettings(engine=EngineSettings(max_model_len=n_ctx, max_num_seqs=16), context_budget=n_ctx - max_tokens - 16, summary_chunk_tokens=32)
+    t_start = time.perf_counter()
+    engine = VLLMEngine(folder, cfg.engine)
+    started_s = time.perf_counter() - t_start
+    try:
+        service = CompletionService(engine, tok, cfg, version=0)
+        swapper = HotSwapper(service, store)
+        swapper.adopt(0)
+        prompts = [t[:200] for t in texts if len(t) > 200][:64] or ["def f(x):\n    return "]
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, stream=False)
+        done: list[tuple[float, float, bool, int]] = []  # start, end, ok, version
+        stop = asyncio.Event()
+
+        async def client(c: int) -> None:
+            i = 0
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    r = await service.complete(GenerateRequest(f"b{c}-{i}", prompts[(c * 7 + i) % len(prompts)], None, "", spec))
+                    done.append((t0, time.perf_counter(), True, r.model_version))
+                except Exception:
+                    done.append((t0, time.perf_counter(), False, -1))
+                i += 1
+
+        await service.complete(GenerateRequest("warmup", prompts[0], None, "", spec))
+        tasks = [asyncio.create_task(client(c)) for c in range(clients)]
+        await asyncio.sleep(steady_s)
+        windows, reports = [], []
+        for v in range(1, len(packed)):
+            t0 = time.perf_counter()
+            reports.append(await swapper.swap_to(v))
+            windows.append((t0, time.perf_counter()))
+            await asyncio.sleep(gap_s)
+        stop.set()
+        await asyncio.gather(*tasks)
+    finally:
+        engine.shutdown()
+
+    def overlaps(s: float, e: float) -> bool:
+        return any(s < we and e > ws for ws, we in windows)
+
+    during = [e - s for s, e, ok, _ in done if ok and overlaps(s, e)]
+    steady = [e - s for s, e, ok, _ in done if ok and s > t_start and e < windows[0][0]] if windows else []
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    return {
+        "lr": lr, "clients": clients, "max_tokens": max_tokens, "engine_start_s": started_s,
+        "requests": len(done), "failed": sum(not ok for *_, ok, _ in done),
+        "steady": {"n": len(steady), "p50_s": pct(steady, 50), "p99_s": pct(steady, 99)},
+        "during_swap": {"n": len(during), "p50_s": pct(during, 50), "p99_s": pct(during, 99)},
+        "swaps": [{"to": r.target, "tensors": r.tensors_reloaded, "reload_bytes": r.reload_bytes, "prepare_s": r.prepare_s,
+                   "pause_s": r.pause_s, "drain_s": r.drain_s, "reload_s": r.reload_s} for r in reports],
+    }  # fmt: skip
+
+
+def _swap_table(s: dict) -> Table:
+    t = Table(title=f"swaps under load: {s['clients']} clients, {s['max_tokens']}-token greedy completions, lr {s['lr']:g} versions")
+    for name in ("swap", "tensors", "MB", "prepare s", "pause s", "drain s", "reload s"):
+        t.add_column(name, justify="right")
+    for w in s["swaps"]:
+        t.add_row(f"v{w['to'] - 1}->v{w['to']}", str(w["tensors"]), f"{w['reload_bytes'] / 1e6:.2f}", f"{w['prepare_s']:.3f}",
+                  f"{w['pause_s']:.3f}", f"{w['drain_s']:.3f}", f"{w['reload_s']:.3f}")  # fmt: skip
+    st, du = s["steady"], s["during_swap"]
+    t.caption = (f"latency p50/p99: steady {st['p50_s']:.2f}/{st['p99_s']:.2f} s (n={st['n']}), overlapping a swap "
+                 f"{du['p50_s']:.2f}/{du['p99_s']:.2f} s (n={du['n']}); failed {s['failed']} of {s['requests']}")  # fmt: skip
+    return t

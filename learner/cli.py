@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--versions", type=int, default=2, help="versions per learning rate (default 2)")
     d.add_argument("--level", type=int, default=3, help="zstd level for every zstd-based method (default 3)")
     d.add_argument("--threads", type=int, default=-1, help="zstd threads (-1: all cores)")
+    d.add_argument("--swap", action="store_true", help="also swap the versions into vLLM under load: pause, p99, failures")
     d.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(d)
     d.set_defaults(fn=cmd_bench_delta)
@@ -98,5 +99,5 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
     from learner.bench_delta import run_bench
 
     run_bench(s, console, lrs=tuple(args.lr), steps=args.steps, versions=args.versions, level=args.level, threads=args.threads,
-              out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))  # fmt: skip
+              swap=args.swap, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))  # fmt: skip
     return 0
