@@ -36,7 +36,9 @@ that its weights equal any stored version (it was started from a model folder), 
 first swap reloads every tensor; `adopt(version)` declares the weights equal to a stored
 version instead.
 
-The metrics live in the process that swaps (each Ray Serve replica).
+Who calls `swap_to`: `ModelReplica.swap_to` (serving/app.py) over Ray; a listener on the
+versions topic or the rollout controller decides when. The metrics live in the process that
+swaps (each Ray Serve replica), not in the ingress's /metrics.
 """
 
 from __future__ import annotations

@@ -12,13 +12,14 @@ import time
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from safetensors.torch import load_file
 
 from learner import delta as D
 from learner import store as S
 from learner.model import ModelArgs, Transformer
 from serving.engine import Sample, SamplingSpec
-from serving.hotswap import SWAP_FAILURES, HotSwapper, SwapError, reload_set, vllm_layer
+from serving.hotswap import HotSwapper, SwapError, reload_set, vllm_layer
 from serving.replica import CompletionService, GenerateRequest
 from serving.settings import EngineSettings, ServeSettings
 from tests.learner.test_delta import train_steps
@@ -180,12 +181,12 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     service = make_service(tok, engine)
     swapper = HotSwapper(service, S.open_store(tmp_path))
     await swapper.swap_to(1)
-    reloads, before = len(engine.reloads), SWAP_FAILURES._value.get()
+    reloads, before = len(engine.reloads), REGISTRY.get_sample_value("flywheel_swap_failures_total")
     with pytest.raises(SwapError, match="corrupt"):
         await swapper.swap_to(2)
     assert service.version == 1 and len(engine.reloads) == reloads and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
     assert "v1 -> v2" in swapper.last_swap_error and swapper.status()["failures"] == 1
-    assert SWAP_FAILURES._value.get() == before + 1
+    assert REGISTRY.get_sample_value("flywheel_swap_failures_total") == before + 1
     assert (await service.complete(request(1))).model_version == 1  # and it keeps serving
     # a version that is not in the store, and a drain that does not finish, fail the same way
     report = await swapper.swap_report(9)
