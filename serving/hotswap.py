@@ -161,6 +161,10 @@ class GatedEngine:
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
 
+    @property
+    def admitting(self) -> bool:
+        return self._open.is_set()
+
     @contextlib.asynccontextmanager
     async def paused(self, drain_timeout_s: float):
         """Close admission and wait until nothing is in flight; reopen on exit, whatever happens."""

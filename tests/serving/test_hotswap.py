@@ -43,11 +43,14 @@ class WeightsEngine:
         self.weights, self.version, self.delay = dict(weights), version, token_delay_s
         self.reloads: list[list[str]] = []
         self.fail_reloads = 0
+        self.hold: asyncio.Event | None = None  # when set up, requests wait for it before each token
 
     async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
         ids = []
         for k in range(spec.max_tokens):
             await asyncio.sleep(self.delay)
+            if self.hold is not None:
+                await self.hold.wait()
             ids.append(self.version)
             done = k == spec.max_tokens - 1
             yield [Sample(index=0, token_ids=list(ids), logprobs=[0.0] * len(ids), text="", finish_reason="length" if done else None)]
@@ -150,15 +153,17 @@ def test_a_swap_reloads_whole_vllm_layers():
 @sync
 async def test_in_flight_requests_finish_on_old_weights_new_ones_wait(tok, published):
     root, ckpts = published
-    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0, token_delay_s=0.02)
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0, token_delay_s=0.03)
     service = make_service(tok, engine)
     swapper = HotSwapper(service, S.open_store(root))
     swapper.adopt(0)
 
-    old = [asyncio.create_task(service.complete(request(i, max_tokens=10))) for i in range(3)]
+    old = [asyncio.create_task(service.complete(request(i, max_tokens=20))) for i in range(3)]
     await asyncio.sleep(0.05)  # they are generating
     swap = asyncio.create_task(swapper.swap_to(1))
-    await asyncio.sleep(0.03)
+    while swapper.gate.admitting:  # the swap has fetched and verified v1 and closed admission
+        await asyncio.sleep(0.001)
+    draining = swapper.gate.inflight
     new = [asyncio.create_task(service.complete(request(10 + i))) for i in range(3)]  # arrive during the drain
     report = await swap
     results = await asyncio.gather(*old, *new)
@@ -166,7 +171,7 @@ async def test_in_flight_requests_finish_on_old_weights_new_ones_wait(tok, publi
         # every token came from one version, and the result says which
         assert set(r.samples[0].token_ids) == {r.model_version}, (r.model_version, r.samples[0].token_ids)
     assert [r.model_version for r in results] == [0, 0, 0, 1, 1, 1]
-    assert report.drain_s > 0.05 and report.pause_s >= report.drain_s
+    assert report.pause_s >= report.drain_s > (0.01 if draining else 0)
 
 
 @sync
@@ -191,14 +196,14 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     # a version that is not in the store, and a drain that does not finish, fail the same way
     report = await swapper.swap_report(9)
     assert not report["ok"] and report["version"] == 1 and "not in the store" in report["error"]
-    engine.delay = 0.2
+    engine.hold = asyncio.Event()
     swapper.drain_timeout_s = 0.05
-    slow = asyncio.create_task(service.complete(request(2, max_tokens=3)))
+    stuck = asyncio.create_task(service.complete(request(2, max_tokens=3)))
     await asyncio.sleep(0.01)
     with pytest.raises(SwapError, match="did not finish"):
         await swapper.swap_to(0)
-    engine.delay = 0.0
-    assert (await slow).model_version == 1 and (await service.complete(request(3))).model_version == 1  # admission reopened
+    engine.hold.set()
+    assert (await stuck).model_version == 1 and (await service.complete(request(3))).model_version == 1  # admission reopened
 
 
 @sync
