@@ -66,7 +66,6 @@ SWAP_PAUSE = Histogram(
     "Time admission was closed for a weight swap (drain + reload)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
-WORKER_METHOD = "flywheel_load_weights"
 
 
 class SwapError(RuntimeError):
