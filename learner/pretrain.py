@@ -192,11 +192,11 @@ def run_folder(settings: FlywheelSettings, cfg: PretrainSection, corpus_fingerpr
     return Path(settings.cache_dir).expanduser() / "base" / cfg.size / cache_key(cfg, corpus_fingerprint)[:16]
 
 
-def _section(settings: FlywheelSettings) -> PretrainSection:
+def pretrain_section(settings: FlywheelSettings) -> PretrainSection:
     return getattr(settings, "pretrain", None) or PretrainSection()
 
 
-def _load_corpus(cfg: PretrainSection) -> Corpus:
+def load_training_corpus(cfg: PretrainSection) -> Corpus:
     try:
         return load_corpus(cfg.corpus, heldout_fraction=cfg.heldout_fraction, max_file_bytes=cfg.max_file_kb * 1024)
     except ValueError as e:
@@ -214,8 +214,8 @@ def finished_base(folder: Path, cfg: PretrainSection) -> dict | None:
 
 def find_base_model(settings: FlywheelSettings) -> Path | None:
     """The finished base's run folder for these settings, or None; never trains."""
-    cfg = _section(settings)
-    folder = run_folder(settings, cfg, _load_corpus(cfg).fingerprint)
+    cfg = pretrain_section(settings)
+    folder = run_folder(settings, cfg, load_training_corpus(cfg).fingerprint)
     return folder if finished_base(folder, cfg) else None
 
 
@@ -224,9 +224,9 @@ def ensure_base_model(settings: FlywheelSettings, console: Console, *, force: bo
     it first (or resuming its interrupted training) unless a finished one is cached.
 
     Raises UserError (one line) on a missing or empty corpus."""
-    cfg = _section(settings)
+    cfg = pretrain_section(settings)
     torch.set_num_threads(cfg.threads)
-    corpus = _load_corpus(cfg)
+    corpus = load_training_corpus(cfg)
     folder = run_folder(settings, cfg, corpus.fingerprint)
     if force and folder.exists():
         shutil.rmtree(folder)
@@ -277,7 +277,7 @@ def train(
 
     torch.manual_seed(cfg.seed)
     model = Transformer(args).to(device).train()
-    opt = _optimizer(model, cfg)
+    opt = make_optimizer(model, cfg)
     state = _State(history=[])
     if (folder / CHECKPOINT).is_file():
         state = _load_checkpoint(folder / CHECKPOINT, model, opt)
@@ -391,7 +391,7 @@ def _tokenizer(folder: Path, files: list[SourceFile], cfg: PretrainSection, cons
     return tok
 
 
-def _optimizer(model: Transformer, cfg: PretrainSection) -> torch.optim.Optimizer:
+def make_optimizer(model: Transformer, cfg: PretrainSection) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from learner.corpus import TrainingData, heldout_windows, is_heldout, load_corpus, token_stream
+from learner.tokenizer import EOS_ID, FIM_PREFIX_ID, SUMMARY_START_ID, train_tokenizer
+
+
+def write_corpus(root, n=30):
+    for i in range(n):
+        sub = root / ("pkg" if i % 2 else "lib") / f"m{i}.py"
+        sub.parent.mkdir(parents=True, exist_ok=True)
+        sub.write_text(f"import os\n\nclass C{i}:\n    def f(self, x={i}):\n        return x * {i}\n\n\ndef g{i}(a, b):\n    return a + b\n" * 3)
+    (root / "notes.bin").write_bytes(b"\xff\xfe binary")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "skip.py").write_text("x = 1\n")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "skip.py").write_text("x = 1\n")
+    return root
+
+
+def test_split_is_deterministic_disjoint_and_by_path(tmp_path):
+    root = write_corpus(tmp_path)
+    a = load_corpus(root, heldout_fraction=0.2)
+    b = load_corpus(root, heldout_fraction=0.2)
+    train, held = {f.path for f in a.train}, {f.path for f in a.heldout}
+    assert train and held and not train & held
+    assert len(train | held) == 30  # hidden, cache and non-source files skipped
+    assert held == {f.path for f in b.heldout} and a.fingerprint == b.fingerprint
+    assert all(is_heldout(p, 0.2) for p in held) and not any(is_heldout(p, 0.2) for p in train)
+
+    # adding a file moves no other file across; changing content changes the fingerprint
+    (root / "new.py").write_text("y = 2\n")
+    c = load_corpus(root, heldout_fraction=0.2)
+    assert {f.path for f in c.heldout} - {"new.py"} == held
+    assert c.fingerprint != a.fingerprint
+
+
+def test_default_corpus_is_the_stdlib_without_tests():
+    c = load_corpus(None)
+    paths = {f.path for f in c.train + c.heldout}
+    assert "textwrap.py" in paths and "asyncio/tasks.py" in paths
+    assert not any(p.startswith("test/") or "/tests/" in p or "site-packages" in p for p in paths)
+    assert 0.02 < len(c.heldout) / len(paths) < 0.1
+
+
+def test_bad_corpus_folders(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_corpus(tmp_path / "missing")
+    (tmp_path / "a.txt").write_text("not code")
+    with pytest.raises(ValueError, match="usable source file"):
+        load_corpus(tmp_path)
+
+
+def test_training_rows_are_a_function_of_seed_and_step(tmp_path):
+    c = load_corpus(write_corpus(tmp_path), heldout_fraction=0.2)
+    tok = train_tokenizer((f.text for f in c.train), 400)
+    data = TrainingData(tok, c.train, seq_len=64, batch_size=32, fim_rate=0.5, summary_rate=0.3, seed=0)
+    b = data.batch(7)
+    assert b.shape == (32, 65) and b.dtype == torch.long
+    assert torch.equal(b, data.batch(7)) and not torch.equal(b, data.batch(8))
+    other = TrainingData(tok, c.train, seq_len=64, batch_size=32, fim_rate=0.5, summary_rate=0.3, seed=1)
+    assert not torch.equal(b, other.batch(7))
+    starts = b[:, 0].tolist()
+    assert FIM_PREFIX_ID in starts and (b == SUMMARY_START_ID).any()  # all three kinds of rows
+
+    stream = token_stream(tok, c.heldout)
+    assert (stream == EOS_ID).sum() == len(c.heldout)
+    w = heldout_windows(stream, 16, 4)
+    assert w.shape[1] == 17 and torch.equal(w, heldout_windows(stream, 16, 4))
