@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 import random
 import sysconfig
 from collections.abc import Sequence
@@ -216,15 +215,12 @@ class TrainingData:
         f, text = self._chunk(rng, None, rng.randint(self.seq_len, 3 * self.seq_len))
         if len(text) < 2:
             return None
-        # Middle length log-uniform from 1 character to half the chunk: mostly short
-        # completions, as an editor asks for, and some multi-line ones.
-        n = min(len(text) - 1, int(math.exp(rng.uniform(0, math.log(max(2, len(text) // 2))))))
-        a = rng.randrange(len(text) - n + 1)
+        a, b = fim_span(text, rng)
         header = fim_header(language=f.language, path=f.path) if rng.random() < 0.5 else ""
         prefix = text[:a]
         if f.language == "python" and rng.random() < self.summary_context_rate:
             prefix = summarized_prefix(prefix, rng)
-        ids = fim_example_ids(self.tok, prefix, text[a : a + n], text[a + n :], header)
+        ids = fim_example_ids(self.tok, prefix, text[a:b], text[b:], header)
         return ids if len(ids) <= self.seq_len + 1 else None
 
     def _summary(self, rng: random.Random) -> list[int] | None:
@@ -237,6 +233,24 @@ class TrainingData:
                 ids = summary_example_ids(self.tok, text, summary)
                 return ids if len(ids) <= self.seq_len + 1 else None
         return None
+
+
+def fim_span(text: str, rng: random.Random) -> tuple[int, int]:
+    """Where the middle of a FIM example goes, [a, b), from a random cursor `a`.
+
+    Half the time it runs to the end of the cursor's line and sometimes a few lines more,
+    which is what an editor asks for. Half the time it ends anywhere after the cursor, as in
+    the FIM paper: those long middles carry most of the FIM training signal (short ones
+    alone, a few tokens per example, did not teach a small model to use the suffix).
+    """
+    a = rng.randrange(len(text))
+    if rng.random() < 0.5:
+        b = a
+        for _ in range(1 + min(3, int(rng.expovariate(1.0)))):  # 1 line 63% of the time, at most 4
+            nl = text.find("\n", b)
+            b = len(text) if nl < 0 else nl + 1
+        return a, b
+    return a, rng.randint(a + 1, len(text))
 
 
 def summarized_prefix(prefix: str, rng: random.Random) -> str:

@@ -11,8 +11,8 @@ Each step (see `train_step`):
      gradient clipping, warmup then cosine decay.
 
 Run folder `<cache_dir>/base/<size>/<key>/`, key = sha256 of the corpus contents, the model
-size and every setting that changes the model (pretrain_settings.NOT_IN_CACHE_KEY lists the
-ones that do not):
+size, RECIPE_VERSION and every setting that changes the model (pretrain_settings.NOT_IN_CACHE_KEY
+lists the ones that do not):
 
     run.json            the settings and corpus of this key
     tokenizer/          trained once, before the first step
@@ -61,6 +61,9 @@ from ops.config import FlywheelSettings
 from ops.errors import UserError
 
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
+# Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
+# so a cached base made by the old recipe is not reused.
+RECIPE_VERSION = 2
 
 
 # --- pure pieces ------------------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def model_args(cfg: PretrainSection) -> ModelArgs:
 
 
 def cache_key(cfg: PretrainSection, corpus_fingerprint: str) -> str:
-    blob = {"settings": cfg.cache_key_fields(), "model": model_args(cfg).to_dict(), "corpus": corpus_fingerprint}
+    blob = {"settings": cfg.cache_key_fields(), "model": model_args(cfg).to_dict(), "corpus": corpus_fingerprint, "recipe": RECIPE_VERSION}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 

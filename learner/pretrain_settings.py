@@ -31,7 +31,7 @@ class PretrainSection(Section):
     """Training sequence length in tokens; also the exported model's max_position_embeddings."""
     batch_size: int = Field(default=16, ge=1)
     """Sequences per optimizer step."""
-    minutes: float = Field(default=24.0, gt=0)
+    minutes: float = Field(default=26.0, gt=0)
     """Training time budget in minutes, summed over resumed runs; the learning-rate schedule
     follows it when `steps` is not set. Tokenizer, final evaluation and export come on top."""
     steps: int | None = Field(default=None, ge=1)
