@@ -104,12 +104,10 @@ async def _evaluate(service, builders: dict[str, PromptBuilder], examples: list[
 
 
 def run(settings, model_dir: Path, *, n: int, budget: int, max_tokens: int, seed: int, progress) -> dict:
-    import json
-
     from learner.corpus import load_corpus
-    from serving.replica import load_service
+    from serving.replica import load_service, model_window
 
-    window = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] - max_tokens
+    window = model_window(model_dir) - max_tokens
     if budget >= window:
         raise ValueError(f"--budget {budget} must be below the model's window ({window} tokens after {max_tokens} for the completion)")
     service = load_service(model_dir, settings.serve, version=0)

@@ -1,6 +1,7 @@
 """Serving overhead: bare vLLM AsyncLLM in-process against Flywheel over HTTP via Ray Serve.
 
-Same model, same prompts, same sampling, same concurrency, same machine, one run. The
+Same model, same fill-in-the-middle prompts (token for token), same sampling, same
+concurrency, same machine, one run. The
 baseline calls the engine directly; Flywheel's path adds HTTP, the FastAPI ingress, a
 Ray Serve handle hop to the replica, prompt building, and the completion record to Kafka.
 The baseline runs first and its engine is shut down before Flywheel starts, so the two
@@ -18,11 +19,12 @@ from pathlib import Path
 
 from serving.engine import SamplingSpec
 
+# (prefix, suffix): fill-in-the-middle, what editors send.
 PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):\n    ",
-    "class Config:\n    def __init__(self, path):\n        self.path = path\n\n    def load(self):\n        ",
-    "def read_lines(path):\n    with open(path) as f:\n        ",
-    "for key, value in sorted(items.items()):\n    ",
+    ("import os\nimport sys\n\n\ndef main(argv):\n    ", "\n\n\nif __name__ == '__main__':\n    main(sys.argv)\n"),
+    ("class Config:\n    def __init__(self, path):\n        self.path = path\n\n    def load(self):\n        ", "\n        return data\n"),
+    ("def read_lines(path):\n    with open(path) as f:\n        ", "\n    return lines\n"),
+    ("for key, value in sorted(items.items()):\n    ", "\nprint(total)\n"),
 ]
 
 
@@ -59,7 +61,7 @@ async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int
         async with sem:
             t0 = time.perf_counter()
             try:
-                tokens += await one(PROMPTS[i % len(PROMPTS)])
+                tokens += await one(*PROMPTS[i % len(PROMPTS)])
             except Exception:  # counted, not fatal: the benchmark reports failures
                 errors += 1
             lat.append((time.perf_counter() - t0) * 1000)
@@ -70,16 +72,19 @@ async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int
 
 
 async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tokens: int) -> Side:
+    from learner.fim import fim_prompt_ids
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
 
-    tok = load_tokenizer(model_dir)
-    engine = VLLMEngine(model_dir, settings.serve.engine)
-    spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0)
+    from serving.replica import model_window
 
-    async def one(prompt: str) -> int:
+    tok = load_tokenizer(model_dir)
+    engine = VLLMEngine(model_dir, settings.serve.fitted_to(model_window(model_dir)).engine)
+    spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, stream=False)  # as the replica asks for non-streaming requests
+
+    async def one(prefix: str, suffix: str) -> int:
         final = []
-        async for final in engine.generate(tok.encode(prompt).ids, spec, uuid.uuid4().hex):
+        async for final in engine.generate(fim_prompt_ids(tok, prefix, suffix), spec, uuid.uuid4().hex):
             pass
         return len(final[0].token_ids)
 
@@ -96,8 +101,8 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
 
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
 
-        async def one(prompt: str) -> int:
-            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        async def one(prefix: str, suffix: str) -> int:
+            r = await client.post("/v1/completions", json={"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0})
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 

@@ -104,11 +104,16 @@ class CompletionService:
         )
 
 
-def load_service(model_dir: Path, cfg: ServeSettings, version: int) -> CompletionService:
+def model_window(model_dir: Path) -> int:
+    """The model's context window (`max_position_embeddings` of its config.json)."""
     import json
 
+    return json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+
+
+def load_service(model_dir: Path, cfg: ServeSettings, version: int) -> CompletionService:
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
 
-    cfg = cfg.fitted_to(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    cfg = cfg.fitted_to(model_window(model_dir))
     return CompletionService(VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), cfg, version)
