@@ -142,9 +142,11 @@ def test_a_late_arriving_event_recomputes_the_reward(engine):
     assert (r.outcome, r.model_version, r.components["outcome"]) == ("select", 1, "select")
 
 
-def test_a_message_the_database_refuses_is_set_aside_alone(engine):
-    if engine.dialect.name != "postgresql":
-        pytest.skip("SQLite stores NUL characters; PostgreSQL text cannot")
+@pytest.mark.postgres
+def test_a_message_the_database_refuses_is_set_aside_alone(postgres_url):
+    """PostgreSQL text cannot hold NUL characters (SQLite stores them, so it has no such case)."""
+    engine = db.make_engine(postgres_url)
+    db.upgrade(engine)
     o = Offsets()
     bad = completion("nul", created_at=T0).model_copy(update={"prompt_text": "a\x00b"})
     good = [o(completion(f"ok{i}", created_at=T0)) for i in range(3)]
