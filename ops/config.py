@@ -162,7 +162,7 @@ class FlywheelSettings(BaseSettings):
 
 
 class StackSettings(FlywheelSettings):
-    """`flywheel up | down | status | db | query`: the local stack and the database."""
+    """`flywheel up | down | status | db`: the local stack and the database."""
 
 
 def _resolve_config_file(config_file: str | Path | None) -> Path | None:

@@ -129,7 +129,24 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     progress(f"deploying model v{version} from {model_dir} ({cfg.replicas} replica(s); vLLM start-up takes ~30 s)")
     serve.run(build(settings, model_dir, version), name=APP_NAME, route_prefix="/", blocking=False)
+    progress("warming up the engine (vLLM's first step is slow)")
+    warm_up(version, cfg.replicas)
     return f"http://{cfg.host}:{cfg.port}"
+
+
+def warm_up(version: int, replicas: int) -> None:
+    """One tiny request per replica, so no user pays for vLLM's first step (~15 s on a CPU)."""
+    import asyncio
+
+    from serving.engine import SamplingSpec
+
+    handle = serve.get_deployment_handle(f"replica-v{version}", APP_NAME)
+    req = GenerateRequest(completion_id="warmup", prefix="def main():\n    ", suffix="\n", header="", spec=SamplingSpec(max_tokens=2, temperature=0.0))
+
+    async def all_replicas():
+        await asyncio.gather(*(handle.complete.remote(req) for _ in range(replicas)))
+
+    asyncio.run(all_replicas())
 
 
 def stop() -> None:
