@@ -35,7 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from kafka.errors import KafkaError
+
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
+from ops.errors import UserError
 
 EventSender = Callable[[list[FeedbackEvent]], None]
 
@@ -333,7 +336,7 @@ def _delete_topics(settings, names: list[str]) -> None:
             client.delete_topics(names)
         finally:
             client.close()
-    except Exception:  # best effort: a leftover bench topic is harmless
+    except (UserError, KafkaError, OSError):  # best effort: a leftover bench topic is harmless
         pass
 
 

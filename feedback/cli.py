@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from ops.console import add_config_args, console, print_config
+from ops.console import add_config_args, bench_subcommands, console, print_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,8 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_config_args(r)
     r.set_defaults(fn=cmd_retention)
-
-    from learner.cli import bench_subcommands
 
     b = bench_subcommands(sub).add_parser(
         "ingest",

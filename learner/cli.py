@@ -3,7 +3,7 @@
     flywheel pretrain [--corpus DIR] [--size small] [--minutes N] [--steps N] [--fp4 nvfp4|mxfp4|off] [--force]
     flywheel bench fp4 [--steps N] [--out results.json]
 
-`flywheel bench` is shared: other packages add their benchmarks with `bench_subcommands(sub)`.
+`flywheel bench` is shared: each package adds its benchmarks with ops.console.bench_subcommands(sub).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import shlex
 import sys
 
-from ops.console import add_config_args, console, print_config
+from ops.console import add_config_args, bench_subcommands, console, print_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,15 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(d)
     d.set_defaults(fn=cmd_bench_delta)
-
-
-def bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """The subcommands of `flywheel bench`, creating the `bench` command on first use."""
-    bench = sub.choices.get("bench")
-    if bench is None:
-        bench = sub.add_parser("bench", help="benchmarks, each against its baseline", description="Benchmarks, each against its baseline.")
-        bench.set_defaults(bench_sub=bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK", parser_class=type(bench)))
-    return bench.get_default("bench_sub")
 
 
 def _settings(args: argparse.Namespace, flags: dict[str, object]):

@@ -43,3 +43,12 @@ def progress_line() -> tuple[Callable[[str], None], Any]:
             console.print(f"  {msg}", markup=False)
 
     return update, status
+
+
+def bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The subcommands of `flywheel bench`, creating the `bench` command on first use."""
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks, each against its baseline", description="Benchmarks, each against its baseline.")
+        bench.set_defaults(bench_sub=bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK", parser_class=type(bench)))
+    return bench.get_default("bench_sub")

@@ -7,7 +7,7 @@ import signal
 import threading
 from pathlib import Path
 
-from ops.console import add_config_args, console, print_config, progress_line
+from ops.console import add_config_args, bench_subcommands, console, print_config, progress_line
 from ops.errors import UserError
 
 
@@ -16,8 +16,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the completion API (Ray Serve + vLLM)", description="run the completion API (Ray Serve + vLLM)")
     add_config_args(p)
     p.set_defaults(fn=cmd_serve)
-
-    from learner.cli import bench_subcommands
 
     b = bench_subcommands(sub).add_parser(
         "serve",

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from learner.bench_fp4 import quant_error, replay_kl
-from learner.cli import bench_subcommands, cmd_bench_fp4
+from learner.cli import cmd_bench_fp4
+from ops.console import bench_subcommands
 from learner.model import ModelArgs, Transformer
 from ops.cli import build_parser
 from tests.helpers import flywheel

@@ -67,7 +67,6 @@ def stack(tmp_path_factory, model_dir):
     )
     url = app.start(s, model_dir, version=0)
     client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
-    client.post("/v1/completions", json={"prompt": "warm up", "max_tokens": 2})  # vLLM's first step is slow
     try:
         yield s, url, client
     finally:
