@@ -213,6 +213,39 @@ rollout_steps = Table(
 )
 
 
+# Serving topology (migration 0003): which version each replica pool should serve and the
+# canary's traffic share. The rollout controller (or `flywheel swap`) writes it; serving
+# replicas and the ingress poll it (serving/pools.py), so the state lives in one place and
+# survives restarts of every process.
+serving_pools = Table(
+    "serving_pools",
+    metadata,
+    Column("pool", String(32), primary_key=True, comment="stable | canary"),
+    Column("version", Integer, nullable=True, comment="target model version; NULL: the pool serves no users"),
+    Column("traffic_percent", Float, nullable=False, comment="share of users routed here (stable: the rest)"),
+    Column("rollout_id", Id, comment="the rollout that set it, if any"),
+    Column("updated_at", TS, nullable=False, server_default=func.now()),
+)
+
+# One row per hot swap a replica attempted (serving/hotswap.py), for the dashboard and ops.
+swap_events = Table(
+    "swap_events",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pool", String(32), nullable=False),
+    Column("replica", String(128), nullable=False),
+    Column("from_version", Integer, nullable=False),
+    Column("to_version", Integer, nullable=False),
+    Column("ok", Boolean, nullable=False),
+    Column("pause_s", Float, nullable=False),
+    Column("prepare_s", Float, nullable=False),
+    Column("tensors_reloaded", Integer, nullable=False),
+    Column("fetched_bytes", BigInteger, nullable=False),
+    Column("error", Text),
+    Column("at", TS, nullable=False, server_default=func.now(), index=True),
+)
+
+
 # --- engines and migrations -------------------------------------------------------------------
 
 

@@ -62,6 +62,7 @@ class ApiState:
     editor_tokens: set[str]
     decode: Any  # token ids -> text (the served model's tokenizer)
     started: float = field(default_factory=time.time)
+    ops_tokens: set[str] = field(default_factory=set)
 
 
 # The Ray Serve ingress builds its own app in its replica process (`serve.ingress(build_app)`)
@@ -97,7 +98,24 @@ def require_editor(request: Request) -> str:
     return token
 
 
+def require_ops(request: Request) -> str:
+    """The caller's bearer token, if it is an ops token: 401 without a valid token, 403 for an
+    editor token (it authenticates, but may not act on rollouts) or when no ops token is set."""
+    st = _state(request)
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(401, "missing ops token: send `Authorization: Bearer <ops token>`", headers={"WWW-Authenticate": "Bearer"})
+    if any(hmac.compare_digest(token.encode(), t.encode()) for t in st.ops_tokens):
+        return token
+    if any(hmac.compare_digest(token.encode(), t.encode()) for t in st.editor_tokens):
+        raise HTTPException(403, "an editor token cannot perform ops actions; use an ops token (serve.ops_tokens)")
+    if not st.ops_tokens:
+        raise HTTPException(403, "ops endpoints are disabled: no ops token is configured (serve.ops_tokens)")
+    raise HTTPException(401, "invalid ops token", headers={"WWW-Authenticate": "Bearer"})
+
+
 EditorToken = Annotated[str, Depends(require_editor)]
+OpsToken = Annotated[str, Depends(require_ops)]
 StateDep = Annotated[ApiState, Depends(_state)]
 
 

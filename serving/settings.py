@@ -55,6 +55,11 @@ class ServeSettings(Section):
     """A file with one editor token per line (blank lines and `#` comments ignored)."""
     allow_anonymous: bool = False
     """Serve without tokens (local development only; refused unless set explicitly)."""
+    ops_tokens: list[SecretStr] = []
+    """Bearer tokens for ops actions (rollouts, swaps, the dashboard). Editor tokens never qualify.
+    Prefer `ops_tokens_file` or FLYWHEEL_SERVE__OPS_TOKENS. Empty: the ops endpoints refuse everyone."""
+    ops_tokens_file: Path | None = None
+    """A file with one ops token per line."""
 
     max_prompt_chars: int = Field(default=200_000, ge=1)
     """Longest prefix + suffix accepted, in characters; longer requests get 413."""
@@ -95,14 +100,21 @@ class ServeSettings(Section):
         )
 
     def editor_tokens(self) -> set[str]:
-        tokens = {t.get_secret_value() for t in self.auth_tokens if t.get_secret_value()}
-        if self.auth_tokens_file is not None:
-            try:
-                lines = self.auth_tokens_file.read_text().splitlines()
-            except OSError as e:
-                raise ValueError(f"cannot read serve.auth_tokens_file {self.auth_tokens_file}: {e.strerror}") from None
-            tokens |= {ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")}
-        return tokens
+        return _tokens(self.auth_tokens, self.auth_tokens_file, "serve.auth_tokens_file")
+
+    def ops_token_set(self) -> set[str]:
+        return _tokens(self.ops_tokens, self.ops_tokens_file, "serve.ops_tokens_file")
+
+
+def _tokens(inline: list[SecretStr], file: Path | None, what: str) -> set[str]:
+    tokens = {t.get_secret_value() for t in inline if t.get_secret_value()}
+    if file is not None:
+        try:
+            lines = file.read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read {what} {file}: {e.strerror}") from None
+        tokens |= {ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")}
+    return tokens
 
 
 class ServingSettings(FlywheelSettings):

@@ -1,0 +1,106 @@
+"""Which version each replica pool serves, and how users split between them: state in SQL.
+
+Serving runs two pools of model replicas (Ray Serve deployments): `stable`, which serves
+everyone by default, and `canary`, which serves the users a rollout assigns to it. The
+target state lives in the `serving_pools` table, written by whoever decides (the rollout
+controller, `flywheel swap`) and polled by the processes that act on it:
+
+  - each replica swaps itself in place to its pool's target version (serving/hotswap.py);
+  - the ingress routes users to the canary at `traffic_percent`, sticky by user hash
+    (serving/routing.py), once the canary replicas report the target version.
+
+Keeping it in the database (not in a process) means a controller, ingress or replica can
+restart and pick up where things stood, and the same code runs on a cluster whose nodes
+share only the database and the weight store. A pool without a row serves the version it
+was deployed with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+
+from feedback import db
+
+STABLE, CANARY = "stable", "canary"
+POOLS = (STABLE, CANARY)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The target state: stable's version (None: as deployed), the canary's version and share."""
+
+    stable: int | None = None
+    canary: int | None = None
+    canary_percent: float = 0.0
+
+    def target(self, pool: str) -> int | None:
+        return self.stable if pool == STABLE else self.canary
+
+
+def read(engine: Engine) -> Routes:
+    with engine.connect() as conn:
+        rows = {r.pool: r for r in conn.execute(select(db.serving_pools))}
+    stable, canary = rows.get(STABLE), rows.get(CANARY)
+    return Routes(
+        stable=stable.version if stable else None,
+        canary=canary.version if canary else None,
+        canary_percent=canary.traffic_percent if canary and canary.version is not None else 0.0,
+    )
+
+
+def _upsert(conn, pool: str, version: int | None, percent: float, rollout_id: int | None) -> None:
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    row = {"pool": pool, "version": version, "traffic_percent": percent, "rollout_id": rollout_id, "updated_at": datetime.now(UTC)}
+    stmt = insert(db.serving_pools).values(**row)
+    conn.execute(stmt.on_conflict_do_update(index_elements=[db.serving_pools.c.pool], set_={k: stmt.excluded[k] for k in row if k != "pool"}))
+
+
+def set_canary(engine: Engine, version: int, percent: float, *, rollout_id: int | None = None) -> None:
+    """Point the canary pool at `version` with `percent` of users (0 <= percent <= 100)."""
+    if not 0 <= percent <= 100:
+        raise ValueError(f"canary traffic must be within [0, 100] percent, got {percent}")
+    with engine.begin() as conn:
+        _upsert(conn, CANARY, version, percent, rollout_id)
+        stable = conn.execute(select(db.serving_pools.c.version).where(db.serving_pools.c.pool == STABLE)).scalar()
+        _upsert(conn, STABLE, stable, 100 - percent, rollout_id)
+
+
+def set_stable(engine: Engine, version: int, *, rollout_id: int | None = None) -> None:
+    """Every user to the stable pool, which serves `version`; the canary serves no one."""
+    with engine.begin() as conn:
+        _upsert(conn, STABLE, version, 100.0, rollout_id)
+        _upsert(conn, CANARY, None, 0.0, rollout_id)
+
+
+def clear_canary(engine: Engine, *, rollout_id: int | None = None) -> None:
+    """Every user back to the stable pool (a rollback); stable's version is unchanged."""
+    with engine.begin() as conn:
+        stable = conn.execute(select(db.serving_pools.c.version).where(db.serving_pools.c.pool == STABLE)).scalar()
+        _upsert(conn, STABLE, stable, 100.0, rollout_id)
+        _upsert(conn, CANARY, None, 0.0, rollout_id)
+
+
+def record_swap(engine: Engine, *, pool: str, replica: str, report: dict) -> None:
+    """Log one swap attempt (a serving.hotswap.SwapReport as a dict) in `swap_events`."""
+    plan = report.get("plan") or {}
+    with engine.begin() as conn:
+        conn.execute(
+            db.swap_events.insert().values(
+                pool=pool,
+                replica=replica,
+                from_version=report["from_version"],
+                to_version=report["target"],
+                ok=bool(report["ok"]),
+                pause_s=float(report.get("pause_s") or 0.0),
+                prepare_s=float(report.get("prepare_s") or 0.0),
+                tensors_reloaded=int(report.get("tensors_reloaded") or 0),
+                fetched_bytes=int(plan.get("nbytes") or 0),
+                error=report.get("error"),
+                at=datetime.now(UTC),
+            )
+        )
