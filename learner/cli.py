@@ -1,6 +1,7 @@
 """`flywheel` commands of the learner package (registered by ops/cli.py; heavy imports stay inside the commands).
 
     flywheel pretrain [--corpus DIR] [--size small] [--minutes N] [--steps N] [--fp4 nvfp4|mxfp4|off] [--force]
+    flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
     flywheel bench fp4 [--steps N] [--out results.json]
 
 `flywheel bench` is shared: each package adds its benchmarks with ops.console.bench_subcommands(sub).
@@ -32,6 +33,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="retrain even if a finished base is cached")
     add_config_args(p)
     p.set_defaults(fn=cmd_pretrain)
+
+    lp = sub.add_parser(
+        "learn",
+        help="the RL learner: rewarded feedback in, gated model versions out (as deltas)",
+        description="Train the model on rewarded completions from SQL (FP4 QAT with router replay, PPO-clip/TIS, KL to the base) "
+        "and publish a gated version every publish_every. Resumes from its checkpoint. Settings: the [learn] section.",
+    )
+    lp.add_argument("--publish-every", metavar="DURATION", help='publish cadence, e.g. 3h, 90s (learn.publish_every)')
+    lp.add_argument("--min-samples", type=int, help="samples trained before a publish (learn.min_samples)")
+    lp.add_argument("--lr", type=float, help="AdamW learning rate (learn.lr)")
+    lp.add_argument("--versions", type=int, metavar="N", help="stop after publishing N versions (default: run until Ctrl-C)")
+    add_config_args(lp)
+    lp.set_defaults(fn=cmd_learn)
 
     b = bench_subcommands(sub).add_parser(
         "fp4",
@@ -72,6 +86,33 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from learner.pretrain import ensure_base_model
 
     ensure_base_model(s, console, force=args.force)
+    return 0
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    from learner.learn_settings import LearnSettings
+
+    flags = {"publish_every": args.publish_every, "min_samples": args.min_samples, "lr": args.lr}
+    overrides = list(args.overrides) + [f"learn.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    s = LearnSettings.load(args.config, overrides)
+    print_config(s, "flywheel learn")
+    import signal
+    import threading
+
+    from learner.learn import Learner, describe
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with console.status("starting the learner") as status:
+        learner = Learner(s, progress=lambda p: (status.update(describe(p)), p.event.startswith("published") and console.print(describe(p))))
+        try:
+            learner.start()
+            status.update(f"learner at v{learner.state.version}, step {learner.state.step}; waiting for rewarded samples")
+            learner.run(stop, max_versions=args.versions)
+        except KeyboardInterrupt:
+            console.print("stopped; the learner's state is saved after every update")
+        finally:
+            learner.close()
     return 0
 
 

@@ -514,8 +514,8 @@ def open_store(uri: str | Path, **opts) -> Store:
 
 
 def default_store_uri(settings) -> str:
-    """`<cache_dir>/weights` of a FlywheelSettings, as a file:// URI."""
-    return (Path(settings.cache_dir).expanduser().absolute() / "weights").as_uri()
+    """`<data_dir>/weights` of a FlywheelSettings, as a file:// URI (published versions are state, not cache)."""
+    return (Path(settings.data_dir).expanduser().absolute() / "weights").as_uri()
 
 
 # --- announcing ----------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""The learner on a tiny pretrained base: samples from SQL, updates, checkpoints, publishes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+from feedback import db
+from learner import store as S
+from learner.learn import Learner, LearnerState, ReplayBuffer, Sample, make_batch, model_from_packed, read_samples
+from learner.model import ModelArgs
+from learner.pretrain import ensure_base_model
+from learner.tokenizer import EOS_ID
+from tests.learner.learn_support import ListProducer, make_corpus, reward_ids, tiny_learn_settings, write_samples
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(corpus, cache): a tiny base trained once for the module."""
+    root = tmp_path_factory.mktemp("learnbase")
+    corpus, cache = make_corpus(root / "corpus"), root / "cache"
+    ensure_base_model(tiny_learn_settings(root, corpus, cache), Console(file=io.StringIO()))
+    return corpus, cache
+
+
+def started(tmp_path, base, **learn) -> Learner:
+    corpus, cache = base
+    s = tiny_learn_settings(tmp_path, corpus, cache / "..", **learn)
+    s = s.model_copy(update={"cache_dir": cache})
+    lr = Learner(s, producer=ListProducer())
+    lr.start()
+    return lr
+
+
+def texts(n: int) -> list[str]:
+    import textwrap
+
+    src = open(textwrap.__file__).read()
+    return [src[i * 97 : i * 97 + 300] for i in range(n)]
+
+
+def test_replay_buffer_drops_stale_and_overflow():
+    def s(i, v):
+        return Sample(i, f"c{i}", 0, v, [1], [2], [-0.1], 0.0, "select")
+
+    b = ReplayBuffer(max_staleness=2, capacity=4)
+    b.add([s(1, 0), s(2, 1), s(3, 3), s(4, 3), s(5, 3)])
+    assert b.dropped_overflow == 1 and [x.reward_id for x in b.items] == [2, 3, 4, 5]
+    assert b.drop_stale(current_version=4) == 1 and b.dropped_stale == 1  # v1 lags 3 > 2
+    assert [x.reward_id for x in b.take(2)] == [3, 4] and len(b) == 1
+    c = ReplayBuffer(2, 4)
+    c.load_state_dict(b.state_dict())
+    assert [x.reward_id for x in c.items] == [5] and c.dropped_stale == 1
+
+
+def test_make_batch_aligns_targets_with_positions():
+    args = ModelArgs.from_name("tiny", vocab_size=50, max_seq_len=8)
+    a = Sample(1, "a", 0, 0, [5, 6, 7], [8, 9, EOS_ID], [-1.0, -2.0, -3.0], 1.0, "select")
+    b = Sample(2, "b", 0, 0, [1, 2, 3, 4, 5, 6, 7], [EOS_ID], [-0.5], 0.0, "no_suggestion")  # abstain
+    c = Sample(3, "c", 0, 0, list(range(10, 20)), [30, 31], [-1.0, -1.0], -0.25, "dismiss")  # prompt cut to fit 8
+    batch = make_batch([a, b, c], args)
+    assert batch.input_BS.shape[1] <= 7
+    for i, s in enumerate((a, b, c)):
+        n = len(s.token_ids)
+        assert batch.mask_BT[i].sum() == n
+        for t in range(n):
+            # the token at pos+1 of the full sequence is the target
+            full = torch.cat([batch.input_BS[i], batch.target_BT[i, -1:]])
+            assert batch.target_BT[i, t] == s.token_ids[t]
+            assert int(batch.pos_BT[i, t]) + 1 <= len(full)
+    assert batch.input_BS[2, :6].tolist() == [14, 15, 16, 17, 18, 19]  # the prompt's oldest tokens went
+    assert batch.behaviour_BT[0].tolist() == [-1.0, -2.0, -3.0]
+
+
+def test_start_publishes_the_base_as_v0_and_updates_save_everything(tmp_path, base):
+    lr = started(tmp_path, base)
+    assert lr.store.versions() == [0] and lr.state.version == 0
+    assert [m.version for _, m in lr._producer.sent] == [0]
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(10))
+    assert lr.poll() == 10 and lr.state.cursor == reward_ids(lr.engine)[-1]
+    m = lr.update()
+    assert m is not None and lr.state.step == 1 and len(lr.buffer) == 6
+    # behaviour = the served v0 weights: the learner's FP4 forward reproduces them closely
+    assert m["mismatch_kl_no_replay"] < 1e-3, m
+    assert m["mismatch_kl_replay"] < 0.05, m
+    before = {k: v.clone() for k, v in lr.model.state_dict().items()}
+    assert lr.update() is not None and lr.update() is None  # 2 full batches; 2 samples wait
+
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()  # resumes: same weights, cursor, buffer; v0 is not published again
+    assert again.state.step == 2 and again.state.cursor == lr.state.cursor and len(again.buffer) == 2
+    assert again.store.versions() == [0] and again._producer.sent == []
+    assert any(not torch.equal(before[k], v) for k, v in again.model.state_dict().items())
+    assert sorted(again.state.trained_ids) == reward_ids(lr.engine)[:8]
+
+
+def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
+    lr = started(tmp_path, base)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(4), reward_fn=lambda t: (0.0, "unseen"))
+    assert lr.poll() == 0 and lr.state.samples_skipped == 4 and lr.state.samples_read == 4
+
+
+def test_read_samples_pages_by_reward_id(tmp_path, base):
+    lr = started(tmp_path, base)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(5))
+    ids = reward_ids(lr.engine)
+    first, last = read_samples(lr.engine, 0, limit=3)
+    assert [s.reward_id for s in first] == ids[:3] and last == ids[2]
+    rest, last = read_samples(lr.engine, last, limit=3)
+    assert [s.reward_id for s in rest] == ids[3:] and last == ids[-1]
+    assert read_samples(lr.engine, last, limit=3) == ([], last)
