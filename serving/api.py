@@ -63,6 +63,7 @@ class ApiState:
     decode: Any  # token ids -> text (the served model's tokenizer)
     started: float = field(default_factory=time.time)
     ops_tokens: set[str] = field(default_factory=set)
+    database_url: str | None = None
 
 
 # The Ray Serve ingress builds its own app in its replica process (`serve.ingress(build_app)`)
@@ -356,6 +357,9 @@ def build_app() -> FastAPI:
 
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    from ops.dashboard import router as dashboard_router  # late: ops.dashboard imports this module
+
+    app.include_router(dashboard_router)
     return app
 
 
