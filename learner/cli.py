@@ -73,6 +73,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(fn=cmd_bench_delta)
 
 
+    bl = bench_subcommands(sub).add_parser(
+        "learn",
+        help="learning curve: held-out reward, accept rate, suggestion rate, accepted chars over K versions vs the base",
+        description="RL on simulated editor feedback with the learner's own update, each version replayed on held-out files beside the base model.",
+    )
+    bl.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], help="learning rates, one curve each (default 1e-6 1e-5)")
+    bl.add_argument("--versions", type=int, default=4, help="versions per curve (default 4)")
+    bl.add_argument("--updates", type=int, default=6, help="updates per version (default 6)")
+    bl.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the simulated traffic (default 0.7)")
+    bl.add_argument("--train-sites", type=int, default=400, help="cursor sites on training files to sample from (default 400)")
+    bl.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(bl)
+    bl.set_defaults(fn=cmd_bench_learn)
+
+
 def _settings(args: argparse.Namespace, flags: dict[str, object]):
     from learner.pretrain_settings import PretrainSettings
 
@@ -113,6 +128,18 @@ def cmd_learn(args: argparse.Namespace) -> int:
             console.print("stopped; the learner's state is saved after every update")
         finally:
             learner.close()
+    return 0
+
+
+def cmd_bench_learn(args: argparse.Namespace) -> int:
+    from learner.learn_settings import LearnSettings
+
+    s = LearnSettings.load(args.config, list(args.overrides))
+    print_config(s, "flywheel bench learn")
+    from learner.bench_learn import run_bench
+
+    run_bench(s, console, lrs=tuple(args.lr), versions=args.versions, updates=args.updates, temperature=args.temperature,
+              train_sites=args.train_sites, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))  # fmt: skip
     return 0
 
 

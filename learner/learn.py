@@ -384,7 +384,8 @@ class Learner:
         self.fmt = None if fmt == "off" else fmt
         self.hook = fp4_hook(self.fmt) if self.fmt else None
         self.tok = load_tokenizer(base / "hf")
-        self.heldout = load_training_corpus(pretrain_section(self.s)).heldout
+        corpus = load_training_corpus(pretrain_section(self.s))
+        self.heldout, self.train_files = corpus.heldout, corpus.train
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
         self.store = S.open_store(S.default_store_uri(self.s), full_every=self.cfg.full_every,
@@ -502,10 +503,7 @@ class Learner:
 
     def _gate(self, packed) -> tuple[bool, str | None, dict]:
         """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""
-        import random
-
         from learner import gate as G
-        from ops.simulate import cursor_sites
         from serving import pools
 
         g = self.cfg.gate
@@ -513,7 +511,7 @@ class Learner:
         stable_v = pools.read(self.engine).stable
         if stable_v is None or stable_v not in self.store.versions():
             stable_v = self.state.last_good
-        sites = cursor_sites(self.heldout, g.sites, random.Random(g.seed))
+        sites = G.heldout_sites(self.heldout, g.sites, seed=g.seed)
         if self._stable_cache is None or self._stable_cache[0] != stable_v:
             stable_model = model_from_packed(self.store.materialize(stable_v), self.args)
             self._stable_cache = (stable_v, stable_model, G.heldout_replay(stable_model, self.tok, sites, max_tokens=g.max_tokens))
@@ -524,14 +522,10 @@ class Learner:
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
         trend = online - st.online_reward_history[-1] if online is not None and st.online_reward_history else None
-        thresholds = G.GateThresholds(
-            reward_tolerance=g.reward_tolerance, min_suggestion_ratio=g.min_suggestion_ratio, min_suggestion_rate=g.min_suggestion_rate,
-            length_ratio_min=g.length_ratio_min, length_ratio_max=g.length_ratio_max, max_kl=g.max_kl,
-        )  # fmt: skip
-        result = G.check(cand_stats, stable_stats, online_reward_trend=trend, kl=kl, thresholds=thresholds)
+        result = G.check(cand_stats, stable_stats, online_reward_trend=trend, kl=kl, thresholds=g)
         metrics = {
             **result.metrics, "stable_version": stable_v, "kl_to_stable": kl, "online_reward_trend": trend,
-            "heldout": asdict(cand_stats), "stable_heldout": asdict(stable_stats), "gate_seconds": round(time.perf_counter() - t0, 2),
+            "heldout": cand_stats.summary(), "stable_heldout": stable_stats.summary(), "gate_seconds": round(time.perf_counter() - t0, 2),
         }  # fmt: skip
         return result.passed, "; ".join(result.reasons) or None, metrics
 

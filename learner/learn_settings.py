@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 
+from learner.gate import GateThresholds
 from learner.pretrain_settings import PretrainSettings
 from ops.config import Section
 
@@ -34,28 +35,16 @@ def parse_duration(v: object) -> float:
 Seconds = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
 
 
-class GateSection(Section):
+class GateSection(GateThresholds):
     """The gate before publish (learner/gate.py): held-out replay against the stable version,
-    and the reward-hacking checks that block a publish."""
+    and the reward-hacking checks (the thresholds) that block a publish."""
 
-    sites: int = Field(default=48, ge=4)
+    sites: int = Field(default=48, ge=1)
     """Held-out cursor positions replayed for the candidate and for stable (same sites, fixed seed)."""
     max_tokens: int = Field(default=32, ge=1)
     """Longest suggestion the replay decodes (greedy)."""
     seed: int = 1234
     """Picks the held-out sites; fixed so every gate compares on the same ones."""
-    reward_tolerance: float = Field(default=0.05, ge=0)
-    """Held-out reward may fall at most this much below stable's."""
-    min_suggestion_ratio: float = Field(default=0.5, ge=0, le=1)
-    """Suggestion rate below stable's times this is a collapse (abstaining everywhere)."""
-    min_suggestion_rate: float = Field(default=0.05, ge=0, le=1)
-    """Suggestion rate below this is a collapse whatever stable does."""
-    length_ratio_min: float = Field(default=0.5, gt=0)
-    """Mean suggestion length below stable's times this is a collapse."""
-    length_ratio_max: float = Field(default=2.0, gt=1)
-    """Mean suggestion length above stable's times this is an explosion."""
-    max_kl: float = Field(default=0.5, gt=0)
-    """KL(candidate || stable) per token on held-out code above this is a spike."""
 
 
 class LearnSection(Section):

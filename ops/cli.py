@@ -17,7 +17,7 @@ from ops.errors import UserError
 
 # Each package contributes its own commands: `register(subparsers)` in these light modules
 # adds parsers whose `fn(args) -> int` imports the heavy code only when it runs.
-COMMAND_MODULES = ("learner.cli", "feedback.cli", "serving.cli", "ops.dashboard_cli")
+COMMAND_MODULES = ("learner.cli", "feedback.cli", "serving.cli", "ops.rollout_cli", "ops.dashboard_cli")
 
 
 class Parser(argparse.ArgumentParser):

@@ -28,7 +28,7 @@ def make_corpus(root: Path) -> Path:
 def tiny_learn_settings(tmp: Path, corpus: Path, cache: Path, **learn) -> LearnSettings:
     pretrain = dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=96, batch_size=4, steps=8, warmup_steps=2,
                     eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25)  # fmt: skip
-    learn = dict(publish_every=1, min_samples=8, batch_size=4, poll_s=0.1, gate={"sites": 6, "max_tokens": 8}) | learn
+    learn = dict(publish_every=1, min_samples=8, batch_size=4, poll_s=0.1, gate={"sites": 6, "max_tokens": 8, "min_sites": 4}) | learn
     return LearnSettings(data_dir=tmp / "data", cache_dir=cache, pretrain=pretrain, learn=learn)
 
 
@@ -67,14 +67,26 @@ def sample_completion(model, prompt: list[int], max_new: int, *, abstain: bool =
     return toks, lps
 
 
-def write_samples(engine, model, tok, texts: list[str], *, version: int = 0, reward_fn=None, seed: int = 0, max_new: int = 6) -> list[str]:
-    """One completion per text (its tail as the prompt), rewarded by `reward_fn(token_ids) -> (reward, outcome)`."""
+def fim_prompts(tok, files, n: int, window: int, seed: int = 3) -> list[list[int]]:
+    """Editor-request prompts (serving's FIM layout) at cursor sites of `files`."""
+    import random
+
+    from learner import gate as G
+    from ops.simulate import cursor_sites
+
+    builder = G.prompt_builder(tok, window)
+    return [G.site_prompt(builder, site)[0] for site in cursor_sites(files, n, random.Random(seed))]
+
+
+def write_samples(engine, model, tok, texts: list, *, version: int = 0, reward_fn=None, seed: int = 0, max_new: int = 6) -> list[str]:
+    """One completion per text (its tail as the prompt; or a list of prompt ids), rewarded by
+    `reward_fn(token_ids) -> (reward, outcome)`."""
     gen = torch.Generator().manual_seed(seed)
     ids = []
     now = datetime.now(UTC)
     with engine.begin() as conn:
         for i, text in enumerate(texts):
-            prompt = tok.encode(text).ids[-40:] or [EOS_ID]
+            prompt = list(text) if isinstance(text, list) else tok.encode(text).ids[-40:] or [EOS_ID]
             abstain = reward_fn is not None and getattr(reward_fn, "abstain_every", 0) and i % reward_fn.abstain_every == 0
             toks, lps = sample_completion(model, prompt, max_new, abstain=bool(abstain), gen=gen)
             reward, outcome = reward_fn(toks) if reward_fn else (1.0 if i % 2 else -0.25, "select" if i % 2 else "dismiss")

@@ -14,7 +14,7 @@ from learner.learn import Learner, LearnerState, ReplayBuffer, Sample, make_batc
 from learner.model import ModelArgs
 from learner.pretrain import ensure_base_model
 from learner.tokenizer import EOS_ID
-from tests.learner.learn_support import ListProducer, make_corpus, reward_ids, tiny_learn_settings, write_samples
+from tests.learner.learn_support import ListProducer, fim_prompts, make_corpus, reward_ids, tiny_learn_settings, write_samples
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,54 @@ def test_read_samples_pages_by_reward_id(tmp_path, base):
     rest, last = read_samples(lr.engine, last, limit=3)
     assert [s.reward_id for s in rest] == ids[3:] and last == ids[-1]
     assert read_samples(lr.engine, last, limit=3) == ([], last)
+
+
+def test_publish_gates_stores_a_delta_records_and_announces(tmp_path, base):
+    lr = started(tmp_path, base, min_samples=8, publish_every=0.01)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(8))
+    lr.poll()
+    assert not lr.publish_due()  # nothing trained yet
+    lr.update(), lr.update()
+    assert lr.publish_due()
+    info = lr.publish()
+    assert info["version"] == 1 and info["parent"] == 0 and info["kind"] == "delta"
+    assert info["gate_passed"], info["gate_reason"]
+    assert info["size_bytes"] < info["full_size_bytes"]
+    with lr.engine.connect() as conn:
+        row = conn.execute(db.model_versions.select().where(db.model_versions.c.version == 1)).one()
+    assert row.gate_passed and row.metrics["heldout.n"] == 6 and "kl_to_stable" in row.metrics
+    assert [m.version for _, m in lr._producer.sent] == [0, 1]
+    assert lr.state.version == lr.state.last_good == 1 and lr.state.trained_since_publish == 0
+    # the published version is the learner's weights, quantized: what serving will load
+    served = S.to_hf_tensors(lr.store.materialize(1))
+    mine = S.to_hf_tensors(S.pack_checkpoint(lr.model.state_dict()))
+    assert all(torch.equal(served[k], mine[k]) for k in served)
+
+
+class PaysForAbstaining:
+    """A deliberately hacked reward: +1 for an empty suggestion, -1 for anything shown."""
+
+    abstain_every = 2
+
+    def __call__(self, toks):
+        return (1.0, "no_suggestion") if toks == [EOS_ID] else (-1.0, "dismiss")
+
+
+def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path, base):
+    lr = started(tmp_path, base, min_samples=8, publish_every=0.01, lr=3e-2, kl_coef=0.0, batch_size=16)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, fim_prompts(lr.tok, lr.train_files, 160, lr.args.max_seq_len), reward_fn=PaysForAbstaining())
+    lr.poll()
+    good = {k: v.clone() for k, v in lr.model.state_dict().items()}
+    while lr.update() is not None:
+        pass
+    info = lr.publish()
+    assert not info["gate_passed"]
+    assert "suggestion_rate" in info["gate_reason"], (info["gate_reason"], info["metrics"])
+    assert info["metrics"]["heldout"]["suggestion_rate"] < info["metrics"]["stable_heldout"]["suggestion_rate"]
+    with lr.engine.connect() as conn:
+        row = conn.execute(db.model_versions.select().where(db.model_versions.c.version == 1)).one()
+    assert not row.gate_passed and "suggestion_rate" in row.gate_reason
+    assert lr.state.last_good == 0 and lr.state.version == 1  # v1 is stored (for inspection), never served
+    assert all(torch.equal(good[k], v) for k, v in lr.model.state_dict().items())  # back on v0's weights

@@ -1,0 +1,128 @@
+"""Ops HTTP endpoints for rollouts: the same functions as `flywheel rollout`, behind ops tokens.
+
+    GET  /ops/rollouts                     status: the active (else latest) rollout, its recent steps, the pools
+    POST /ops/rollouts                     start a rollout of a version
+    POST /ops/rollouts/{id}/pause          stop advancing (traffic stays)
+    POST /ops/rollouts/{id}/resume         advance again
+    POST /ops/rollouts/{id}/promote        make the candidate stable now
+    POST /ops/rollouts/{id}/abort          every user back to stable
+
+Every route needs an ops token (serving.api.OpsToken: 401 without one, 403 for an editor
+token). The database comes from `engine_for(request)`; by default the URL in the app's
+ApiState (`database_url`), one engine per URL for the life of the process. Routes are plain
+`def`: SQL blocks, so FastAPI runs them in its thread pool.
+"""
+
+
+import hashlib
+import threading
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from pydantic import BaseModel, Field, ValidationError
+from sqlalchemy.engine import Engine
+
+from ops import rollout
+from serving.api import OpsToken, StateDep
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def state_engine(st: StateDep) -> Engine:
+    """The engine for the ApiState's `database_url` (503 when the API was started without one)."""
+    url = getattr(st, "database_url", None)
+    if not url:
+        raise HTTPException(503, "rollout endpoints need the database: the API was started without a database URL")
+    with _engines_lock:
+        if url not in _engines:
+            from feedback import db
+
+            _engines[url] = db.make_engine(url)
+        return _engines[url]
+
+
+class RolloutCreate(BaseModel):
+    """Start a rollout; unset fields take the [rollout] defaults."""
+
+    version: int = Field(ge=0)
+    weights: list[float] | None = None
+    interval_s: float | None = None
+    min_samples: int | None = None
+    alpha: float | None = None
+    max_holds: int | None = None
+    require_reward: bool | None = None
+    thresholds: dict[str, float] | None = None
+    mode: str | None = None
+    stable: int | None = Field(default=None, ge=0, description="the version to compare with (default: the current stable)")
+    force: bool = Field(default=False, description="roll out a version that failed the gate, or was rolled out before")
+
+
+class OperatorAction(BaseModel):
+    reason: str | None = Field(default=None, max_length=500)
+
+
+def who(token: str) -> str:
+    """An operator's name in the audit trail: which ops token, never the token itself."""
+    return f"api:ops-token:{hashlib.sha256(token.encode()).hexdigest()[:8]}"
+
+
+def router(
+    engine_for: Callable[..., Engine] = state_engine, defaults: Callable[[], rollout.RolloutSection] = rollout.RolloutSection
+) -> APIRouter:
+    """The /ops/rollouts routes. `engine_for` is a FastAPI dependency returning the database engine;
+    `defaults()` gives the policy a started rollout gets where the request leaves it unset."""
+    api = APIRouter(prefix="/ops/rollouts", tags=["ops"])
+    EngineDep = Annotated[Engine, Depends(engine_for)]
+
+    @api.get("")
+    def rollouts_status(
+        token: OpsToken,
+        engine: EngineDep,
+        rollout_id: Annotated[int | None, Query(alias="id")] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 20,
+    ) -> dict[str, Any]:
+        """The active rollout (else the latest, or `?id=`), its recent steps, recent rollouts, and the serving pools."""
+        return _call(lambda: rollout.status(engine, rollout_id, limit=limit).as_dict())
+
+    @api.post("", status_code=201)
+    def start(body: RolloutCreate, token: OpsToken, engine: EngineDep) -> dict[str, Any]:
+        """Start a rollout of `version` (refused for unknown or gate-failed versions, or while another runs)."""
+        section = _section(defaults(), body)
+        by = who(token)
+        return _call(lambda: rollout.start_rollout(engine, body.version, section=section, force=body.force, stable=body.stable, by=by).as_dict())
+
+    for name, fn in (("pause", rollout.pause), ("resume", rollout.resume), ("promote", rollout.promote), ("abort", rollout.abort)):
+        _operator_route(api, name, fn, EngineDep)
+    return api
+
+
+def _operator_route(api: APIRouter, name: str, fn, EngineDep) -> None:
+    def action(rollout_id: int, token: OpsToken, engine: EngineDep, body: OperatorAction | None = None) -> dict[str, Any]:
+        return _call(lambda: fn(engine, rollout_id, by=who(token), reason=body.reason if body else None).as_dict())
+
+    action.__name__ = f"rollout_{name}"
+    action.__doc__ = (fn.__doc__ or name).strip().splitlines()[0]
+    api.post("/{rollout_id}/" + name)(action)
+
+
+def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.RolloutSection:
+    data = defaults.model_dump()
+    for key in ("weights", "interval_s", "min_samples", "alpha", "max_holds", "require_reward", "mode"):
+        if getattr(body, key) is not None:
+            data[key] = getattr(body, key)
+    if body.thresholds:
+        data["thresholds"] = data["thresholds"] | body.thresholds
+    try:
+        return rollout.RolloutSection.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise HTTPException(422, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except rollout.RolloutError as e:
+        raise HTTPException(e.status, str(e)) from None

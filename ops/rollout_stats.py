@@ -1,0 +1,330 @@
+"""The canary's statistics and decision rules: pure functions, no I/O.
+
+The controller (ops/rollout.py) reads one `Arm` per version from SQL for a step's time
+window and asks `decide()` what to do. Everything here is arithmetic on those counts, so it
+is tested with hand-computed numbers.
+
+Metrics, each compared canary against stable (definitions match the `v_*` analyst views):
+
+  accept rate   accepted / shown choices. Shown: the choice has at least one event;
+                accepted: a `select` or `edit` event (v_choice_feedback). The primary metric.
+  mean reward   mean of `rewards.reward` over the arm's choices (v_version_rewards). Rewards
+                appear only once a choice's feedback window (sink.feedback_window_s) closes,
+                so a short step may see none.
+  error rate    share of served choices the engine aborted (finish_reason 'abort', or
+                'error' should an engine report it). A request that fails outright (HTTP
+                503) never becomes a completion record, so SQL cannot count it: this is the
+                error rate of what was served; outright failures are in Prometheus.
+  p99 latency   nearest-rank 99th percentile of completions.latency_ms (as v_latency).
+
+Tests (one-sided: "is the canary worse than stable by more than the tolerance?"):
+
+  rates   two-proportion z-test. With no tolerance it is the textbook pooled test; with a
+          tolerance `m` the null hypothesis is `p_canary = p_stable - m` (for a rate where
+          higher is better), which the pooled variance does not describe, so the unpooled
+          (Wald) standard error is used, as in non-inferiority testing.
+  means   Welch's t-test with Welch-Satterthwaite degrees of freedom; the p-value is the
+          exact Student t tail (regularized incomplete beta), not a normal approximation.
+  p99     no test: a ratio over `p99_latency_ratio` rolls back once both arms have
+          `min_samples` completions. A tail quantile's sampling error is large, which is why
+          the ratio's default leaves room.
+
+Each metric is tested at `alpha` on its own (no multiple-comparison correction): a false
+alarm costs one rolled-back version, a missed regression costs users, so the controller errs
+towards rolling back. The tolerances keep an equal candidate far from the rejection region.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ADVANCE, HOLD, PROMOTE, ROLLBACK = "advance", "hold", "promote", "rollback"
+
+
+# --- distributions ------------------------------------------------------------------------------
+
+
+def normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with `df` (> 0, not necessarily whole) degrees of freedom."""
+    if math.isinf(df):
+        return normal_sf(t)
+    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))  # P(|T| > |t|) / 2
+    return tail if t >= 0 else 1.0 - tail
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    # The fraction converges fast for x < (a + 1) / (a + b + 2); use the symmetry otherwise.
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def _beta_fraction(a: float, b: float, x: float, eps: float = 1e-15, max_iter: int = 10_000) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, max_iter + 1):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((a + m2 - 1.0) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1.0))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            return h
+    return h  # not reached for the arguments the t tail uses
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One one-sided test of "canary worse than stable by more than `margin`".
+
+    `diff` is canary minus stable on the metric's own scale; `harm` is how much worse the
+    canary looks (positive: worse), before the margin; `p` is the one-sided p-value.
+    """
+
+    canary: float
+    stable: float
+    diff: float
+    margin: float
+    stat: float | None
+    p: float
+    df: float | None = None
+
+
+def two_proportion_ztest(x_c: int, n_c: int, x_s: int, n_s: int, *, margin: float = 0.0, higher_is_better: bool = True) -> TestResult:
+    """Is the canary's rate `x_c / n_c` worse than stable's `x_s / n_s` by more than `margin`?"""
+    assert n_c > 0 and n_s > 0, "each arm needs observations"
+    p_c, p_s = x_c / n_c, x_s / n_s
+    harm = (p_s - p_c) if higher_is_better else (p_c - p_s)
+    if margin == 0.0:
+        pooled = (x_c + x_s) / (n_c + n_s)
+        se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_c + 1.0 / n_s))
+    else:
+        se = math.sqrt(p_c * (1.0 - p_c) / n_c + p_s * (1.0 - p_s) / n_s)
+    z, p = _one_sided(harm - margin, se)
+    return TestResult(canary=p_c, stable=p_s, diff=p_c - p_s, margin=margin, stat=z, p=p)
+
+
+def welch_ttest(
+    mean_c: float, var_c: float, n_c: int, mean_s: float, var_s: float, n_s: int, *, margin: float = 0.0, higher_is_better: bool = True
+) -> TestResult:
+    """Is the canary's mean worse than stable's by more than `margin`? (sample variances, n >= 2 each)"""
+    assert n_c >= 2 and n_s >= 2, "Welch's test needs two observations per arm"
+    harm = (mean_s - mean_c) if higher_is_better else (mean_c - mean_s)
+    v_c, v_s = var_c / n_c, var_s / n_s
+    se = math.sqrt(v_c + v_s)
+    if se == 0.0:
+        z, p = _one_sided(harm - margin, 0.0)
+        return TestResult(canary=mean_c, stable=mean_s, diff=mean_c - mean_s, margin=margin, stat=z, p=p, df=None)
+    df = (v_c + v_s) ** 2 / (v_c**2 / (n_c - 1) + v_s**2 / (n_s - 1))
+    t = (harm - margin) / se
+    return TestResult(canary=mean_c, stable=mean_s, diff=mean_c - mean_s, margin=margin, stat=t, p=t_sf(t, df), df=df)
+
+
+def _one_sided(excess: float, se: float) -> tuple[float | None, float]:
+    """(z, P(Z > z)) for an observed excess harm; with no spread the observation is the answer."""
+    if se == 0.0:
+        return None, 0.0 if excess > 0 else 1.0
+    z = excess / se
+    return z, normal_sf(z)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest rank: the smallest value with at least a share `q` of the values at or below it (as v_latency)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
+    return ordered[rank - 1]
+
+
+# --- decisions ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One version's traffic in a time window, as read from SQL."""
+
+    completions: int = 0
+    p99_latency_ms: float | None = None
+    choices: int = 0
+    errors: int = 0
+    shown: int = 0
+    accepted: int = 0
+    rewards: int = 0
+    reward_mean: float | None = None
+    reward_var: float | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a rollout guards and how strictly; stored with the rollout (rollouts.min_samples and
+    rollouts.thresholds), so a restarted controller applies the policy the rollout began with."""
+
+    min_samples: int = 200
+    alpha: float = 0.05
+    max_holds: int = 30
+    require_reward: bool = False
+    accept_rate_drop: float = 0.02
+    reward_drop: float = 0.05
+    error_rate_increase: float = 0.01
+    p99_latency_ratio: float = 1.5
+
+    def thresholds(self) -> dict[str, Any]:
+        """The JSON kept in rollouts.thresholds (everything but min_samples, which has its own column)."""
+        d = asdict(self)
+        d.pop("min_samples")
+        return d
+
+    @classmethod
+    def from_row(cls, min_samples: int, thresholds: dict[str, Any]) -> Policy:
+        known = {k: v for k, v in thresholds.items() if k in cls.__dataclass_fields__ and k != "min_samples"}
+        return cls(min_samples=min_samples, **known)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    """advance | hold | promote | rollback"""
+    rule: str
+    """What fired: a metric name, `min_samples`, `insufficient_traffic` or `no_harm`."""
+    reason: str
+    """One line for people."""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: bool) -> Decision:
+    """What to do with a rollout step, given each arm's traffic since the step began.
+
+    1. Every metric with at least `min_samples` observations in both arms is tested; any that
+       is significantly worse (p < alpha beyond its tolerance), or a p99 latency ratio over
+       its threshold, rolls back. Guards act as soon as they have their samples, also while
+       the step still waits for the primary metric.
+    2. Otherwise, until the accept rate (and with `require_reward` the mean reward) has
+       `min_samples` in both arms, the step holds; after `max_holds` holds it rolls back
+       ("insufficient traffic") rather than wait forever.
+    3. Otherwise the canary advances to the next weight, or is promoted after the last one.
+    """
+    tests = metric_tests(canary, stable, policy)
+    evidence = {"arms": {"canary": asdict(canary), "stable": asdict(stable)}, "tests": tests, "policy": asdict(policy), "holds": holds}
+    harmful = [name for name, t in tests.items() if t.get("worse")]
+    if harmful:
+        reason = "; ".join(_describe(name, tests[name], policy) for name in harmful)
+        return _decision(ROLLBACK, harmful[0], f"canary is worse: {reason}", evidence)
+
+    required = ["accept_rate"] + (["reward"] if policy.require_reward else [])
+    short = [name for name in required if not tests[name]["tested"]]
+    if short:
+        need = ", ".join(f"{_SAMPLE_NAMES[n]}: canary {tests[n]['n'][0]}, stable {tests[n]['n'][1]} of {policy.min_samples}" for n in short)
+        if holds >= policy.max_holds:
+            return _decision(ROLLBACK, "insufficient_traffic", f"insufficient traffic after {holds} holds ({need})", evidence)
+        return _decision(HOLD, "min_samples", f"waiting for samples ({need}); hold {holds + 1} of {policy.max_holds}", evidence)
+
+    passed = ", ".join(_describe(name, t, policy) for name, t in tests.items() if t["tested"])
+    if last_step:
+        return _decision(PROMOTE, "no_harm", f"no significant harm at the last step ({passed})", evidence)
+    return _decision(ADVANCE, "no_harm", f"no significant harm ({passed})", evidence)
+
+
+_SAMPLE_NAMES = {"accept_rate": "shown choices", "reward": "rewards", "error_rate": "choices", "p99_latency": "completions"}
+
+
+def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str, Any]]:
+    """Each metric's test as JSON-ready evidence: n per arm, values, statistic, p, and `worse`."""
+    k = policy.min_samples
+    out: dict[str, dict[str, Any]] = {}
+
+    n = (canary.shown, stable.shown)
+    if min(n) >= k:
+        t = two_proportion_ztest(canary.accepted, canary.shown, stable.accepted, stable.shown, margin=policy.accept_rate_drop)
+        out["accept_rate"] = _tested(t, n, policy.alpha)
+    else:
+        out["accept_rate"] = _untested(n, _rate(canary.accepted, canary.shown), _rate(stable.accepted, stable.shown), policy.accept_rate_drop)
+
+    n = (canary.rewards, stable.rewards)
+    if min(n) >= max(k, 2) and canary.reward_mean is not None and stable.reward_mean is not None:
+        c, s = (canary.reward_mean, canary.reward_var or 0.0, canary.rewards), (stable.reward_mean, stable.reward_var or 0.0, stable.rewards)
+        t = welch_ttest(*c, *s, margin=policy.reward_drop)
+        out["reward"] = _tested(t, n, policy.alpha)
+    else:
+        out["reward"] = _untested(n, canary.reward_mean, stable.reward_mean, policy.reward_drop)
+
+    n = (canary.choices, stable.choices)
+    if min(n) >= k:
+        margin = policy.error_rate_increase
+        t = two_proportion_ztest(canary.errors, canary.choices, stable.errors, stable.choices, margin=margin, higher_is_better=False)
+        out["error_rate"] = _tested(t, n, policy.alpha)
+    else:
+        out["error_rate"] = _untested(n, _rate(canary.errors, canary.choices), _rate(stable.errors, stable.choices), policy.error_rate_increase)
+
+    n = (canary.completions, stable.completions)
+    c99, s99 = canary.p99_latency_ms, stable.p99_latency_ms
+    limit = policy.p99_latency_ratio
+    if min(n) >= k and c99 is not None and s99 is not None:
+        ratio = c99 / s99 if s99 > 0 else (1.0 if c99 == 0 else math.inf)
+        out["p99_latency"] = {"tested": True, "n": list(n), "canary": c99, "stable": s99, "ratio": ratio, "threshold": limit, "worse": ratio > limit}
+    else:
+        out["p99_latency"] = {"tested": False, "n": list(n), "canary": c99, "stable": s99, "ratio": None, "threshold": limit, "worse": False}
+    return out
+
+
+def _tested(t: TestResult, n: tuple[int, int], alpha: float) -> dict[str, Any]:
+    return {"tested": True, "n": list(n), **asdict(t), "alpha": alpha, "worse": t.p < alpha}
+
+
+def _untested(n: tuple[int, int], canary: float | None, stable: float | None, margin: float) -> dict[str, Any]:
+    diff = canary - stable if canary is not None and stable is not None else None
+    return {"tested": False, "n": list(n), "canary": canary, "stable": stable, "diff": diff, "margin": margin, "stat": None, "p": None,
+            "worse": False}  # fmt: skip
+
+
+def _rate(x: int, n: int) -> float | None:
+    return x / n if n else None
+
+
+def _describe(name: str, t: dict[str, Any], policy: Policy) -> str:
+    if name == "p99_latency":
+        return f"p99 latency {t['canary']:.0f} ms vs {t['stable']:.0f} ms (x{t['ratio']:.2f}, limit x{t['threshold']:.2f})"
+    label = {"accept_rate": "accept rate", "reward": "mean reward", "error_rate": "error rate"}[name]
+    if name == "reward":
+        values = f"{t['canary']:.3f} vs {t['stable']:.3f}"
+    else:
+        values = f"{t['canary']:.1%} vs {t['stable']:.1%}"
+    p = t["p"]
+    return f"{label} {values} (p={p:.2g}{' < ' if p < policy.alpha else ' >= '}{policy.alpha:g})"
+
+
+def _decision(action: str, rule: str, reason: str, evidence: dict[str, Any]) -> Decision:
+    return Decision(action=action, rule=rule, reason=reason, evidence=json_safe({**evidence, "rule": rule, "decision": action}))
+
+
+def json_safe(value: Any) -> Any:
+    """Evidence as strict JSON: non-finite floats (an infinite latency ratio) become None."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return str(value)

@@ -1,0 +1,166 @@
+"""The canary's statistics against hand-computed numbers, and the decision rules."""
+
+import json
+import math
+
+import pytest
+
+from ops.rollout_stats import (
+    ADVANCE,
+    HOLD,
+    PROMOTE,
+    ROLLBACK,
+    Arm,
+    Policy,
+    decide,
+    normal_sf,
+    percentile,
+    t_sf,
+    two_proportion_ztest,
+    welch_ttest,
+)
+
+
+def test_normal_tail():
+    assert normal_sf(0.0) == pytest.approx(0.5)
+    assert normal_sf(1.6448536) == pytest.approx(0.05, abs=1e-7)
+    assert normal_sf(-1.959964) == pytest.approx(0.975, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    "t, df, p",
+    [
+        (2.0, 10, 0.036694),  # tables: two-sided 0.0734 for t = 2, 10 df
+        (2.228139, 10, 0.025),  # the 97.5% quantile of t(10)
+        (12.7062, 1, 0.025),  # t(1) 97.5% quantile
+        (2.0, 1, 0.5 - math.atan(2.0) / math.pi),  # t(1) is Cauchy
+        (0.0, 7, 0.5),
+        (-2.0, 10, 1 - 0.036694),
+    ],
+)
+def test_student_t_tail(t, df, p):
+    assert t_sf(t, df) == pytest.approx(p, abs=2e-6)
+
+
+def test_t_tail_approaches_normal():
+    assert t_sf(1.96, 1e6) == pytest.approx(normal_sf(1.96), abs=1e-6)
+
+
+def test_two_proportion_pooled_by_hand():
+    # 45/100 vs 55/100: pooled p = 0.5, se = sqrt(0.25 * (1/100 + 1/100)) = sqrt(0.005), z = 0.1 / se = sqrt(2)
+    t = two_proportion_ztest(45, 100, 55, 100)
+    assert t.stat == pytest.approx(math.sqrt(2))
+    assert t.p == pytest.approx(0.5 * math.erfc(1.0))  # = 0.0786496
+    assert t.p == pytest.approx(0.0786496, abs=1e-7)
+    assert t.diff == pytest.approx(-0.10)
+
+
+def test_two_proportion_with_margin_uses_unpooled_se():
+    # se = sqrt(.45*.55/100 + .55*.45/100) = 0.0703562; z = (0.10 - 0.02) / se = 1.137070
+    t = two_proportion_ztest(45, 100, 55, 100, margin=0.02)
+    assert t.stat == pytest.approx(0.08 / math.sqrt(0.00495))
+    assert t.p == pytest.approx(0.12776, abs=1e-4)
+
+
+def test_two_proportion_lower_is_better():
+    # errors 8/100 vs 2/100: pooled 0.05, se = sqrt(.05 * .95 * .02) = 0.0308221, z = 0.06 / se = 1.946657
+    t = two_proportion_ztest(8, 100, 2, 100, higher_is_better=False)
+    assert t.stat == pytest.approx(1.946657, abs=1e-6)
+    assert t.p == pytest.approx(0.025788, abs=1e-5)
+    better = two_proportion_ztest(2, 100, 8, 100, higher_is_better=False)
+    assert better.p == pytest.approx(1 - t.p)
+
+
+def test_two_proportion_without_spread():
+    assert two_proportion_ztest(0, 50, 0, 50, higher_is_better=False).p == 1.0  # no errors anywhere: no evidence
+    assert two_proportion_ztest(50, 50, 0, 50, margin=0.1, higher_is_better=False).p == 0.0  # all vs none
+
+
+def test_welch_by_hand():
+    # v_c = .04/50 = .0008, v_s = .09/60 = .0015; se = sqrt(.0023); t = 0.1 / se = 2.085144
+    # df = .0023^2 / (.0008^2/49 + .0015^2/59) = 103.3267
+    t = welch_ttest(0.1, 0.04, 50, 0.2, 0.09, 60)
+    assert t.stat == pytest.approx(2.085144, abs=1e-6)
+    assert t.df == pytest.approx(103.3267, abs=1e-3)
+    assert t.p == pytest.approx(0.019760, abs=1e-5)
+    assert t.p > normal_sf(t.stat)  # Student's tail is heavier than the normal's
+    shifted = welch_ttest(0.1, 0.04, 50, 0.2, 0.09, 60, margin=0.05)
+    assert shifted.stat == pytest.approx(0.05 / math.sqrt(0.0023))
+
+
+def test_percentile_nearest_rank():
+    assert percentile(list(range(1, 101)), 0.99) == 99
+    assert percentile(list(range(1, 11)), 0.99) == 10
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([], 0.99) is None
+
+
+# --- decisions ------------------------------------------------------------------------------------
+
+POLICY = Policy(min_samples=100, alpha=0.05, max_holds=3)
+
+
+def arm(shown=1000, rate=0.4, choices=None, errors=0, rewards=None, reward_mean=0.1, reward_var=0.2, p99=100.0):
+    choices = choices if choices is not None else shown
+    return Arm(
+        completions=choices, p99_latency_ms=p99, choices=choices, errors=errors, shown=shown, accepted=round(shown * rate),
+        rewards=rewards if rewards is not None else choices, reward_mean=reward_mean, reward_var=reward_var,
+    )
+
+
+def test_equal_arms_advance_then_promote():
+    d = decide(arm(), arm(), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (ADVANCE, "no_harm")
+    assert decide(arm(), arm(), POLICY, holds=0, last_step=True).action == PROMOTE
+    json.dumps(d.evidence, allow_nan=False)  # strict JSON for the evidence column
+    assert d.evidence["tests"]["accept_rate"]["tested"] and d.evidence["tests"]["accept_rate"]["p"] > 0.05
+
+
+def test_worse_accept_rate_rolls_back():
+    d = decide(arm(rate=0.30), arm(rate=0.40), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (ROLLBACK, "accept_rate")
+    assert d.evidence["tests"]["accept_rate"]["p"] < 0.05 and "accept rate 30.0% vs 40.0%" in d.reason
+
+
+def test_a_significant_drop_within_tolerance_is_not_harm():
+    big = 200_000  # 39.5% vs 40% is significant at this n, but inside the 2-point tolerance
+    d = decide(arm(shown=big, rate=0.395), arm(shown=big, rate=0.40), POLICY, holds=0, last_step=False)
+    assert d.action == ADVANCE
+    assert two_proportion_ztest(round(big * 0.395), big, round(big * 0.4), big).p < 0.05
+
+
+def test_too_few_samples_hold_then_roll_back():
+    few = arm(shown=40)
+    d = decide(few, arm(), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (HOLD, "min_samples")
+    assert "canary 40" in d.reason and not d.evidence["tests"]["accept_rate"]["tested"]
+    d = decide(few, arm(), POLICY, holds=3, last_step=False)
+    assert (d.action, d.rule) == (ROLLBACK, "insufficient_traffic")
+
+
+def test_guards_act_before_the_primary_metric_has_its_samples():
+    # few shown suggestions yet, but plenty of aborted choices
+    d = decide(arm(shown=10, choices=500, errors=100), arm(shown=10, choices=500, errors=2), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (ROLLBACK, "error_rate")
+
+
+def test_latency_ratio_rolls_back():
+    d = decide(arm(p99=400.0), arm(p99=100.0), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (ROLLBACK, "p99_latency")
+    assert d.evidence["tests"]["p99_latency"]["ratio"] == pytest.approx(4.0)
+    assert decide(arm(p99=140.0), arm(p99=100.0), POLICY, holds=0, last_step=False).action == ADVANCE
+
+
+def test_worse_reward_rolls_back_and_can_be_required():
+    d = decide(arm(reward_mean=-0.1), arm(reward_mean=0.1), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (ROLLBACK, "reward")
+    assert d.evidence["tests"]["reward"]["df"] > 1
+    no_rewards = arm(rewards=0, reward_mean=None, reward_var=None)
+    assert decide(no_rewards, arm(), POLICY, holds=0, last_step=False).action == ADVANCE  # reward lags: not required
+    strict = Policy(min_samples=100, require_reward=True)
+    assert decide(no_rewards, arm(), strict, holds=0, last_step=False).action == HOLD
+
+
+def test_policy_round_trips_through_the_rollout_row():
+    p = Policy(min_samples=50, alpha=0.01, max_holds=4, reward_drop=0.1)
+    assert Policy.from_row(50, json.loads(json.dumps(p.thresholds() | {"mode": "canary"}))) == p
