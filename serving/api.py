@@ -1,19 +1,28 @@
 """The HTTP API: `/v1/completions` (OpenAI and Tabby shapes), `/v1/events`, health, metrics.
 
 `build_app()` makes the FastAPI app; its routes read an `ApiState`, which the Ray Serve
-ingress installs with handles to model replicas and unit tests set with local services. Every served completion is recorded to `flywheel.completions`, and every event
-to `flywheel.events`, through a buffered producer that never holds up a request.
+ingress installs with handles to the replica pools (stable, canary) and unit tests set with
+local services. Every served completion is recorded to `flywheel.completions`, tagged with the
+version that produced it, and every event to `flywheel.events`, through a buffered producer
+that never holds up a request.
+
+Routing: `poll_routing` reads the target state (serving/pools.py) every `serve.pool_poll_s`
+and asks each pool which version it serves. A user goes to the canary (sticky by user hash,
+serving/routing.py) only while a canary is set with a share above 0 AND the canary pool
+already reports that version; otherwise, and while it swaps, to stable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import os
 import platform
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -29,7 +38,8 @@ from learner.fim import fim_header
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.replica import GenerateRequest, GenerateResult
-from serving.routing import Split, user_hash
+from serving.pools import CANARY, POOLS, STABLE, Routes
+from serving.routing import bucket, user_hash
 from serving.schemas import (
     Choice,
     CompletionResponse,
@@ -42,11 +52,17 @@ from serving.schemas import (
 )
 from serving.settings import ServeSettings
 
+log = logging.getLogger(__name__)
+
 
 class ReplicaClient(Protocol):
+    """One replica pool, as the ingress sees it (serving.app.RayReplica over a deployment handle)."""
+
     async def complete(self, req: GenerateRequest) -> GenerateResult: ...
 
     def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]: ...
+
+    async def served_version(self) -> int: ...
 
 
 class RecordSink(Protocol):
@@ -54,16 +70,87 @@ class RecordSink(Protocol):
 
 
 @dataclass
+class RoutingState:
+    """What the ingress knows of the pools: the targets in SQL and the version each pool
+    reported at the last poll (None: not known, or the pool did not answer).
+
+    A pool of several replicas answers `version` from one of them, so while a pool swaps it
+    may report the new version before a sibling has it; a user routed there then may get the
+    old version for a moment. That is harmless: each completion is tagged with the version
+    that really produced it (GenerateResult.model_version), and so is its record."""
+
+    routes: Routes = field(default_factory=Routes)
+    serving: dict[str, int | None] = field(default_factory=dict)
+    checked_at: float | None = None  # wall time of the last poll
+    error: str | None = None  # the last poll's database error; the routes read before it stay
+
+    @property
+    def canary_live(self) -> bool:
+        """Whether users go to the canary: it has a version and a share, and already serves it."""
+        r = self.routes
+        return r.canary is not None and r.canary_percent > 0 and self.serving.get(CANARY) == r.canary
+
+    def pick(self, uhash: str) -> str:
+        """The pool for this user: the canary for the users whose bucket is below its share, once live."""
+        return CANARY if self.canary_live and bucket(uhash) < self.routes.canary_percent else STABLE
+
+    def pool_serving(self, version: int) -> str | None:
+        """A pool that serves `version` now (stable first)."""
+        return next((p for p in POOLS if self.serving.get(p) == version), None)
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted({v for v in self.serving.values() if v is not None})
+
+
+@dataclass
 class ApiState:
     cfg: ServeSettings
-    replicas: dict[int, ReplicaClient]
-    split: Split
+    replicas: dict[str, ReplicaClient]  # by pool name: serving.pools.STABLE, CANARY (absent: not deployed)
     producer: RecordSink
     editor_tokens: set[str]
     decode: Any  # token ids -> text (the served model's tokenizer)
+    routing: RoutingState = field(default_factory=RoutingState)
     started: float = field(default_factory=time.time)
     ops_tokens: set[str] = field(default_factory=set)
     database_url: str | None = None
+
+
+async def refresh_routing(st: ApiState, read_routes: Callable[[], Routes], *, timeout_s: float = 10.0) -> None:
+    """One poll: the targets (`read_routes`, blocking, so in a thread), then each pool's version."""
+    rt = st.routing
+    try:
+        rt.routes = await asyncio.to_thread(read_routes)
+        if rt.error is not None:
+            log.info("serving targets readable again")
+        rt.error = None
+    except Exception as e:  # keep routing as it stood: a database blip must not move users
+        text = str(getattr(e, "orig", None) or e).strip()
+        msg = f"reading the serving targets (serving_pools) failed: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        if msg != rt.error:
+            log.error("%s (is the database migrated? `flywheel db upgrade`); routing as before", msg)
+        rt.error = msg
+
+    async def ask(pool: str, client: ReplicaClient) -> None:
+        try:
+            rt.serving[pool] = await asyncio.wait_for(client.served_version(), timeout_s)
+        except Exception as e:  # a pool that does not answer gets no canary users and no pinned ones
+            if rt.serving.get(pool) is not None:
+                log.warning("the %s pool did not report its version: %s: %s", pool, type(e).__name__, e)
+            rt.serving[pool] = None
+
+    await asyncio.gather(*(ask(p, c) for p, c in st.replicas.items()))
+    rt.checked_at = time.time()
+
+
+async def poll_routing(st: ApiState, read_routes: Callable[[], Routes], interval_s: float) -> None:
+    """`refresh_routing` every `interval_s`, forever (the ingress runs it as a background task)."""
+    while True:
+        try:
+            await refresh_routing(st, read_routes)
+        except Exception:
+            log.exception("refreshing the routing state failed")
+        await asyncio.sleep(interval_s)
 
 
 # The Ray Serve ingress builds its own app in its replica process (`serve.ingress(build_app)`)
@@ -162,18 +249,22 @@ def _to_generate(st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRe
     return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
 
 
-def _pick(st: ApiState, body, uhash: str) -> int:
-    """The version for this request: a pinned `model: name@vN` if served, else the user's split."""
+def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
+    """The pool for this request: the one serving a pinned `model: name@vN`, else the user's route."""
     model = getattr(body, "model", None) or ""
     if "@v" in model:
         try:
             pinned = int(model.rsplit("@v", 1)[1])
         except ValueError:
             raise HTTPException(400, f"bad model {model!r}: expected {st.cfg.model_name}@v<version>") from None
-        if pinned not in st.replicas:
-            raise HTTPException(404, f"model version {pinned} is not served (serving: {sorted(st.replicas)})")
-        return pinned
-    return st.split.pick(uhash)
+        pool = st.routing.pool_serving(pinned)
+        if pool is None or pool not in st.replicas:
+            raise HTTPException(404, f"model version {pinned} is not served (serving: {st.routing.versions})")
+    else:
+        pool = st.routing.pick(uhash)
+    if pool not in st.replicas:
+        raise HTTPException(503, f"no {pool} replica pool is deployed")
+    return st.replicas[pool]
 
 
 def _response(st: ApiState, r: GenerateResult, body, created: int) -> CompletionResponse:
@@ -282,7 +373,7 @@ def build_app() -> FastAPI:
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         uhash = user_hash(body.user, fallback=token)
         gen = _to_generate(st, body, completion_id)
-        replica = st.replicas[_pick(st, body, uhash)]
+        replica = _pick(st, body, uhash)
         created = int(time.time())
         if isinstance(body, OpenAICompletionRequest) and body.stream:
             return StreamingResponse(_sse(st, replica, gen, body, uhash, created), media_type="text/event-stream")
@@ -322,7 +413,8 @@ def build_app() -> FastAPI:
 
     @app.get("/v1/health")
     async def health(st: StateDep) -> dict:
-        """Tabby's health report (public)."""
+        """Tabby's health report (public), with the pools' served and target versions."""
+        rt = st.routing
         return {
             "model": st.cfg.model_name,
             "chat_model": None,
@@ -334,10 +426,12 @@ def build_app() -> FastAPI:
             "version": {"build_date": "", "git_describe": "flywheel-0.1.0", "git_sha": "", "build_timestamp": ""},
             "webserver": True,
             "flywheel": {
-                "versions": sorted(st.replicas),
-                "stable": st.split.stable,
-                "canary": st.split.canary,
-                "canary_percent": st.split.canary_percent,
+                "versions": rt.versions,
+                "pools": {p: {"serving": rt.serving.get(p), "target": rt.routes.target(p)} for p in POOLS if p in st.replicas},
+                "canary_percent": rt.routes.canary_percent,
+                "canary_live": rt.canary_live,
+                "routing_checked_s_ago": round(time.time() - rt.checked_at, 1) if rt.checked_at else None,
+                "routing_error": rt.error,
                 "records_buffered": getattr(st.producer, "buffered", 0),
                 "uptime_s": round(time.time() - st.started, 1),
             },
@@ -347,7 +441,7 @@ def build_app() -> FastAPI:
     async def models(st: StateDep, _token: EditorToken) -> dict:
         """The served model and its live versions (OpenAI shape)."""
         data = [{"id": st.cfg.model_name, "object": "model", "owned_by": "flywheel"}]
-        data += [{"id": f"{st.cfg.model_name}@v{v}", "object": "model", "owned_by": "flywheel"} for v in sorted(st.replicas)]
+        data += [{"id": f"{st.cfg.model_name}@v{v}", "object": "model", "owned_by": "flywheel"} for v in st.routing.versions]
         return {"object": "list", "data": data}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -1,48 +1,185 @@
-"""The Ray Serve application: an API ingress (FastAPI) in front of vLLM model replicas.
+"""The Ray Serve application: an API ingress (FastAPI) in front of two pools of vLLM replicas.
 
-    Ingress (FastAPI, @serve.ingress) --handle--> ModelReplica x N (one vLLM AsyncLLM each)
+    Ingress (FastAPI, @serve.ingress) --handle--> replica-stable: ModelReplica x serve.replicas
+                                      --handle--> replica-canary: ModelReplica x serve.canary_replicas
 
 The same code runs on a local Ray (`serve.ray_address` empty) and on a Ray cluster
-(`ray://head:10001` or `auto`); replica count, engine arguments and resources come from
-the `[serve]` section. Replicas hold one model version each; the ingress routes each user
-to a version (sticky by user hash) and records every completion to Kafka.
+(`ray://head:10001` or `auto`); replica counts, engine arguments and resources come from
+the `[serve]` section. Both pools start from the same model folder and version. Which
+version each pool should serve, and the canary's share of users, live in SQL
+(serving/pools.py): every replica polls its pool's target and hot-swaps itself in place
+(`PoolReconciler`), and the ingress polls the same table to route users (serving/api.py),
+so whoever decides (the rollout controller, `flywheel swap`) only writes a row.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serving.api import ApiState, build_app, install
+from serving import pools
+from serving.api import ApiState, RoutingState, build_app, install, poll_routing
 from serving.replica import GenerateRequest, GenerateResult
-from serving.routing import Split
-from serving.settings import ServingSettings
+from serving.settings import ServeSettings, ServingSettings
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "flywheel"
 
 
+def deployment_name(pool: str) -> str:
+    return f"replica-{pool}"
+
+
+def pool_sizes(cfg: ServeSettings) -> dict[str, int]:
+    """Replicas per pool; a pool of 0 replicas is not deployed."""
+    return {p: n for p, n in ((pools.STABLE, cfg.replicas), (pools.CANARY, cfg.canary_replicas)) if n > 0}
+
+
+# --- keeping a replica on its pool's target ---------------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(getattr(e, "orig", None) or e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class PoolReconciler:
+    """Keeps one replica on its pool's target version. Each `step` reads the targets
+    (`pools.read`), and when the pool's target is set and differs from the version served,
+    swaps in place (`HotSwapper.swap_report`) and logs the attempt in `swap_events`.
+
+    A target whose swap failed is not retried at once: a corrupt or missing version stays so
+    for a while, and each attempt fetches the deltas again. It is retried after `retry_s`,
+    then twice as long each time, up to `max_retry_s`; a different target is tried at once.
+    Database errors are logged (once per distinct error) and leave the replica serving what
+    it serves. Plain asyncio, no Ray: `ModelReplica` runs `run()` on its event loop."""
+
+    def __init__(self, engine, *, pool: str, replica: str, swapper, retry_s: float = 30.0, max_retry_s: float = 900.0, clock=time.monotonic):
+        assert pool in pools.POOLS, pool
+        self.engine, self.pool, self.replica, self.swapper = engine, pool, replica, swapper
+        self.retry_s, self.max_retry_s, self.clock = retry_s, max_retry_s, clock
+        self.target: int | None = None  # the pool's target at the last read
+        self.failed_target: int | None = None
+        self.failures = 0  # consecutive failed attempts at `failed_target`
+        self.retry_at = 0.0  # clock() time after which `failed_target` may be tried again
+        self.db_error: str | None = None
+        self.polled_at: float | None = None  # wall time of the last successful read
+
+    def status(self) -> dict:
+        waiting = self.failed_target is not None and self.failed_target == self.target
+        return {
+            "pool": self.pool,
+            "replica": self.replica,
+            "target": self.target,
+            "failed_target": self.failed_target,
+            "consecutive_failures": self.failures,
+            "retry_in_s": round(max(0.0, self.retry_at - self.clock()), 1) if waiting else None,
+            "db_error": self.db_error,
+            "polled_at": self.polled_at,
+        }
+
+    async def step(self) -> dict | None:
+        """One poll; the swap report (a dict) if it tried a swap, else None."""
+        try:
+            routes = await asyncio.to_thread(pools.read, self.engine)
+        except Exception as e:
+            self._db_failed("reading the serving targets (serving_pools)", e)
+            return None
+        self._db_ok()
+        target = self.target = routes.target(self.pool)
+        if target is None or target == self.swapper.service.version:
+            return None
+        if target == self.failed_target and self.clock() < self.retry_at:
+            return None
+        report = await self.swapper.swap_report(target)
+        if report["ok"]:
+            self.failed_target, self.failures = None, 0
+        else:
+            self.failures = self.failures + 1 if target == self.failed_target else 1
+            self.failed_target = target
+            wait = min(self.retry_s * 2 ** (self.failures - 1), self.max_retry_s)
+            self.retry_at = self.clock() + wait
+            log.warning("%s pool replica %s: %s; retrying v%d in %.0f s", self.pool, self.replica, report["error"], target, wait)
+        try:
+            await asyncio.to_thread(pools.record_swap, self.engine, pool=self.pool, replica=self.replica, report=report)
+        except Exception as e:
+            self._db_failed("recording the swap (swap_events)", e)
+        return report
+
+    async def run(self, interval_s: float) -> None:
+        """Poll forever; nothing that goes wrong in a step stops the loop (or the replica)."""
+        while True:
+            try:
+                await self.step()
+            except Exception:
+                log.exception("%s pool replica %s: reconcile step failed", self.pool, self.replica)
+            await asyncio.sleep(interval_s)
+
+    def _db_failed(self, what: str, e: Exception) -> None:
+        msg = f"{what} failed: {_first_line(e)}"
+        if msg != self.db_error:  # once per distinct error, not once per poll
+            log.error("%s pool replica %s: %s (is the database migrated? `flywheel db upgrade`)", self.pool, self.replica, msg)
+        self.db_error = msg
+
+    def _db_ok(self) -> None:
+        if self.db_error is not None:
+            log.info("%s pool replica %s: the database answers again", self.pool, self.replica)
+        self.db_error, self.polled_at = None, time.time()
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.to_full_id_str()[:128]
+    except Exception:  # not inside a Ray Serve replica
+        return f"local-{uuid.uuid4().hex[:12]}"
+
+
+# --- the deployments ------------------------------------------------------------------------------
+
+
 @serve.deployment(name="replica")
 class ModelReplica:
-    """One vLLM engine on one exported model version."""
+    """One vLLM engine in a pool (stable or canary), kept on the pool's target version."""
 
-    def __init__(self, model_dir: str, settings: ServingSettings, version: int):
+    def __init__(self, model_dir: str, settings: ServingSettings, version: int, pool: str):
+        from feedback.db import make_engine
         from learner.store import default_store_uri
         from serving.hotswap import HotSwapper
         from serving.replica import load_service
 
+        self.pool = pool
         self.service = load_service(Path(model_dir), settings.serve, version)
         self.swapper = HotSwapper(self.service, default_store_uri(settings))  # gates admission from now on
+        self.reconciler = PoolReconciler(make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper)
+        self._poll_s = settings.serve.pool_poll_s
+        self._reconciling: asyncio.Task | None = None
+        self._ensure_reconciling()
+
+    def _ensure_reconciling(self) -> None:
+        """Run the reconcile loop on this replica's event loop. Ray Serve calls __init__ on it
+        (so the loop starts with the replica); elsewhere the first async call starts it."""
+        if self._reconciling is not None and not self._reconciling.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._reconciling = loop.create_task(self.reconciler.run(self._poll_s), name=f"reconcile-{self.pool}")
 
     async def complete(self, req: GenerateRequest) -> GenerateResult:
+        self._ensure_reconciling()
         return await self.service.complete(req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        self._ensure_reconciling()
         async for r in self.service.stream(req):
             yield r
 
@@ -52,16 +189,19 @@ class ModelReplica:
     # --- hot swap (serving/hotswap.py) ---------------------------------------------------------
 
     async def swap_to(self, version: int) -> dict:
-        """Swap the weights in place to `version` of the weight store; the report says ok, or why not."""
+        """Swap the weights in place to `version` of the weight store; the report says ok, or why not.
+        The reconcile loop swaps back to the pool's target (if one is set) on its next poll."""
+        self._ensure_reconciling()
         return await self.swapper.swap_report(version)
 
     def swap_status(self) -> dict:
-        """Served version, swap counts and the last swap's report or error."""
-        return self.swapper.status()
+        """Served version, swap counts, the last swap's report or error, and the reconcile state
+        (the pool's target, a failing target and when it is retried, a database error)."""
+        return self.swapper.status() | {"pool": self.pool, "reconcile": self.reconciler.status()}
 
 
 class RayReplica:
-    """`ReplicaClient` over a Ray Serve deployment handle."""
+    """`ReplicaClient` over a Ray Serve deployment handle (one pool)."""
 
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle
@@ -73,27 +213,36 @@ class RayReplica:
         async for r in self.handle.options(stream=True).stream.remote(req):
             yield r
 
+    async def served_version(self) -> int:
+        # One replica of the pool answers: a sample, see serving.api.RoutingState.
+        return await self.handle.version.remote()
+
 
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(build_app)  # built inside the replica process, so `install` reaches its routes
 class Ingress:
-    def __init__(self, settings: ServingSettings, replicas: dict[int, DeploymentHandle], stable: int, tokenizer_dir: str):
+    def __init__(self, settings: ServingSettings, replicas: dict[str, DeploymentHandle], tokenizer_dir: str):
+        from feedback.db import make_engine
         from feedback.producer import BufferedProducer
         from learner.tokenizer import load_tokenizer
 
         cfg = settings.serve
         tok = load_tokenizer(tokenizer_dir)
         self.producer = BufferedProducer(settings.kafka, max_buffered=cfg.producer_buffer)
-        install(
-            ApiState(
-                cfg=cfg,
-                replicas={v: RayReplica(h) for v, h in replicas.items()},
-                split=Split(stable=stable),
-                producer=self.producer,
-                editor_tokens=cfg.editor_tokens(),
-                decode=tok.decode,
-            )
+        self.state = ApiState(
+            cfg=cfg,
+            replicas={pool: RayReplica(h) for pool, h in replicas.items()},
+            routing=RoutingState(),
+            producer=self.producer,
+            editor_tokens=cfg.editor_tokens(),
+            decode=tok.decode,
+            ops_tokens=cfg.ops_token_set(),
+            database_url=settings.database_url,  # the ops endpoints' database (ops/rollout_api.py)
         )
+        install(self.state)
+        engine = make_engine(settings.database_url)
+        # Ray Serve runs __init__ on the replica's event loop, where the routes run too.
+        self._poller = asyncio.get_running_loop().create_task(poll_routing(self.state, lambda: pools.read(engine), cfg.pool_poll_s))
 
     def __del__(self):
         producer = getattr(self, "producer", None)
@@ -102,14 +251,17 @@ class Ingress:
 
 
 def build(settings: ServingSettings, model_dir: Path, version: int):
-    """The bound application, ready for `serve.run`."""
+    """The bound application, ready for `serve.run`: both pools start on `version` of `model_dir`."""
     eng = settings.serve.engine
-    replica = ModelReplica.options(
-        name=f"replica-v{version}",
-        num_replicas=settings.serve.replicas,
-        ray_actor_options={"num_cpus": eng.num_cpus, "num_gpus": eng.num_gpus},
-    ).bind(str(model_dir), settings, version)
-    return Ingress.bind(settings, {version: replica}, version, str(model_dir))
+    handles = {
+        pool: ModelReplica.options(
+            name=deployment_name(pool),
+            num_replicas=n,
+            ray_actor_options={"num_cpus": eng.num_cpus, "num_gpus": eng.num_gpus},
+        ).bind(str(model_dir), settings, version, pool)
+        for pool, n in pool_sizes(settings.serve).items()
+    }
+    return Ingress.bind(settings, handles, str(model_dir))
 
 
 def start(settings: ServingSettings, model_dir: Path, version: int, progress=lambda msg: None) -> str:
@@ -117,6 +269,7 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     import ray
 
     cfg = settings.serve
+    migrate(settings, progress)
     if not ray.is_initialized():
         progress("starting Ray" if not cfg.ray_address else f"joining Ray at {cfg.ray_address}")
         ray.init(
@@ -127,24 +280,42 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib)))}},
         )
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    progress(f"deploying model v{version} from {model_dir} ({cfg.replicas} replica(s); vLLM start-up takes ~30 s)")
+    sizes = pool_sizes(cfg)
+    where = ", ".join(f"{n} {pool}" for pool, n in sizes.items())
+    progress(f"deploying model v{version} from {model_dir} ({where} replica(s); vLLM start-up takes ~30 s)")
     serve.run(build(settings, model_dir, version), name=APP_NAME, route_prefix="/", blocking=False)
-    progress("warming up the engine (vLLM's first step is slow)")
-    warm_up(version, cfg.replicas)
+    progress("warming up the engines (vLLM's first step is slow)")
+    warm_up(sizes)
     return f"http://{cfg.host}:{cfg.port}"
 
 
-def warm_up(version: int, replicas: int) -> None:
-    """One tiny request per replica, so no user pays for vLLM's first step (~15 s on a CPU)."""
-    import asyncio
+def migrate(settings: ServingSettings, progress=lambda msg: None) -> None:
+    """Bring the database up to date (idempotent, as the sink does): the pools poll `serving_pools`.
+    Serving does not need the database to answer, so an unreachable one is only reported."""
+    from feedback import db
+    from ops.errors import UserError
 
+    try:
+        db.upgrade(db.make_engine(settings.database_url))
+    except UserError as e:
+        log.warning("%s; pools keep their deployed version until it answers", e)
+        progress(f"warning: {e}")
+
+
+def warm_up(sizes: dict[str, int]) -> None:
+    """One tiny request per replica of each pool, so no user pays for vLLM's first step (~15 s on
+    a CPU). The router picks replicas, so this warms each one only as far as it spreads requests."""
     from serving.engine import SamplingSpec
 
-    handle = serve.get_deployment_handle(f"replica-v{version}", APP_NAME)
-    req = GenerateRequest(completion_id="warmup", prefix="def main():\n    ", suffix="\n", header="", spec=SamplingSpec(max_tokens=2, temperature=0.0))
+    spec = SamplingSpec(max_tokens=2, temperature=0.0)
 
     async def all_replicas():
-        await asyncio.gather(*(handle.complete.remote(req) for _ in range(replicas)))
+        calls = []
+        for pool, n in sizes.items():
+            handle = serve.get_deployment_handle(deployment_name(pool), APP_NAME)
+            for i in range(n):  # request ids unique per engine, as vLLM expects
+                calls.append(handle.complete.remote(GenerateRequest(f"warmup-{pool}-{i}", "def main():\n    ", "\n", "", spec)))
+        await asyncio.gather(*calls)
 
     asyncio.run(all_replicas())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -16,6 +17,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the completion API (Ray Serve + vLLM)", description="run the completion API (Ray Serve + vLLM)")
     add_config_args(p)
     p.set_defaults(fn=cmd_serve)
+
+    w = sub.add_parser(
+        "swap",
+        help="swap all: every user to one version, replicas swap in place (no rollout)",
+        description="Swap all, for when no rollout controller runs: point the stable pool at VERSION of the weight store "
+        "for every user and end any canary. The replicas swap in place within about serve.pool_poll_s.",
+    )
+    w.add_argument("version", nargs="?", type=int, metavar="VERSION", help="a version published in the weight store")
+    w.add_argument("--status", action="store_true", help="show the pools' targets and the last swaps instead")
+    w.add_argument("--last", type=int, default=10, metavar="N", help="swap events that --status shows (default 10)")
+    add_config_args(w)
+    w.set_defaults(fn=cmd_swap)
 
     b = bench_subcommands(sub).add_parser(
         "serve",
@@ -64,7 +77,20 @@ def check_ready(s) -> Path:
             "no editor tokens configured: set serve.auth_tokens_file (one token per line) or "
             "FLYWHEEL_SERVE__AUTH_TOKENS='[\"...\"]' (or serve.allow_anonymous=true for local development)"
         )
+    try:
+        s.serve.ops_token_set()
+    except ValueError as e:
+        raise UserError(str(e)) from None
     model_dir = resolve_model_dir(s)
+    cfg = s.serve
+    if not cfg.ray_address:  # a local Ray would wait forever for replicas it has no CPUs for
+        cpus = cfg.ray_num_cpus or os.cpu_count() or 1
+        need = (cfg.replicas + cfg.canary_replicas) * cfg.engine.num_cpus
+        if need > cpus:
+            raise UserError(
+                f"{cfg.replicas} stable + {cfg.canary_replicas} canary replica(s) x {cfg.engine.num_cpus:g} CPU need {need:g} CPUs, "
+                f"but the local Ray has {cpus}: lower serve.replicas or serve.canary_replicas (0: no canary pool), or serve.engine.num_cpus"
+            )
     if not port_free(s.serve.host, s.serve.port):
         raise UserError(f"port {s.serve.port} on {s.serve.host} is already in use; choose another with --set serve.port=...")
     return model_dir
@@ -102,6 +128,75 @@ def cmd_serve(args: argparse.Namespace) -> int:
     console.print("shutting down")
     app.stop()
     return 0
+
+
+def cmd_swap(args: argparse.Namespace) -> int:
+    from feedback import db
+    from serving import pools
+
+    if (args.version is None) == (not args.status):
+        raise UserError("give either a VERSION to move every user to, or --status")
+    s = load_settings(args)
+    if not args.status:
+        _check_published(s, args.version)
+    engine = db.make_engine(s.database_url)
+    db.upgrade(engine)  # idempotent; one line when the database is unreachable
+    if args.status:
+        _print_swap_status(engine, args.last)
+        return 0
+    before = pools.read(engine)
+    pools.set_stable(engine, args.version)
+    ended = f"; the canary on v{before.canary} ({before.canary_percent:g}% of users) is ended" if before.canary is not None else ""
+    console.print(
+        f"[green]set[/] stable pool -> v{args.version} for every user{ended}. Replicas swap in place within ~{s.serve.pool_poll_s:g} s; "
+        "`flywheel swap --status` shows the swaps."
+    )
+    return 0
+
+
+def _check_published(s, version: int) -> None:
+    """UserError unless `version` is a stable version of the weight store the replicas read."""
+    from learner.store import default_store_uri, open_store
+
+    uri = default_store_uri(s)
+    try:
+        versions = open_store(uri).versions()
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the weight store {uri}: {e}") from None
+    if version not in versions:
+        have = f"it has {', '.join(f'v{v}' for v in versions[-8:])}" if versions else "it is empty"
+        raise UserError(f"version {version} is not in the weight store {uri} ({have}); publish it first (`flywheel learn`)")
+
+
+def _print_swap_status(engine, last: int) -> None:
+    from rich.markup import escape
+    from rich.table import Column, Table
+    from sqlalchemy import select
+
+    from feedback import db
+
+    with engine.connect() as conn:
+        rows = list(conn.execute(select(db.serving_pools).order_by(db.serving_pools.c.pool.desc())))
+        events = list(conn.execute(select(db.swap_events).order_by(db.swap_events.c.id.desc()).limit(max(0, last))))
+    when = "%Y-%m-%d %H:%M:%S"
+    t = Table("pool", "target", "users %", "rollout", "updated", title="serving_pools (targets)")
+    for r in rows:
+        t.add_row(r.pool, "-" if r.version is None else f"v{r.version}", f"{r.traffic_percent:g}", "-" if r.rollout_id is None else str(r.rollout_id), r.updated_at.strftime(when))
+    console.print(t if rows else "serving_pools: no targets set; each pool serves the version it was deployed with")
+    e = Table(Column("at", no_wrap=True), "pool", "replica", Column("swap", no_wrap=True), "pause ms", "tensors", "fetched", "result",
+              title=f"swap_events (last {len(events)})")  # fmt: skip
+    for ev in events:
+        e.add_row(ev.at.strftime("%m-%d %H:%M:%S"), ev.pool, ev.replica.rsplit("#", 1)[-1], f"v{ev.from_version} -> v{ev.to_version}", f"{ev.pause_s * 1e3:.0f}",
+                  str(ev.tensors_reloaded), _size(ev.fetched_bytes), "[green]ok[/]" if ev.ok else f"[red]failed[/]: {escape(ev.error or '')}")  # fmt: skip
+    console.print(e if events else "swap_events: no swaps yet")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

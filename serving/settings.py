@@ -46,7 +46,13 @@ class ServeSettings(Section):
     model_name: str = "flywheel"
     """The `model` name clients send and `/v1/models` lists."""
     replicas: int = Field(default=1, ge=1)
-    """Model replicas of the stable version."""
+    """Model replicas of the stable pool (every user not routed to the canary)."""
+    canary_replicas: int = Field(default=1, ge=0)
+    """Model replicas of the canary pool, which serves the users a rollout assigns to it. 0: no canary
+    pool (then `flywheel swap` moves everyone at once, and rollouts have nowhere to send users)."""
+    pool_poll_s: float = Field(default=1.0, gt=0)
+    """How often replicas and the ingress read the target versions (table `serving_pools`): a
+    replica swaps in place to its pool's new target within about this long."""
     engine: EngineSettings = EngineSettings()
 
     auth_tokens: list[SecretStr] = []

