@@ -8,18 +8,20 @@
     POST /ops/rollouts/{id}/abort          every user back to stable
 
 Every route needs an ops token (serving.api.OpsToken: 401 without one, 403 for an editor
-token). The database comes from `engine_for(request)`; by default the URL in the app's
+token). The database comes from the dependency `engine_for`; by default the URL in the app's
 ApiState (`database_url`), one engine per URL for the life of the process. Routes are plain
 `def`: SQL blocks, so FastAPI runs them in its thread pool.
-"""
 
+No `from __future__ import annotations` here: FastAPI must see the route annotations, and
+`EngineDep` is local to `router()`.
+"""
 
 import hashlib
 import threading
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.engine import Engine
 
