@@ -78,14 +78,13 @@ def _serve(port: int) -> None:
     from feedback.producer import BufferedProducer
     from ops.config import KafkaSettings
     from serving.api import ApiState, build_app
-    from serving.routing import Split
     from serving.settings import ServeSettings
 
     token = os.environ["FLYWHEEL_BENCH_TOKEN"]
     producer = BufferedProducer(KafkaSettings.model_validate(json.loads(os.environ["FLYWHEEL_BENCH_KAFKA"])), max_buffered=1_000_000)
     app = build_app()
     cfg = ServeSettings(port=port, auth_tokens=[SecretStr(token)])
-    app.state.api = ApiState(cfg=cfg, replicas={}, split=Split(stable=0), producer=producer, editor_tokens={token}, decode=str)
+    app.state.api = ApiState(cfg=cfg, replicas={}, producer=producer, editor_tokens={token}, decode=str)
     try:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     finally:

@@ -122,7 +122,7 @@ def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int,
     token = secrets.token_urlsafe(16)
     from pydantic import SecretStr
 
-    s = settings.model_copy(update={"serve": settings.serve.model_copy(update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir})})
+    s = settings.model_copy(update={"serve": settings.serve.model_copy(update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir, "canary_replicas": 0})})
     progress("Flywheel: starting Ray Serve with one vLLM replica")
     url = app.start(s, model_dir, s.serve.model_version, progress)
     try:

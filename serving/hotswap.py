@@ -36,9 +36,10 @@ that its weights equal any stored version (it was started from a model folder), 
 first swap reloads every tensor; `adopt(version)` declares the weights equal to a stored
 version instead.
 
-Who calls `swap_to`: `ModelReplica.swap_to` (serving/app.py) over Ray; a listener on the
-versions topic or the rollout controller decides when. The metrics live in the process that
-swaps (each Ray Serve replica), not in the ingress's /metrics.
+Who calls `swap_to`: each replica's `PoolReconciler` (serving/app.py), when its pool's target
+version in `serving_pools` changes (serving/pools.py); the rollout controller or `flywheel
+swap` set the targets. Every attempt is logged in `swap_events`. The metrics live in the
+process that swaps (each Ray Serve replica), not in the ingress's /metrics.
 """
 
 from __future__ import annotations

@@ -81,6 +81,10 @@ class CompletionService:
             yield self._result(req, prompt, samples, t0, done=False)
         yield self._result(req, prompt, samples, t0, done=True)
 
+    async def served_version(self) -> int:
+        """The version it serves (an in-process service is a pool of one: serving.api.ReplicaClient)."""
+        return self.version
+
     async def complete(self, req: GenerateRequest) -> GenerateResult:
         result = None
         async for result in self.stream(dataclasses.replace(req, spec=dataclasses.replace(req.spec, stream=False))):

@@ -73,7 +73,6 @@ def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, 
 
     from serving.api import ApiState, build_app
     from serving.replica import CompletionService
-    from serving.routing import Split
     from serving.settings import ServeSettings
 
     with private_topics(kafka_settings) as topics:
@@ -82,7 +81,7 @@ def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, 
         cfg = ServeSettings(auth_tokens=[TOKEN])
         app = build_app()
         service = CompletionService(FakeEngine(tok), tok, cfg, version=3)
-        app.state.api = ApiState(cfg=cfg, replicas={3: service}, split=Split(stable=3), producer=sink_to, editor_tokens=cfg.editor_tokens(), decode=tok.decode)
+        app.state.api = ApiState(cfg=cfg, replicas={"stable": service}, producer=sink_to, editor_tokens=cfg.editor_tokens(), decode=tok.decode)
         client = TestClient(app)
         client.headers["Authorization"] = f"Bearer {TOKEN}"
 
