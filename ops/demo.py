@@ -1,128 +1,282 @@
-"""`flywheel demo` (what `make demo` runs): the main job end to end, as far as it is built.
+"""`flywheel demo` (what `make demo` runs): the whole loop on one machine, end to end.
 
   1. the local stack: a real Kafka broker, its topics, the SQL schema;
   2. the base model: the cached pretrained one, or `flywheel pretrain` (about 30 minutes);
-  3. the feedback sink (Kafka -> SQL, rewards) and the Ray Serve + vLLM API;
-  4. simulated editors replaying held-out files over HTTP: completions, views, accepts,
-     dismissals and edits, all through Kafka into SQL;
-  5. a summary read back from the analyst views.
+  3. the feedback sink (Kafka -> SQL, rewards) and the Ray Serve API: a stable and a canary
+     pool of vLLM replicas;
+  4. the loop, for `demo.minutes`: simulated editors replay held-out files over HTTP; the
+     learner trains on their rewarded feedback and publishes a gated version every
+     `learn.publish_every` (minutes here, hours in production); the rollout controller in auto
+     mode canaries each one and promotes or rolls it back from the SQL evidence. Once a learned
+     version is promoted, the demo also publishes a deliberately degraded candidate (the output
+     layer negated, the gate skipped) to show the automatic rollback;
+  5. a summary: per version accept rate, reward, suggestion rate, accepted characters; delta
+     sizes against full; swap pauses; every rollout decision with its evidence;
+  6. a static copy of the ops dashboard.
 
-The learner, hot swaps and canary rollouts join this loop as they land.
+Everything runs for real: vLLM engines in Ray Serve, a Kafka broker, SQLite (or the
+configured database). The learner, the controller and the sink run as threads of this process
+so one command shows the loop; in production each is its own process (`flywheel learn`,
+`flywheel rollout run --auto`, `flywheel sink`, `flywheel serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import secrets
 import threading
 import time
+from pathlib import Path
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy import text
 
 from feedback.sink import SinkSection, SinkSettings
-from learner.pretrain_settings import PretrainSettings
+from learner.learn_settings import GateSection, LearnSection, LearnSettings
 from ops import stack
+from ops.config import Section
+from ops.rollout import RolloutSection, RolloutSettings
 from ops.simulate import SimulateSection, SimulateSettings
 
+log = logging.getLogger("flywheel.demo")
 
-class DemoSettings(SimulateSettings, SinkSettings, PretrainSettings):
-    """`flywheel demo`: every section the loop uses (serve, sink, pretrain, simulate), with
-    defaults sized for one machine and a few minutes: short feedback windows, a modest load."""
 
-    sink: SinkSection = SinkSection(feedback_window_s=15.0, grace_period_s=60.0)
-    simulate: SimulateSection = SimulateSection(requests=60, users=4, rate=3.0, edit_delay_s=2.0)
+class DemoSection(Section):
+    minutes: float = Field(default=7.0, gt=0)
+    """How long the simulated editors type (the loop runs while they do)."""
+    degraded_candidate: bool = True
+    """Publish a deliberately degraded version once a learned one is promoted, to show a rollback."""
+    dashboard: Path | None = None
+    """Where the static dashboard goes. Empty: <data_dir>/dashboard.html."""
+
+
+class DemoSettings(SimulateSettings, SinkSettings, LearnSettings, RolloutSettings):
+    """`flywheel demo`: every section the loop uses, with defaults sized for one 2-core machine
+    and about ten minutes: short feedback windows, a version every 90 s, 20-second canary steps."""
+
+    demo: DemoSection = DemoSection()
+    sink: SinkSection = SinkSection(feedback_window_s=10.0, grace_period_s=60.0)
+    simulate: SimulateSection = SimulateSection(users=6, rate=2.5, edit_delay_s=2.0, max_tokens=24)
+    learn: LearnSection = LearnSection(
+        publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
+    )
+    rollout: RolloutSection = RolloutSection(auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0)
 
 
 def run(s: DemoSettings, console: Console) -> int:
-    from feedback.query import run_query, to_table
+    import torch
+
+    from feedback import db
     from feedback.sink import run_sink
-    from learner.corpus import load_corpus
+    from learner.learn import Learner, describe
     from learner.pretrain import ensure_base_model
+    from ops import rollout
+    from ops.dashboard import write_static
     from ops.simulate import cursor_sites, run_sessions
     from serving import app
 
     t_start = time.monotonic()
-    console.rule("1/5 stack")
+    console.rule("1/6 stack")
     with console.status("starting the stack") as status:
         r = stack.up(s, status.update)
     console.print(f"Kafka {s.kafka.bootstrap}; database {r.database} (revision {r.revision})")
 
-    console.rule("2/5 base model")
-    model_dir = ensure_base_model(s, console)
+    console.rule("2/6 base model")
+    run_dir = ensure_base_model(s, console)
+    model_dir = run_dir if (run_dir / "config.json").is_file() else run_dir / "hf"
 
-    console.rule("3/5 sink and serving")
-    stop_sink = threading.Event()
-    sink = threading.Thread(target=run_sink, args=(s,), kwargs={"stop": stop_sink, "progress": lambda m: console.print(m, markup=False)}, daemon=True)
-    sink.start()
-    token = secrets.token_urlsafe(24)  # this run's editor token; never written anywhere
-    serving = s.model_copy(update={"serve": s.serve.model_copy(update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir})})
-    with console.status("starting Ray Serve and vLLM") as status:
-        url = app.start(serving, model_dir, serving.serve.model_version, status.update)
-    console.print(f"API at {url} serving model v{serving.serve.model_version} from {model_dir}")
+    console.rule("3/6 sink, learner and serving")
+    engine = db.make_engine(s.database_url)
+    stop = threading.Event()
+    threads = [threading.Thread(target=run_sink, args=(s,), kwargs={"stop": stop, "progress": lambda m: log.info(m)}, name="sink", daemon=True)]
+    threads[0].start()
+    torch.set_num_threads(1)  # the learner shares two cores with two vLLM engines
+    events: list[str] = []
+    learner = Learner(s, progress=lambda p: p.event.startswith("published") and _say(console, events, describe(p)))
+    learner.start()
+    console.print(f"learner at v{learner.state.version} (last good v{learner.state.last_good}), step {learner.state.step}; store {learner.store.uri()}")
+    editor, ops_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)  # this run's tokens; never written anywhere
+    serve = s.serve.model_copy(update={"auth_tokens": [SecretStr(editor)], "ops_tokens": [SecretStr(ops_token)], "model_dir": model_dir})
+    serving = s.model_copy(update={"serve": serve})
+    with console.status("starting Ray Serve and vLLM (stable and canary pools)") as status:
+        url = app.start(serving, model_dir, 0, status.update)
+    console.print(f"API at {url}; stable and canary pools start on v0 and follow serving_pools")
 
+    console.rule(f"4/6 the loop: {s.demo.minutes:g} minutes of simulated editors")
+    sim = s.simulate
+    n = max(1, int(s.demo.minutes * 60 * sim.rate))
+    sites = cursor_sites(learner.heldout, n, random.Random(sim.seed))
+    threads.append(threading.Thread(target=_learn, args=(learner, stop, console, events), name="learner", daemon=True))
+    threads.append(threading.Thread(target=rollout.run_controller, args=(s, stop),
+                                    kwargs={"progress": lambda m: _say(console, events, m)}, name="rollout", daemon=True))  # fmt: skip
+    if s.demo.degraded_candidate:
+        threads.append(threading.Thread(target=_inject_degraded, args=(learner, engine, stop, console, events), name="fault", daemon=True))
+    for t in threads[1:]:
+        t.start()
+    stats = None
     try:
-        console.rule("4/5 simulated editors")
-        sim = s.simulate
-        sites = cursor_sites(load_corpus(s.pretrain.corpus).heldout, sim.requests, random.Random(sim.seed))
         with console.status("") as status:
-            stats = asyncio.run(
-                run_sessions(
-                    url, token, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s, max_tokens=sim.max_tokens, seed=sim.seed,
-                    progress=lambda st: status.update(f"{st.requests}/{len(sites)} requests, {st.shown} shown, {st.accepted} accepted"),
+            t0 = time.monotonic()
+
+            def show(st) -> None:
+                lp = learner.snapshot()
+                status.update(
+                    f"{time.monotonic() - t0:.0f}/{s.demo.minutes * 60:.0f} s · {st.requests}/{n} requests, {st.shown} shown, {st.accepted} accepted, "
+                    f"{st.errors} errors · learner v{lp.version} step {lp.step}, {lp.trained_since_publish}/{lp.min_samples} samples "
+                    f"for the next version"
                 )
-            )
-        console.print(
-            f"{stats.requests} requests over HTTP: suggestion rate {stats.suggestion_rate:.0%}, accept rate {stats.accept_rate:.0%}, "
-            f"{stats.accepted_chars} accepted characters, {stats.events} events sent, {stats.errors} errors"
-        )
-        console.print(demo_table(stats))
-        # Rewards are computed when each completion's feedback window closes.
-        wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s
-        with console.status(f"waiting {wait:.0f} s for the feedback windows to close"):
+
+            stats = asyncio.run(run_sessions(url, editor, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s,
+                                             max_tokens=sim.max_tokens, seed=sim.seed, progress=show))  # fmt: skip
+            wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s
+            status.update(f"waiting {wait:.0f} s for the last feedback windows to close")
             time.sleep(wait)
     finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        learner.close()
         app.stop()
-        stop_sink.set()
-        sink.join(timeout=30)
 
-    console.rule("5/5 what the analysts see")
-    for title, sql in (
-        (
-            "acceptance by version and language (v_daily_acceptance)",
-            "SELECT day, model_version AS version, language, shown, accepted, ROUND(accept_rate, 3) AS accept_rate, "
-            "accepted_chars FROM v_daily_acceptance ORDER BY day, version, language",
-        ),
-        (
-            "reward by version (v_version_rewards)",
-            "SELECT model_version AS version, rewarded, ROUND(mean_reward, 3) AS mean_reward, accepted, edited, dismissed, "
-            "no_suggestion FROM v_version_rewards ORDER BY version",
-        ),
-        (
-            "latency by version, ms (v_latency)",
-            "SELECT model_version AS version, requests, ROUND(p50_ms) AS p50, ROUND(p90_ms) AS p90, ROUND(p99_ms) AS p99 FROM v_latency ORDER BY version",
-        ),
-        (
-            "suggestion rate (v_suggestion_rate)",
-            "SELECT model_version AS version, language, requests, suggested, ROUND(suggestion_rate, 3) AS rate FROM v_suggestion_rate",
-        ),
-    ):
-        result = run_query(s.database_url, sql)
-        table = to_table(result)
-        table.title = title
-        console.print(table)
-    rows = run_query(s.database_url, "SELECT COUNT(*) AS completions FROM completions").rows[0][0]
+    console.rule("5/6 summary")
+    summary = summarize(engine, console)
+    summary["simulated"] = {"requests": stats.requests, "errors": stats.errors, "shown": stats.shown, "accepted": stats.accepted}
     console.print(
-        f"[green]done[/] in {time.monotonic() - t_start:.0f} s: {rows} completions in SQL. "
-        "Query them with `flywheel query \"SELECT ...\"`; `flywheel down` stops the broker."
+        f"simulated editors: {stats.requests} requests over HTTP, {stats.errors} failed; suggestion rate {stats.suggestion_rate:.0%}, "
+        f"accept rate {stats.accept_rate:.0%}, {stats.accepted_chars} accepted characters"
     )
-    return 0 if stats.errors == 0 and stats.requests == len(sites) else 1
+
+    console.rule("6/6 dashboard")
+    path = write_static(engine, s.demo.dashboard or s.data_dir / "dashboard.html")
+    console.print(f"static dashboard: {path} (live: {url}/ops/dashboard with an ops token, while `flywheel serve` runs)")
+    console.print(f"[green]done[/] in {time.monotonic() - t_start:.0f} s. `flywheel query \"SELECT ...\"` reads the tables; `flywheel down` stops the broker.")
+    ok = stats.errors == 0 and stats.requests == n
+    return 0 if ok else 1
 
 
-def demo_table(stats) -> Table:
-    t = Table("version", "requests", "shown", "accepted", "accepted chars", title="what the simulated editors saw, per model version")
-    for v, row in sorted(stats.by_version.items()):
-        t.add_row(v, str(row["requests"]), str(row["shown"]), str(row["accepted"]), str(row["accepted_chars"]))
-    return t
+def _say(console: Console, events: list[str], line: str) -> None:
+    events.append(line)
+    console.print(line, markup=False, highlight=False)
+
+
+def _learn(learner, stop: threading.Event, console: Console, events: list[str]) -> None:
+    try:
+        learner.run(stop)
+    except Exception as e:  # the demo goes on without the learner, and says so
+        log.exception("the learner stopped")
+        _say(console, events, f"learner stopped: {type(e).__name__}: {e}")
+
+
+def _inject_degraded(learner, engine, stop: threading.Event, console: Console, events: list[str]) -> None:
+    """Once a learned version is promoted, publish a deliberately degraded candidate."""
+    from sqlalchemy import select
+
+    from feedback import db
+    from ops import rollout
+
+    while not stop.wait(2.0):
+        with engine.connect() as conn:
+            promoted = conn.execute(
+                select(db.rollouts.c.candidate_version).where(db.rollouts.c.state == rollout.PROMOTED).order_by(db.rollouts.c.id.desc())
+            ).first()
+            busy = rollout.active(conn)
+        if promoted is None or busy is not None:
+            continue
+        msg = publish_degraded(learner, engine, parent=promoted[0])
+        _say(console, events, f"fault injection: published v{msg.version} = v{promoted[0]} with its output layer negated (gate skipped on purpose); "
+                              "the canary should roll it back")  # fmt: skip
+        return
+
+
+def publish_degraded(learner, engine, *, parent: int):
+    """A version whose suggestions are garbage: `parent` with lm_head negated. Recorded and
+    announced as passing (it skips the learner's gate, which would block it), so the rollout
+    controller must catch it."""
+    from learner import store as S
+
+    packed = learner.store.materialize(parent)
+    packed["lm_head.weight"] = -packed["lm_head.weight"]
+    v = learner.store.publish(packed, parent=parent).version
+    msg = learner.store.model_version(v, gate_passed=True, gate_reason="demo fault injection: lm_head negated, gate skipped", metrics={"injected_fault": 1.0})
+    S.record(msg, engine)
+    learner._announce(msg)
+    return msg
+
+
+# --- the summary ----------------------------------------------------------------------------------
+
+
+def summarize(engine, console: Console) -> dict:
+    """Print the loop's outcome from SQL; return it as data (tests read it)."""
+    out: dict = {}
+    with engine.connect() as conn:
+        per_version = conn.execute(text(
+            "SELECT f.model_version AS v, COUNT(*) AS requests, SUM(f.suggested) AS suggested, SUM(f.shown) AS shown, "
+            "SUM(f.accepted) AS accepted, SUM(f.accepted_chars) AS chars FROM v_choice_feedback f GROUP BY f.model_version ORDER BY f.model_version"
+        )).all()  # fmt: skip
+        rewards = dict(conn.execute(text("SELECT model_version, AVG(reward) FROM rewards WHERE outcome <> 'unseen' GROUP BY model_version")).all())
+        versions = conn.execute(text(
+            "SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, gate_reason FROM model_versions ORDER BY version"
+        )).all()  # fmt: skip
+        swaps = conn.execute(text(
+            "SELECT pool, from_version, to_version, ok, pause_s, tensors_reloaded, fetched_bytes, error FROM swap_events ORDER BY id"
+        )).all()  # fmt: skip
+        rollouts = conn.execute(text("SELECT id, candidate_version, stable_version, state, reason FROM rollouts ORDER BY id")).all()
+        steps = conn.execute(text("SELECT rollout_id, step_index, weight, decision, evidence FROM rollout_steps ORDER BY id")).all()
+
+    t = Table("version", "requests", "suggestion rate", "accept rate", "mean reward", "accepted chars / request", title="per version (what users saw)")
+    out["versions"] = {}
+    for r in per_version:
+        row = {"requests": r.requests, "suggestion_rate": (r.suggested or 0) / r.requests, "accept_rate": (r.accepted or 0) / max(r.shown or 0, 1),
+               "reward": rewards.get(r.v), "accepted_chars_per_request": (r.chars or 0) / r.requests}  # fmt: skip
+        out["versions"][r.v] = row
+        t.add_row(f"v{r.v}", str(r.requests), f"{row['suggestion_rate']:.0%}", f"{row['accept_rate']:.0%}",
+                  "-" if row["reward"] is None else f"{row['reward']:+.3f}", f"{row['accepted_chars_per_request']:.1f}")  # fmt: skip
+    console.print(t)
+
+    t = Table("version", "parent", "kind", "published bytes", "full bytes", "delta / full", "gate", title="published versions (the weight store)")
+    out["published"] = []
+    for v in versions:
+        ratio = v.size_bytes / v.full_size_bytes if v.full_size_bytes else 0.0
+        out["published"].append({"version": v.version, "kind": v.kind, "size_bytes": v.size_bytes, "ratio": ratio, "gate_passed": v.gate_passed})
+        t.add_row(f"v{v.version}", "-" if v.parent is None else f"v{v.parent}", v.kind, f"{v.size_bytes:,}", f"{v.full_size_bytes:,}",
+                  f"1/{1 / ratio:.0f}" if ratio and v.kind == "delta" else "full", ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason else ""))  # fmt: skip
+    console.print(t)
+
+    t = Table("pool", "swap", "ok", "pause ms", "tensors", "fetched bytes", title="hot swaps (in place, no restart)")
+    out["swaps"] = []
+    for w in swaps:
+        out["swaps"].append({"pool": w.pool, "from": w.from_version, "to": w.to_version, "ok": bool(w.ok), "pause_s": w.pause_s})
+        t.add_row(w.pool, f"v{w.from_version} -> v{w.to_version}", "yes" if w.ok else f"NO: {w.error}", f"{w.pause_s * 1e3:.0f}", str(w.tensors_reloaded), f"{w.fetched_bytes:,}")
+    console.print(t)
+
+    t = Table("rollout", "step", "canary %", "decision", "evidence", title="rollout decisions (rollouts, rollout_steps)")
+    out["rollouts"] = [{"id": r.id, "candidate": r.candidate_version, "stable": r.stable_version, "state": r.state, "reason": r.reason} for r in rollouts]
+    cand = {r.id: (r.candidate_version, r.stable_version) for r in rollouts}
+    for st in steps:
+        c, s_ = cand.get(st.rollout_id, ("?", "?"))
+        t.add_row(f"#{st.rollout_id} v{c} vs v{s_}", str(st.step_index), f"{st.weight:g}", st.decision, _evidence_line(st.evidence))
+    console.print(t)
+    for r in rollouts:
+        console.print(f"rollout #{r.id}: v{r.candidate_version} -> {r.state}" + (f" ({r.reason})" if r.reason else ""), markup=False)
+    return out
+
+
+def _evidence_line(ev) -> str:
+    if not isinstance(ev, dict):
+        return ""
+    parts = []
+    arms = ev.get("arms") or {}
+    for arm in ("canary", "stable"):
+        a = arms.get(arm) or {}
+        if a:
+            acc = f", accept {a['accepted'] / a['shown']:.0%}" if a.get("shown") else ""
+            rew = f", reward {a['reward_mean']:+.2f}" if a.get("reward_mean") is not None else ""
+            parts.append(f"{arm}: {a.get('shown', 0)} shown{acc}{rew}")
+    if ev.get("reason"):
+        parts.append(str(ev["reason"]))
+    return "; ".join(parts)
