@@ -2,38 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import Field
 
 from learner.gate import GateThresholds
 from learner.pretrain_settings import PretrainSettings
-from ops.config import Section
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
-
-
-def parse_duration(v: object) -> float:
-    """Seconds from a number or a string like "3h", "90s", "1h30m", "2.5m"."""
-    if isinstance(v, int | float):
-        return float(v)
-    if isinstance(v, str):
-        s = v.strip().lower().replace(" ", "")
-        try:
-            return float(s)
-        except ValueError:
-            pass
-        parts = _DURATION.findall(s)
-        if parts and "".join(n + u for n, u in parts) == s:
-            return sum(float(n) * _UNITS[u] for n, u in parts)
-    raise ValueError(f"expected a duration like 3h, 90s or 1h30m (or seconds), got {v!r}")
-
-
-Seconds = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
-
+from ops.config import Section, Seconds
 
 class GateSection(GateThresholds):
     """The gate before publish (learner/gate.py): held-out replay against the stable version,
@@ -50,7 +26,7 @@ class GateSection(GateThresholds):
 class LearnSection(Section):
     """The RL learner: feedback in, model versions out."""
 
-    publish_every: Seconds = 3 * 3600.0
+    publish_every: Seconds = Field(default=3 * 3600.0, gt=0)
     """Publish a version this often ("3h", "90s", "1h30m" or seconds), once `min_samples` were trained."""
     min_samples: int = Field(default=256, ge=1)
     """Samples trained since the last version before the next may be published."""

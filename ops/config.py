@@ -15,18 +15,49 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, Self
+from typing import Annotated, Any, Self
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from ops.errors import UserError
 
 _TOML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("flywheel_toml_file", default=None)
 
+
+
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+
+
+def parse_duration(v: object) -> float:
+    """Seconds from a number or a string like "3h", "90s", "1h30m", "2.5m", "250ms"; ValueError otherwise."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected a duration like 3h, 90s or 1h30m (or seconds), got {v!r}")
+    if isinstance(v, int | float):
+        seconds = float(v)
+    elif isinstance(v, str):
+        text = v.strip().lower().replace(" ", "")
+        parts = _DURATION_PART.findall(text)
+        try:
+            seconds = float(text)
+        except ValueError:
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise ValueError(f"bad duration {v!r}: expected e.g. 3h, 90s, 1h30m or seconds") from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        raise ValueError(f"expected a duration like 3h, 90s or 1h30m (or seconds), got {v!r}")
+    if not seconds > 0:
+        raise ValueError(f"bad duration {v!r}: it must be positive")
+    return seconds
+
+
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+"""A settings field in seconds that also accepts "3h", "90s", "1h30m"."""
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)

@@ -60,7 +60,7 @@ class DemoSettings(SimulateSettings, SinkSettings, LearnSettings, RolloutSetting
 
     demo: DemoSection = DemoSection()
     sink: SinkSection = SinkSection(feedback_window_s=10.0, grace_period_s=60.0)
-    simulate: SimulateSection = SimulateSection(users=6, rate=2.5, edit_delay_s=2.0, max_tokens=24)
+    simulate: SimulateSection = SimulateSection(users=6, rate=1.5, edit_delay_s=2.0, max_tokens=16)
     learn: LearnSection = LearnSection(
         publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
     )
@@ -244,7 +244,7 @@ def summarize(engine, console: Console) -> dict:
         ratio = v.size_bytes / v.full_size_bytes if v.full_size_bytes else 0.0
         out["published"].append({"version": v.version, "kind": v.kind, "size_bytes": v.size_bytes, "ratio": ratio, "gate_passed": v.gate_passed})
         t.add_row(f"v{v.version}", "-" if v.parent is None else f"v{v.parent}", v.kind, f"{v.size_bytes:,}", f"{v.full_size_bytes:,}",
-                  f"1/{1 / ratio:.0f}" if ratio and v.kind == "delta" else "full", ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason else ""))  # fmt: skip
+                  f"1/{1 / ratio:.0f}" if ratio and v.kind == "delta" else "full", ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason and v.version else ""))  # fmt: skip
     console.print(t)
 
     t = Table("pool", "swap", "ok", "pause ms", "tensors", "fetched bytes", title="hot swaps (in place, no restart)")
@@ -267,6 +267,10 @@ def summarize(engine, console: Console) -> dict:
 
 
 def _evidence_line(ev) -> str:
+    if isinstance(ev, str):  # a JSON column read through text() comes back as its text on SQLite
+        import json
+
+        ev = json.loads(ev)
     if not isinstance(ev, dict):
         return ""
     parts = []

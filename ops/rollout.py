@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import signal
 import threading
 from collections.abc import Callable
@@ -59,7 +58,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from feedback import db
 from feedback.schemas import ModelVersion
-from ops.config import FlywheelSettings, Section
+from ops.config import FlywheelSettings, Section, Seconds
 from ops.errors import UserError
 from ops.rollout_stats import ADVANCE, HOLD, PROMOTE, ROLLBACK, Arm, Decision, Policy, decide, json_safe
 from serving import pools
@@ -95,7 +94,7 @@ class RolloutSection(Section):
     """`canary`: step through `weights`, testing at each; `all`: make the version stable at once (no canary)."""
     weights: list[float] = [5.0, 25.0, 50.0, 100.0]
     """Canary share of users per step, percent, increasing; passing the last step promotes."""
-    interval_s: float = Field(default=60.0, gt=0)
+    interval_s: Seconds = Field(default=60.0, gt=0)
     """How long each step runs before it is evaluated (and between evaluations of a holding step)."""
     min_samples: int = Field(default=200, ge=2)
     """Observations per arm below which a metric is not tested; the step holds until the accept rate has them."""
@@ -133,14 +132,6 @@ class RolloutSettings(FlywheelSettings):
     """`flywheel rollout`: the canary controller and its commands."""
 
     rollout: RolloutSection = RolloutSection()
-
-
-def parse_duration(value: str) -> float:
-    """`90`, `90s`, `5m`, `1.5h` -> seconds; ValueError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", value)
-    if not m or float(m[1]) <= 0:
-        raise ValueError(f"bad duration {value!r}: expected a positive number with an optional unit, e.g. 60s, 5m, 1h")
-    return float(m[1]) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m[2]]
 
 
 def parse_weights(value: str) -> list[float]:

@@ -99,7 +99,8 @@ def _by() -> str:
 
 
 def _start_overrides(args: argparse.Namespace) -> list[str]:
-    from ops.rollout import parse_duration, parse_weights
+    from ops.config import parse_duration
+    from ops.rollout import parse_weights
 
     out = []
     try:

@@ -157,7 +157,7 @@ class ModelReplica:
 
         self.pool = pool
         self.service = load_service(Path(model_dir), settings.serve, version)
-        self.swapper = HotSwapper(self.service, default_store_uri(settings))  # gates admission from now on
+        self.swapper = HotSwapper(self.service, default_store_uri(settings), loaded_from=model_dir)  # gates admission from now on
         self.reconciler = PoolReconciler(make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper)
         self._poll_s = settings.serve.pool_poll_s
         self._reconciling: asyncio.Task | None = None
@@ -269,7 +269,7 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     import ray
 
     cfg = settings.serve
-    migrate(settings, progress)
+    migrate(settings, version, progress)
     if not ray.is_initialized():
         progress("starting Ray" if not cfg.ray_address else f"joining Ray at {cfg.ray_address}")
         ray.init(
@@ -289,14 +289,20 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     return f"http://{cfg.host}:{cfg.port}"
 
 
-def migrate(settings: ServingSettings, progress=lambda msg: None) -> None:
+def migrate(settings: ServingSettings, version: int | None = None, progress=lambda msg: None) -> None:
     """Bring the database up to date (idempotent, as the sink does): the pools poll `serving_pools`.
-    Serving does not need the database to answer, so an unreachable one is only reported."""
+    With no stable target recorded yet, record the deployed `version` as stable, so the rollout
+    controller knows what a candidate is compared with. Serving does not need the database to
+    answer, so an unreachable one is only reported."""
     from feedback import db
     from ops.errors import UserError
+    from serving import pools
 
     try:
-        db.upgrade(db.make_engine(settings.database_url))
+        engine = db.make_engine(settings.database_url)
+        db.upgrade(engine)
+        if version is not None and pools.read(engine).stable is None:
+            pools.set_stable(engine, version)
     except UserError as e:
         log.warning("%s; pools keep their deployed version until it answers", e)
         progress(f"warning: {e}")

@@ -69,6 +69,12 @@ SWAP_PAUSE = Histogram(
 )
 
 
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
 class SwapError(RuntimeError):
     """A swap that did not happen; the replica still serves its previous version."""
 
@@ -223,9 +229,12 @@ class _Prepared:
 class HotSwapper:
     """Swaps a `CompletionService`'s weights to versions of a weight store, one swap at a time."""
 
-    def __init__(self, service, store, *, drain_timeout_s: float = 60.0):
-        """`store`: a learner.store.Store, or its URI (opened on first use)."""
+    def __init__(self, service, store, *, drain_timeout_s: float = 60.0, loaded_from: str | Path | None = None):
+        """`store`: a learner.store.Store, or its URI (opened on first use). `loaded_from`: the
+        model folder the engine loaded; if its weights equal the store's copy of the version the
+        replica started on, the first swap reloads only what changed (see `_recognize`)."""
         self.service = service
+        self.loaded_from = Path(loaded_from) if loaded_from is not None else None
         if not isinstance(service.engine, GatedEngine):
             service.engine = GatedEngine(service.engine)
         self._store = store
@@ -310,7 +319,7 @@ class HotSwapper:
 
         from learner.store import to_hf_tensors
 
-        served = self._served
+        served = self._served if self._served is not None else self._recognize()
         plan = self.store.plan(version, have=served.version if served is not None else None)
         base = served if served is not None and plan.have is not None else None
         ckpt, hashes = self.store.fetch(plan, base.ckpt if base else None, base.hashes if base else None)
@@ -320,6 +329,29 @@ class HotSwapper:
         if changed:
             p.folder, p.path, p.sha256, p.nbytes = self._write(to_hf_tensors(ckpt, changed), save)
         return p
+
+    def _recognize(self) -> _Served | None:
+        """The store's copy of the version this replica started on, if the folder it loaded holds
+        exactly those weights (bit for bit, as vLLM loads them); else None (reload everything)."""
+        if self.loaded_from is None or self.service.version not in self.store.versions():
+            return None
+        from safetensors.torch import load_file
+
+        from learner.export import WEIGHTS_FILE
+        from learner.store import to_hf_tensors
+
+        try:
+            loaded = load_file(str(self.loaded_from / WEIGHTS_FILE))
+        except (OSError, ValueError) as e:
+            log.info("cannot compare %s with the store (%s); the first swap reloads every tensor", self.loaded_from, e)
+            return None
+        ckpt = self.store.materialize(self.service.version)
+        stored = to_hf_tensors(ckpt)
+        if stored.keys() != loaded.keys() or any(not torch_equal(stored[k], loaded[k]) for k in stored):
+            log.info("%s differs from v%d in the store; the first swap reloads every tensor", self.loaded_from, self.service.version)
+            return None
+        log.info("%s holds exactly v%d of the store: swaps send only changed tensors from the start", self.loaded_from, self.service.version)
+        return _Served(self.service.version, ckpt, self.store.hashes(self.service.version))
 
     @staticmethod
     def _write(tensors: dict, save) -> tuple[Path, str, str, int]:

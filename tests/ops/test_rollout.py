@@ -520,4 +520,10 @@ def test_settings_refuse_bad_weights():
 
     with pytest.raises(UserError, match="increasing percentages"):
         RolloutSettings.load(None, ["rollout.weights=[50, 25]"])
-    assert rollout.parse_duration("1.5h") == 5400 and rollout.parse_duration("90") == 90
+    from ops.config import parse_duration
+
+    assert parse_duration("1.5h") == 5400 and parse_duration("90") == 90 and parse_duration("1h30m") == 5400
+    assert RolloutSettings.load(None, ['rollout.interval_s="2m"']).rollout.interval_s == 120
+    for bad in ("", "3x", "-5s", "0"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)

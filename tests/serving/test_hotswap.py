@@ -138,6 +138,25 @@ async def test_adopt_and_a_replica_far_behind(tok, published):
     assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[3]))
 
 
+@sync
+async def test_a_replica_started_from_the_stored_weights_swaps_only_changes(tok, published, tmp_path):
+    from safetensors.torch import save_file
+
+    root, ckpts = published
+    save_file(S.to_hf_tensors(ckpts[0]), str(tmp_path / "model.safetensors"))  # the folder vLLM loaded: v0 exactly
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    r = await HotSwapper(make_service(tok, engine), S.open_store(root), loaded_from=tmp_path).swap_to(1)
+    changed = {n for n in ckpts[1] if D.tensor_sha256(ckpts[1][n]) != D.tensor_sha256(ckpts[0][n])}
+    assert r.plan["have"] == 0 and r.plan["deltas"] == [1] and set(engine.reloads[-1]) == set(reload_set(changed, ckpts[1]))
+
+    other = S.to_hf_tensors(ckpts[0]) | {"lm_head.weight": S.to_hf_tensors(ckpts[1])["lm_head.weight"]}
+    save_file(other, str(tmp_path / "model.safetensors"))  # not v0: everything is reloaded, as without a folder
+    engine = WeightsEngine(other, version=0)
+    r = await HotSwapper(make_service(tok, engine), S.open_store(root), loaded_from=tmp_path).swap_to(1)
+    assert r.plan["have"] is None and r.tensors_reloaded == len(ckpts[1])
+    assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
+
+
 def test_a_swap_reloads_whole_vllm_layers():
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"] + ["model.layers.0.self_attn.q_norm.weight"]
     names += [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in (0, 1) for e in range(3) for p in ("gate", "up", "down")]
