@@ -264,20 +264,26 @@ def heldout_replay(
     fp4_hook: WeightHook | None = None,
     weights: RewardWeights | None = None,
     serve: ServeSettings | None = None,
+    threads: int | None = 1,
 ) -> ReplayStats:
     """Simulated editor sessions on `sites` with `model` in-process (see the module docstring).
 
     `max_tokens`: per completion (serving gives editor requests `serve.default_max_tokens`);
     `fp4_hook`: the learner's QAT hook, so the replay sees the weights as served; `weights`:
-    the sink's reward weights; `serve`: the serve settings whose prompt budget to mirror."""
+    the sink's reward weights; `serve`: the serve settings whose prompt budget to mirror;
+    `threads`: torch's CPU threads while replaying (None: leave them). One token at a time is
+    too little work to split, and next to busy vLLM workers the thread pool's waits made a
+    2-thread replay of the small model take 570 s instead of 4 s."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     t0 = time.perf_counter()
     window = model.args.max_seq_len
     builder = prompt_builder(tok, window, serve)
     hook = _frozen(fp4_hook)
-    was_training = model.training
+    was_training, was_threads = model.training, torch.get_num_threads()
     model.eval()
+    if threads is not None:
+        torch.set_num_threads(threads)
     results = []
     try:
         for site in sites:
@@ -290,6 +296,7 @@ def heldout_replay(
                                       verdict.accepted_chars, parts["outcome"], r, len(prompt), truncated))  # fmt: skip
     finally:
         model.train(was_training)
+        torch.set_num_threads(was_threads)
     return ReplayStats.of(results, time.perf_counter() - t0)
 
 
@@ -426,12 +433,13 @@ def evaluate_candidate(
     fp4_hook: WeightHook | None = None,
     weights: RewardWeights | None = None,
     serve: ServeSettings | None = None,
+    threads: int | None = 1,
     stable_stats: ReplayStats | None = None,
 ) -> tuple[GateResult, ReplayStats, ReplayStats]:
     """Replay both models on `sites` and check the candidate: (result, stable stats, candidate stats).
 
     Pass `stable_stats` from an earlier call to skip replaying an unchanged stable model again."""
-    replay = dict(max_tokens=max_tokens, fp4_hook=fp4_hook, weights=weights, serve=serve)
+    replay = dict(max_tokens=max_tokens, fp4_hook=fp4_hook, weights=weights, serve=serve, threads=threads)
     if stable_stats is None:
         stable_stats = heldout_replay(stable_model, tok, sites, **replay)
     candidate_stats = heldout_replay(candidate_model, tok, sites, **replay)
