@@ -67,7 +67,9 @@ class DemoSettings(SimulateSettings, SinkSettings, LearnSettings, RolloutSetting
     rollout: RolloutSection = RolloutSection(auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0)
 
 
-def run(s: DemoSettings, console: Console) -> int:
+def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
+    """Run the demo; 0 when every simulated request succeeded. `result`, if given, receives the
+    summary (per version, published versions, swaps, rollouts) and the simulated editors' stats."""
     import torch
 
     from feedback import db
@@ -145,6 +147,9 @@ def run(s: DemoSettings, console: Console) -> int:
     console.rule("5/6 summary")
     summary = summarize(engine, console)
     summary["simulated"] = {"requests": stats.requests, "errors": stats.errors, "shown": stats.shown, "accepted": stats.accepted}
+    summary["events"] = events
+    if result is not None:
+        result.update(summary)
     console.print(
         f"simulated editors: {stats.requests} requests over HTTP, {stats.errors} failed; suggestion rate {stats.suggestion_rate:.0%}, "
         f"accept rate {stats.accept_rate:.0%}, {stats.accepted_chars} accepted characters"

@@ -1,0 +1,103 @@
+"""The whole loop on one machine, as `make demo` runs it, with a tiny model and short cadences:
+simulated editors over HTTP -> Kafka -> sink -> SQL -> learner -> weight store (delta) ->
+flywheel.versions -> auto canary -> in-place hot swaps -> completions tagged with the new
+version, whose logprobs are the learner's model at that version."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+from rich.console import Console
+from sqlalchemy import text
+
+from feedback import db
+from learner import store as S
+from learner.learn import model_from_packed
+from learner.pretrain import find_base_model, load_master_weights
+from ops import demo
+from tests.helpers import free_port
+from tests.learner.learn_support import make_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+LOGPROB_TOL = 0.15  # bf16 activations in vLLM against the learner's fp32 (tests/serving/test_hotswap.py)
+
+
+def test_demo_closes_the_loop(tmp_path, kafka_settings):
+    corpus = make_corpus(tmp_path / "corpus")
+    s = demo.DemoSettings(
+        data_dir=tmp_path / "data",
+        cache_dir=tmp_path / "cache",
+        kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
+        pretrain=dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=128, batch_size=4, steps=8, warmup_steps=2,
+                      eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25),
+        serve={"port": free_port(), "ray_num_cpus": 2},
+        sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
+        simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5},
+        learn={"publish_every": 15.0, "min_samples": 16, "batch_size": 8, "poll_s": 0.5,
+               "gate": {"sites": 8, "min_sites": 8, "max_tokens": 8, "max_kl": 5.0, "reward_tolerance": 1.0}},
+        rollout={"auto": True, "weights": [50.0, 100.0], "interval_s": 8.0, "min_samples": 4, "max_holds": 8, "poll_s": 1.0,
+                 "thresholds": {"p99_latency_ratio": 100.0}},
+        demo={"minutes": 2.0, "degraded_candidate": True},
+    )  # fmt: skip
+    out = io.StringIO()
+    result: dict = {}
+    rc = demo.run(s, Console(file=out, width=200), result)
+    log = out.getvalue()
+    assert rc == 0, log[-4000:]
+    assert result["simulated"]["errors"] == 0 and result["simulated"]["requests"] > 100  # none failed, through every swap
+
+    engine = db.make_engine(s.database_url)
+    with engine.connect() as conn:
+        versions = {r.version: r for r in conn.execute(text("SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, metrics FROM model_versions"))}
+        rollouts = conn.execute(text("SELECT id, candidate_version, stable_version, state, started_at, finished_at FROM rollouts ORDER BY id")).all()
+        steps = conn.execute(text("SELECT rollout_id, decision, evidence FROM rollout_steps ORDER BY id")).all()
+        swaps = conn.execute(text("SELECT pool, from_version, to_version, ok FROM swap_events ORDER BY id")).all()
+        served = conn.execute(text(
+            "SELECT c.completion_id, c.model_version, c.user_hash, c.created_at, c.prompt_token_ids, ch.token_ids, ch.logprobs "
+            "FROM completions c JOIN completion_choices ch ON ch.completion_id = c.completion_id ORDER BY c.id"
+        )).all()  # fmt: skip
+
+    # The learner published learned versions as deltas that passed the gate, announced and recorded.
+    learned = [v for v, r in versions.items() if v > 0 and r.gate_passed and "injected_fault" not in _json(r.metrics)]
+    assert learned, log[-4000:]
+    assert all(versions[v].kind == "delta" and versions[v].size_bytes < versions[v].full_size_bytes / 5 for v in learned)
+    # Auto canary: a learned version was promoted, with its decisions recorded with evidence.
+    promoted = [r for r in rollouts if r.state == "promoted"]
+    assert promoted and promoted[0].candidate_version in learned, (rollouts, log[-4000:])
+    assert all("arms" in _json(st.evidence) for st in steps if st.decision in ("advance", "promote", "rollback"))
+    # Every pool swapped in place (no restart), and every swap succeeded.
+    assert swaps and all(w.ok for w in swaps)
+    assert {("stable", promoted[0].candidate_version)} <= {(w.pool, w.to_version) for w in swaps}
+
+    # Completions are tagged with the version that produced them, and their logprobs are the
+    # learner's model at that version (its published FP4 weights).
+    store = S.open_store(S.default_store_uri(s))
+    _, args = load_master_weights(find_base_model(s))
+    v = promoted[0].candidate_version
+    tagged = [r for r in served if r.model_version == v and r.token_ids][:5]
+    assert tagged, "no completion was served by the promoted version"
+    model = model_from_packed(store.materialize(v), args)
+    for r in tagged:
+        prompt, gen = _json(r.prompt_token_ids), _json(r.token_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen]))[0, len(prompt) - 1 : -1]
+        mine = torch.log_softmax(logits.float(), -1)[torch.arange(len(gen)), gen]
+        assert (mine - torch.tensor(_json(r.logprobs))).abs().max() < LOGPROB_TOL
+
+    # Sticky users: while a rollout runs, nobody goes from the candidate back to stable.
+    for ro in rollouts:
+        seen: dict[str, list[int]] = defaultdict(list)
+        for r in served:
+            if ro.started_at <= r.created_at and (ro.finished_at is None or r.created_at < ro.finished_at):
+                seen[r.user_hash].append(r.model_version)
+        for user, vs in seen.items():
+            first = vs.index(ro.candidate_version) if ro.candidate_version in vs else len(vs)
+            assert all(x == ro.candidate_version for x in vs[first:]) or ro.state != "promoted", (ro.id, user, vs)
+
+
+def _json(v):
+    return json.loads(v) if isinstance(v, str) else v
