@@ -11,6 +11,7 @@ PostgreSQL tests need `FLYWHEEL_TEST_POSTGRES_URL` (a role allowed to CREATE DAT
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -59,6 +60,17 @@ def postgres_url(postgres_admin_url):
     try:
         yield make_url(postgres_admin_url).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        # FORCE ends the test's own sessions, but a non-superuser may not end an autovacuum
+        # worker that happens to be in the database: wait for it and try again.
+        from sqlalchemy.exc import DBAPIError
+
+        for attempt in range(20):
+            try:
+                with admin.connect() as conn:
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+                break
+            except DBAPIError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.5)
         admin.dispose()
