@@ -30,19 +30,23 @@ from learner.learn_settings import LearnSettings
 
 
 @torch.no_grad()
-def sample(model, hook, prompt: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop_text: str, tok) -> tuple[list[int], list[float]]:
-    """Sample like the replica: raw logprobs of the sampled tokens, stop at <|endoftext|> or `stop_text`."""
+def sample(served, prompt: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop_text: str, tok) -> tuple[list[int], list[float]]:
+    """Sample from the served weights like the replica does (KV cache, raw logprobs of the sampled
+    tokens), stopping at <|endoftext|> or `stop_text`."""
+    from learner.gate import cached_forward
     from learner.tokenizer import EOS_ID
 
-    ids, toks, lps = list(prompt), [], []
-    for _ in range(max(1, min(max_tokens, model.args.max_seq_len - len(prompt)))):
-        lp = torch.log_softmax(model(torch.tensor([ids]), fp4=hook)[0, -1].float(), -1)
+    kv: list = []
+    logits = cached_forward(served, torch.tensor([prompt]), kv)[0]
+    toks, lps = [], []
+    for _ in range(max(1, min(max_tokens, served.args.max_seq_len - len(prompt)))):
+        lp = torch.log_softmax(logits.float(), -1)
         t = int(torch.multinomial((lp / temperature).softmax(-1), 1, generator=gen)) if temperature > 0 else int(lp.argmax())
         toks.append(t)
         lps.append(float(lp[t]))
         if t == EOS_ID or stop_text in tok.decode(toks):
             break
-        ids.append(t)
+        logits = cached_forward(served, torch.tensor([[t]]), kv)[0]
     return toks, lps
 
 
@@ -78,7 +82,8 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
     t0 = time.perf_counter()
     base_stats = G.heldout_replay(base_served, tok, held, max_tokens=g.max_tokens)
     console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
-    rows = [{"lr": None, "version": 0, "updates": 0, **_summary(base_stats), "kl_to_base": 0.0, "train_reward": None}]
+    rows = [{"lr": None, "version": 0, "updates": 0, **_summary(base_stats), "kl_to_base": 0.0, "train_reward": None,
+             "mismatch_kl_replay": None, "mismatch_kl_no_replay": None}]
     cfg = s.learn
     for lr in lrs:
         policy = copy.deepcopy(master).train()
@@ -89,31 +94,36 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
         step = 0
         with console.status(f"lr {lr:g}") as status:
             for v in range(1, versions + 1):
-                rewards = []
+                rewards, mism_replay, mism_none = [], [], []
                 for _ in range(updates):
                     batch = []
+                    behaviour = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)  # what serving would run
                     for i in rng.sample(range(len(train)), cfg.batch_size):
-                        policy.eval()
-                        toks, lps = sample(policy, hook, prompts[i], g.max_tokens, temperature, gen, G.EDITOR_STOP, tok)
+                        toks, lps = sample(behaviour, prompts[i], g.max_tokens, temperature, gen, G.EDITOR_STOP, tok)
                         text = tok.decode([t for t in toks if t != 0]).split(G.EDITOR_STOP)[0]
                         r, parts = reward(G.editor_feedback(text, judge(text, train[i].truth)))
                         batch.append(Sample(step, f"b{step}", 0, v - 1, prompts[i], toks, lps, r, parts["outcome"]))
                         rewards.append(r)
                     m = rl_update(policy, ref, opt, make_batch(batch, args), hook=hook, cfg=cfg)
+                    mism_replay.append(m["mismatch_kl_replay"])
+                    mism_none.append(m["mismatch_kl_no_replay"])
                     step += 1
                     status.update(f"lr {lr:g}: version {v}/{versions}, update {step}: train reward {m['reward_mean']:+.3f}, "
                                   f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)")  # fmt: skip
                 served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
                 stats = G.heldout_replay(served, tok, held, max_tokens=g.max_tokens)
                 rows.append({"lr": lr, "version": v, "updates": step, **_summary(stats), "kl_to_base": policy_kl(served, base_served, windows),
-                             "train_reward": sum(rewards) / len(rewards)})  # fmt: skip
+                             "train_reward": sum(rewards) / len(rewards), "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
+                             "mismatch_kl_no_replay": sum(mism_none) / len(mism_none)})  # fmt: skip
                 console.print(_row_text(rows[-1], rows[0]))
     table = Table("lr", "version", "updates", "held-out reward", "accept rate", "suggestion rate", "accepted chars / request", "KL to base", "train reward",
+                  "mismatch KL replay / none",
                   title=f"learning curve: {len(held)} held-out sites, {cfg.batch_size} samples/update, {updates} updates/version")  # fmt: skip
     for r in rows:
         table.add_row("base" if r["lr"] is None else f"{r['lr']:g}", str(r["version"]), str(r["updates"]), f"{r['reward']:+.3f}",
                       f"{r['accept_rate']:.1%}", f"{r['suggestion_rate']:.1%}", f"{r['accepted_chars_per_request']:.2f}",
-                      f"{r['kl_to_base']:.2e}", "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}")  # fmt: skip
+                      f"{r['kl_to_base']:.2e}", "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
+                      "" if r["mismatch_kl_replay"] is None else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}")  # fmt: skip
     console.print(table)
     result = {"command": command, "base": str(base_dir), "heldout_sites": len(held), "train_sites": len(train), "temperature": temperature,
               "batch_size": cfg.batch_size, "updates_per_version": updates, "rows": rows}  # fmt: skip
