@@ -77,7 +77,15 @@ def test_example_config_is_valid_and_complete():
     from ops.simulate import SimulateSettings
 
     sim = SimulateSettings.load(example)
-    sections = (("kafka", s.kafka), ("database", s.database), ("serve", sim.serve), ("serve.engine", sim.serve.engine), ("simulate", sim.simulate))
+    from learner.learn_settings import LearnSettings
+    from ops.demo import DemoSettings
+    from ops.rollout import RolloutSettings
+
+    learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
+    assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48
+    sections = (("kafka", s.kafka), ("database", s.database), ("serve", sim.serve), ("serve.engine", sim.serve.engine), ("simulate", sim.simulate),
+                ("learn", learn.learn), ("learn.gate", learn.learn.gate), ("rollout", rollout.rollout), ("rollout.thresholds", rollout.rollout.thresholds),
+                ("demo", demo.demo))  # fmt: skip
     for section, model in sections:
         for name in type(model).model_fields:
             documented = f"\n{name} =" in text or f"\n# {name} =" in text or f"[{section}.{name}]" in text
