@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("--min-samples", type=int, help="samples trained before a publish (learn.min_samples)")
     lp.add_argument("--lr", type=float, help="AdamW learning rate (learn.lr)")
     lp.add_argument("--versions", type=int, metavar="N", help="stop after publishing N versions (default: run until Ctrl-C)")
+    lp.add_argument("--until-idle", action="store_true", help="stop once every rewarded sample so far is trained (a batch run)")
     add_config_args(lp)
     lp.set_defaults(fn=cmd_learn)
 
@@ -123,7 +124,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         try:
             learner.start()
             status.update(f"learner at v{learner.state.version}, step {learner.state.step}; waiting for rewarded samples")
-            learner.run(stop, max_versions=args.versions)
+            learner.run(stop, max_versions=args.versions, until_idle=args.until_idle)
         except KeyboardInterrupt:
             console.print("stopped; the learner's state is saved after every update")
         finally:

@@ -574,12 +574,15 @@ class Learner:
         )  # fmt: skip
 
     # the loop ------------------------------------------------------------------------------------------
-    def run(self, stop: threading.Event, *, max_versions: int | None = None) -> None:
-        """Poll, update, publish until `stop` is set (or `max_versions` were published by this call)."""
+    def run(self, stop: threading.Event, *, max_versions: int | None = None, until_idle: bool = False) -> None:
+        """Poll, update, publish until `stop` is set, `max_versions` were published by this call,
+        or (`until_idle`) nothing new arrived and less than a batch is left to train."""
         published = 0
         while not stop.is_set():
-            self.poll()
+            added = self.poll()
             m = self.update()
+            if until_idle and not added and m is None and not self.publish_due():
+                return
             if m is not None:
                 self.progress(self.snapshot(f"update {self.state.step}"))
             if self.publish_due():

@@ -84,14 +84,10 @@ def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
         p.wait(timeout=30)
     assert kills >= 2
 
-    # Run to the end: every sample read, every full batch trained, then one more version.
-    for _ in range(6):
-        st = _state(state_path)
-        if st["cursor"] == all_ids[-1] and st["samples_trained"] >= len(all_ids) // 4 * 4 and st["trained_since_publish"] == 0:
-            break
-        p = learn("--versions", "1")
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out
+    # Run to the end: every sample read and every full batch trained (and published if due).
+    p = learn("--until-idle")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
     st = _state(state_path)
     trained = st["trained_ids"]
     assert len(trained) == len(set(trained)), "a sample was trained twice"
@@ -99,7 +95,7 @@ def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
 
     store = S.open_store(S.default_store_uri(s))
     versions = store.versions()
-    assert versions == list(range(len(versions))) and len(versions) >= 3
+    assert versions == list(range(len(versions))) and len(versions) >= 2
     with engine.connect() as conn:
         recorded = sorted(conn.execute(db.model_versions.select().with_only_columns(db.model_versions.c.version)).scalars())
     assert recorded == versions  # every visible version recorded once (a primary key), none missing
