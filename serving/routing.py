@@ -1,15 +1,14 @@
 """Which model version serves a user: sticky by a hash of the user id.
 
 A user's bucket (0 <= b < 100) comes from a hash of their pseudonymous id, so it never
-changes; a version with traffic share w serves the buckets below w. Raising a canary's
-share from 5 to 25 keeps the first 5% of users on it and adds the next 20%: nobody
-flips back and forth while a rollout advances.
+changes; the canary pool with traffic share w serves the buckets below w (serving/api.py,
+RoutingState.pick). Raising a canary's share from 5 to 25 keeps the first 5% of users on it
+and adds the next 20%: nobody flips back and forth while a rollout advances.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 
 def user_hash(user: str | None, fallback: str) -> str:
@@ -20,15 +19,3 @@ def user_hash(user: str | None, fallback: str) -> str:
 def bucket(uhash: str) -> float:
     """[0, 100) with 0.01 resolution, uniform over users."""
     return int(hashlib.sha256(f"bucket:{uhash}".encode()).hexdigest()[:8], 16) % 10_000 / 100
-
-
-@dataclass(frozen=True)
-class Split:
-    stable: int
-    canary: int | None = None
-    canary_percent: float = 0.0
-
-    def pick(self, uhash: str) -> int:
-        if self.canary is not None and bucket(uhash) < self.canary_percent:
-            return self.canary
-        return self.stable

@@ -5,7 +5,6 @@ and drives the controller's stateless `tick()` with an explicit clock, so that e
 is exact. The HTTP endpoints run on the real API app; the CLI runs as a user would.
 """
 
-import dataclasses
 import hashlib
 import json
 import threading
@@ -420,10 +419,6 @@ def api(sqlite_engine):
 
     state = dict(cfg=ServeSettings(), replicas={}, producer=Sink(), editor_tokens={"ed"}, decode=lambda ids, **kw: "",
                  ops_tokens={"ops"}, database_url=sqlite_engine.url.render_as_string(hide_password=False))  # fmt: skip
-    if "split" in {f.name for f in dataclasses.fields(ApiState)}:  # an ApiState from before per-pool routing
-        from serving.routing import Split
-
-        state["split"] = Split(stable=STABLE)
     app = build_app()
     app.state.api = ApiState(**state)
     pools.set_stable(sqlite_engine, STABLE)
