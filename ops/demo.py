@@ -133,7 +133,8 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
                 )
 
             stats = asyncio.run(run_sessions(url, editor, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s,
-                                             max_tokens=sim.max_tokens, seed=sim.seed, progress=show))  # fmt: skip
+                                             max_tokens=sim.max_tokens, seed=sim.seed, progress=show,
+                                             deadline=t0 + s.demo.minutes * 60))  # the loop ends on time however slow requests get  # fmt: skip
             wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s
             status.update(f"waiting {wait:.0f} s for the last feedback windows to close")
             time.sleep(wait)
@@ -151,7 +152,9 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     if result is not None:
         result.update(summary)
     console.print(
-        f"simulated editors: {stats.requests} requests over HTTP, {stats.errors} failed; suggestion rate {stats.suggestion_rate:.0%}, "
+        f"simulated editors: {stats.requests} requests over HTTP, {stats.errors} failed"
+        + (f" ({stats.skipped} planned ones not started: time was up)" if stats.skipped else "")
+        + f"; suggestion rate {stats.suggestion_rate:.0%}, "
         f"accept rate {stats.accept_rate:.0%}, {stats.accepted_chars} accepted characters"
     )
 
@@ -159,8 +162,7 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     path = write_static(engine, s.demo.dashboard or s.data_dir / "dashboard.html")
     console.print(f"static dashboard: {path} (live: {url}/ops/dashboard with an ops token, while `flywheel serve` runs)")
     console.print(f"[green]done[/] in {time.monotonic() - t_start:.0f} s. `flywheel query \"SELECT ...\"` reads the tables; `flywheel down` stops the broker.")
-    ok = stats.errors == 0 and stats.requests == n
-    return 0 if ok else 1
+    return 0 if stats.errors == 0 and stats.requests > 0 else 1
 
 
 def _say(console: Console, events: list[str], line: str) -> None:

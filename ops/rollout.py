@@ -84,7 +84,8 @@ class Thresholds(Section):
     error_rate_increase: float = Field(default=0.01, ge=0, le=1)
     """Tolerated rise in the share of aborted choices, absolute."""
     p99_latency_ratio: float = Field(default=1.5, ge=1)
-    """Roll back when the canary's p99 latency exceeds stable's by this factor (no test: a ratio)."""
+    """Roll back when the canary's latency is significantly above stable's times this factor (Welch's t-test on
+    log latency: a ratio of geometric means); each arm's p99 is kept in the evidence."""
 
 
 class RolloutSection(Section):
@@ -529,6 +530,10 @@ def read_arm(conn: Connection, version: int, since: datetime, until: datetime) -
         c.c.latency_ms, func.row_number().over(order_by=c.c.latency_ms).label("rn"), func.count().over().label("n")
     ).where(window).subquery()
     n_completions, p99 = conn.execute(select(func.max(ranked.c.n), func.min(case((ranked.c.rn >= 0.99 * ranked.c.n, ranked.c.latency_ms))))).one()
+    # ln() is not portable SQL (SQLite may lack it): the log moments come from the values.
+    logs = [math.log(max(float(x), 1e-3)) for x in conn.execute(select(c.c.latency_ms).where(window)).scalars()]
+    log_mean = sum(logs) / len(logs) if logs else None
+    log_var = sum((x - log_mean) ** 2 for x in logs) / (len(logs) - 1) if len(logs) > 1 else (0.0 if logs else None)
 
     per_choice = (
         select(
@@ -566,6 +571,8 @@ def read_arm(conn: Connection, version: int, since: datetime, until: datetime) -
     return Arm(
         completions=int(n_completions or 0),
         p99_latency_ms=float(p99) if p99 is not None else None,
+        log_latency_mean=log_mean,
+        log_latency_var=log_var,
         choices=int(choices),
         errors=int(errors),
         shown=int(shown),

@@ -15,7 +15,8 @@ Metrics, each compared canary against stable (definitions match the `v_*` analys
                 'error' should an engine report it). A request that fails outright (HTTP
                 503) never becomes a completion record, so SQL cannot count it: this is the
                 error rate of what was served; outright failures are in Prometheus.
-  p99 latency   nearest-rank 99th percentile of completions.latency_ms (as v_latency).
+  latency       completions.latency_ms: its log's mean and variance for the test, and the
+                nearest-rank 99th percentile (as v_latency) as evidence.
 
 Tests (one-sided: "is the canary worse than stable by more than the tolerance?"):
 
@@ -25,9 +26,11 @@ Tests (one-sided: "is the canary worse than stable by more than the tolerance?")
           (Wald) standard error is used, as in non-inferiority testing.
   means   Welch's t-test with Welch-Satterthwaite degrees of freedom; the p-value is the
           exact Student t tail (regularized incomplete beta), not a normal approximation.
-  p99     no test: a ratio over `p99_latency_ratio` rolls back once both arms have
-          `min_samples` completions. A tail quantile's sampling error is large, which is why
-          the ratio's default leaves room.
+  latency Welch's t-test on log latency: is the canary's typical (geometric-mean) latency
+          above stable's by more than the factor `p99_latency_ratio`? A p99 from a step's few
+          dozen completions is nearly the maximum, and on a loaded machine one queueing spike
+          rolled harmless candidates back; the test weighs the whole distribution and its
+          sample size instead. The p99 of each arm stays in the evidence.
 
 Each metric is tested at `alpha` on its own (no multiple-comparison correction): a false
 alarm costs one rolled-back version, a missed regression costs users, so the controller errs
@@ -166,6 +169,8 @@ class Arm:
 
     completions: int = 0
     p99_latency_ms: float | None = None
+    log_latency_mean: float | None = None  # mean of ln(latency_ms)
+    log_latency_var: float | None = None  # its sample variance
     choices: int = 0
     errors: int = 0
     shown: int = 0
@@ -216,8 +221,7 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
     """What to do with a rollout step, given each arm's traffic since the step began.
 
     1. Every metric with at least `min_samples` observations in both arms is tested; any that
-       is significantly worse (p < alpha beyond its tolerance), or a p99 latency ratio over
-       its threshold, rolls back. Guards act as soon as they have their samples, also while
+       is significantly worse (p < alpha beyond its tolerance, latency included) rolls back. Guards act as soon as they have their samples, also while
        the step still waits for the primary metric.
     2. Otherwise, until the accept rate (and with `require_reward` the mean reward) has
        `min_samples` in both arms, the step holds; after `max_holds` holds it rolls back
@@ -245,7 +249,7 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
     return _decision(ADVANCE, "no_harm", f"no significant harm ({passed})", evidence)
 
 
-_SAMPLE_NAMES = {"accept_rate": "shown choices", "reward": "rewards", "error_rate": "choices", "p99_latency": "completions"}
+_SAMPLE_NAMES = {"accept_rate": "shown choices", "reward": "rewards", "error_rate": "choices", "latency": "completions"}
 
 
 def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str, Any]]:
@@ -279,11 +283,13 @@ def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str
     n = (canary.completions, stable.completions)
     c99, s99 = canary.p99_latency_ms, stable.p99_latency_ms
     limit = policy.p99_latency_ratio
-    if min(n) >= k and c99 is not None and s99 is not None:
-        ratio = c99 / s99 if s99 > 0 else (1.0 if c99 == 0 else math.inf)
-        out["p99_latency"] = {"tested": True, "n": list(n), "canary": c99, "stable": s99, "ratio": ratio, "threshold": limit, "worse": ratio > limit}
+    quantiles = {"canary_p99_ms": c99, "stable_p99_ms": s99, "threshold": limit}
+    if min(n) >= max(k, 2) and canary.log_latency_mean is not None and stable.log_latency_mean is not None:
+        t = welch_ttest(canary.log_latency_mean, canary.log_latency_var or 0.0, n[0], stable.log_latency_mean, stable.log_latency_var or 0.0, n[1],
+                        margin=math.log(limit), higher_is_better=False)  # fmt: skip
+        out["latency"] = _tested(t, n, policy.alpha) | quantiles | {"ratio": math.exp(t.diff)}
     else:
-        out["p99_latency"] = {"tested": False, "n": list(n), "canary": c99, "stable": s99, "ratio": None, "threshold": limit, "worse": False}
+        out["latency"] = {"tested": False, "n": list(n), "ratio": None, "stat": None, "p": None, "worse": False} | quantiles
     return out
 
 
@@ -302,8 +308,10 @@ def _rate(x: int, n: int) -> float | None:
 
 
 def _describe(name: str, t: dict[str, Any], policy: Policy) -> str:
-    if name == "p99_latency":
-        return f"p99 latency {t['canary']:.0f} ms vs {t['stable']:.0f} ms (x{t['ratio']:.2f}, limit x{t['threshold']:.2f})"
+    if name == "latency":
+        cmp = " < " if t["p"] < policy.alpha else " >= "
+        return (f"latency x{t['ratio']:.2f} of stable's (geometric mean; limit x{t['threshold']:.2f}, p={t['p']:.2g}{cmp}{policy.alpha:g}; "
+                f"p99 {t['canary_p99_ms']:.0f} vs {t['stable_p99_ms']:.0f} ms)")  # fmt: skip
     label = {"accept_rate": "accept rate", "reward": "mean reward", "error_rate": "error rate"}[name]
     if name == "reward":
         values = f"{t['canary']:.3f} vs {t['stable']:.3f}"

@@ -130,6 +130,7 @@ class SimStats:
     accepted: int = 0
     accepted_chars: int = 0
     events: int = 0
+    skipped: int = 0  # sites not requested because the deadline passed
     by_version: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
@@ -152,8 +153,10 @@ async def run_sessions(
     max_tokens: int = 32,
     seed: int = 0,
     progress=lambda stats: None,
+    deadline: float | None = None,
 ) -> SimStats:
-    """Replay `sites` as `users` editors at about `rate` requests/s in all, over the real HTTP API."""
+    """Replay `sites` as `users` editors at about `rate` requests/s in all, over the real HTTP API.
+    `deadline` (time.monotonic()): start no request after it; the sites left are counted as skipped."""
     import httpx
 
     stats = SimStats()
@@ -214,6 +217,9 @@ async def run_sessions(
         async def paced(i: int, site: Site) -> None:
             await asyncio.sleep(i * interval)
             async with sem:
+                if deadline is not None and time.monotonic() >= deadline:
+                    stats.skipped += 1
+                    return
                 await one(site, f"sim-user-{i % max(1, users * 4)}")
 
         await asyncio.gather(*(paced(i, s) for i, s in enumerate(sites)))

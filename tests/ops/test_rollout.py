@@ -168,7 +168,7 @@ def test_errors_and_latency_roll_back(sqlite_engine):
     rollout.start_rollout(sqlite_engine, CANDIDATE, section=SECTION, force=True, now=T0 + timedelta(hours=1))
     both_arms(sqlite_engine, T0 + timedelta(hours=1), 5, total=6000, latency_ms=400.0)
     out = rollout.tick(sqlite_engine, now=T0 + timedelta(hours=1, seconds=61))
-    assert out.decision.rule == "p99_latency" and out.decision.evidence["tests"]["p99_latency"]["ratio"] > 1.5
+    assert out.decision.rule == "latency" and out.decision.evidence["tests"]["latency"]["ratio"] > 1.5
 
 
 def test_an_under_sampled_step_holds_then_rolls_back_for_insufficient_traffic(sqlite_engine):

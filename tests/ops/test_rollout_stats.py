@@ -100,11 +100,12 @@ def test_percentile_nearest_rank():
 POLICY = Policy(min_samples=100, alpha=0.05, max_holds=3)
 
 
-def arm(shown=1000, rate=0.4, choices=None, errors=0, rewards=None, reward_mean=0.1, reward_var=0.2, p99=100.0):
+def arm(shown=1000, rate=0.4, choices=None, errors=0, rewards=None, reward_mean=0.1, reward_var=0.2, p99=100.0, latency=50.0, log_sd=0.5):
     choices = choices if choices is not None else shown
     return Arm(
         completions=choices, p99_latency_ms=p99, choices=choices, errors=errors, shown=shown, accepted=round(shown * rate),
         rewards=rewards if rewards is not None else choices, reward_mean=reward_mean, reward_var=reward_var,
+        log_latency_mean=math.log(latency), log_latency_var=log_sd**2,
     )
 
 
@@ -144,11 +145,17 @@ def test_guards_act_before_the_primary_metric_has_its_samples():
     assert (d.action, d.rule) == (ROLLBACK, "error_rate")
 
 
-def test_latency_ratio_rolls_back():
-    d = decide(arm(p99=400.0), arm(p99=100.0), POLICY, holds=0, last_step=False)
-    assert (d.action, d.rule) == (ROLLBACK, "p99_latency")
-    assert d.evidence["tests"]["p99_latency"]["ratio"] == pytest.approx(4.0)
-    assert decide(arm(p99=140.0), arm(p99=100.0), POLICY, holds=0, last_step=False).action == ADVANCE
+def test_slower_canary_rolls_back_and_a_p99_spike_alone_does_not():
+    d = decide(arm(latency=200.0, p99=400.0), arm(latency=50.0), POLICY, holds=0, last_step=False)
+    assert (d.action, d.rule) == (ROLLBACK, "latency")
+    t = d.evidence["tests"]["latency"]
+    assert t["ratio"] == pytest.approx(4.0) and t["p"] < 0.05 and t["canary_p99_ms"] == 400.0
+    assert decide(arm(latency=65.0), arm(latency=50.0), POLICY, holds=0, last_step=False).action == ADVANCE  # x1.3 < x1.5
+    # one queueing spike makes the canary's p99 4x stable's, but its latencies are stable's
+    assert decide(arm(p99=400.0), arm(p99=100.0), POLICY, holds=0, last_step=False).action == ADVANCE
+    # x2 with a handful of very noisy samples is not evidence yet
+    few = decide(arm(latency=100.0, log_sd=2.0, shown=100), arm(latency=50.0, log_sd=2.0, shown=100), POLICY, holds=0, last_step=False)
+    assert few.action == ADVANCE and few.evidence["tests"]["latency"]["p"] > 0.05
 
 
 def test_worse_reward_rolls_back_and_can_be_required():

@@ -36,3 +36,15 @@ def test_cursor_sites_split_a_real_line():
         assert CODE.startswith(s.prefix) and s.truth
         assert (s.prefix + s.truth + s.suffix).startswith(CODE.rstrip("\n")[: len(s.prefix) + len(s.truth)])
         assert "\n" not in s.truth and s.language == "python"
+
+
+def test_sessions_start_nothing_after_their_deadline():
+    import asyncio
+    import time
+
+    from ops.simulate import Site, run_sessions
+
+    sites = [Site("a.py", "python", "x = ", "\n", "1")] * 5
+    # the deadline has passed: no request is sent (nothing listens at this URL), all are counted
+    stats = asyncio.run(run_sessions("http://127.0.0.1:9", "t", sites, rate=1000.0, deadline=time.monotonic() - 1))
+    assert (stats.requests, stats.skipped, stats.errors) == (0, 5, 0)
