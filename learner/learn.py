@@ -365,7 +365,6 @@ class Learner:
         self._producer = producer
         self.engine = db.make_engine(s.database_url)
         self.dir = s.learner_dir
-        self.published: list[dict] = []  # what this process published (gate results included), for the demo
 
     # set-up ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -404,19 +403,22 @@ class Learner:
         self._recover_unrecorded()
 
     def _publish_base(self) -> None:
-        """Version 0: the pretrained base's packed FP4 artifact, exactly what serving loaded."""
+        """Version 0: the pretrained base's packed FP4 artifact, exactly what serving loaded. A
+        v0 already in the store with exactly these tensors (the learner died before its first
+        save) is recorded and announced again, not published twice."""
+        from learner import delta as codec
         from learner import store as S
+        from ops.errors import UserError
 
+        packed = S.load_packed_artifact(self.base_dir / "fp4") if self.fmt else S.pack_checkpoint(self.model.state_dict(), "nvfp4", ())
         stable = self.store.versions()
-        if stable:
-            from ops.errors import UserError
-
+        if stable and not (stable == [0] and self.store.hashes(0) == codec.tensor_hashes(packed)):
             raise UserError(
                 f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
-                f"{self.dir}: restore that folder, or point learn.checkpoint_dir / cache_dir at a fresh location"
+                f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
             )
-        packed = S.load_packed_artifact(self.base_dir / "fp4") if self.fmt else S.pack_checkpoint(self.model.state_dict(), "nvfp4", ())
-        msg = self.store.publish(packed, parent=None, version=0)
+        if not stable:
+            self.store.publish(packed, parent=None, version=0)
         msg = self.store.model_version(0, gate_passed=True, gate_reason=f"the pretrained base model ({self.base_dir.name})")
         S.record(msg, self.engine)
         self._announce(msg)
@@ -496,10 +498,8 @@ class Learner:
             self._revert_to_last_good()
         self._save()
         self.store.cleanup(self.cfg.keep_versions)
-        info = {"version": v, "parent": msg.parent, "kind": msg.kind, "size_bytes": msg.size_bytes, "full_size_bytes": msg.full_size_bytes,
+        return {"version": v, "parent": msg.parent, "kind": msg.kind, "size_bytes": msg.size_bytes, "full_size_bytes": msg.full_size_bytes,
                 "gate_passed": passed, "gate_reason": reason, "metrics": metrics}  # fmt: skip
-        self.published.append(info)
-        return info
 
     def _gate(self, packed) -> tuple[bool, str | None, dict]:
         """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""

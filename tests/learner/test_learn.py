@@ -166,3 +166,15 @@ def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path
     assert not row.gate_passed and "suggestion_rate" in row.gate_reason
     assert lr.state.last_good == 0 and lr.state.version == 1  # v1 is stored (for inspection), never served
     assert all(torch.equal(good[k], v) for k, v in lr.model.state_dict().items())  # back on v0's weights
+
+
+def test_a_learner_that_died_before_its_first_save_adopts_its_v0(tmp_path, base):
+    lr = started(tmp_path, base)
+    (lr.dir / "state.pt").unlink()  # died after publishing v0, before saving
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()
+    assert again.store.versions() == [0] and [m.version for _, m in again._producer.sent] == [0]
+    S.open_store(S.default_store_uri(lr.s)).publish(S.pack_checkpoint(again.model.state_dict()), parent=0)
+    (lr.dir / "state.pt").unlink()
+    with pytest.raises(Exception, match="already holds versions"):
+        Learner(lr.s, producer=ListProducer()).start()
