@@ -742,6 +742,7 @@ class AutoStarter:
         self.queue: list = []  # (ModelVersion, TopicPartition, offset) read but not yet offered
         self.pending = None  # the newest gate-passed version not yet started
         self.offsets: dict = {}  # TopicPartition -> next offset to commit
+        self.store = None  # the weight store announced versions must be in (opened on first use)
 
     def poll(self) -> list[str]:
         from feedback import bus
@@ -760,6 +761,11 @@ class AutoStarter:
         lines = []
         while self.queue:  # the newest gate-passed announcement supersedes older pending ones
             msg, tp, offset = self.queue[0]
+            if not self._in_store(msg):
+                lines.append(f"rollout auto: version {msg.version} ({msg.uri}) is not in this weight store with that sha256; ignored")
+                self.queue.pop(0)
+                self.offsets[tp] = offset + 1
+                continue
             record_version(self.engine, msg)
             if msg.gate_passed and (self.pending is None or msg.version > self.pending.version):
                 self.pending = msg
@@ -775,6 +781,20 @@ class AutoStarter:
         if self.pending is None and self.offsets:
             self._commit()
         return lines
+
+    def _in_store(self, msg: ModelVersion) -> bool:
+        """Whether the announced version is the one in this deployment's weight store (same
+        manifest sha256): a topic shared with another deployment, or a store that was reset,
+        must not make this controller roll out a version its replicas cannot load."""
+        from learner.store import StoreError, default_store_uri, open_store
+
+        if self.store is None:
+            self.store = open_store(default_store_uri(self.settings))
+        try:
+            return msg.version in self.store.versions() and self.store.model_version(msg.version).sha256 == msg.sha256
+        except (StoreError, ValueError) as e:  # a corrupt manifest: not rolled out either
+            log.warning("version %d in the weight store: %s", msg.version, e)
+            return False
 
     def _commit(self) -> None:
         from kafka.structs import OffsetAndMetadata

@@ -67,8 +67,8 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
     sizes = {v: (versions[v].kind, versions[v].size_bytes, versions[v].full_size_bytes) for v in learned}
     deltas = {v: x for v, x in sizes.items() if x[0] == "delta"}
     # deltas, but for the full snapshot every learn.full_every versions (the small model's ratio is benchmarked)
-    assert deltas and all(size < full for _, size, full in deltas.values()), sizes
-    assert len(sizes) - len(deltas) <= len(sizes) // s.learn.full_every, sizes
+    assert deltas and all(size < full for _, size, full in deltas.values()), str(sizes)
+    assert len(sizes) - len(deltas) <= len(sizes) // s.learn.full_every, str(sizes)
     # Auto canary: a learned version was promoted, with its decisions recorded with evidence.
     promoted = [r for r in rollouts if r.state == "promoted"]
     assert promoted and promoted[0].candidate_version in learned, (rollouts, log[-4000:])

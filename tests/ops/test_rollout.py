@@ -339,8 +339,20 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
     db.upgrade(engine)
     _versions(engine)
     pools.set_stable(engine, STABLE)
+    import torch
+
+    from learner import store as S
+
+    store = S.open_store(S.default_store_uri(s))  # announced versions must be in this deployment's store
+    for v in range(base, base + 3):
+        store.publish({"w": torch.full((4,), float(v - base), dtype=torch.bfloat16)}, parent=v - 1 if v > base else None, version=v)
+
+    def announcement(version, *, passed=True):  # what the learner sends for a stored version
+        return store.model_version(version, gate_passed=passed, gate_reason=None if passed else "worse on replay")
+
     producer = bus.producer(s.kafka)
-    for msg in (announcement(base), announcement(base + 1, passed=False)):
+    foreign = ModelVersion(version=base + 5, kind="full", uri="file:///elsewhere/v5", sha256="f" * 64, gate_passed=True)
+    for msg in (foreign, announcement(base), announcement(base + 1, passed=False)):
         producer.send(bus.VERSIONS, key=key_of(msg), value=encode(msg))
     producer.flush()
 
@@ -356,6 +368,8 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
     starter.close()
     with engine.connect() as conn:
         assert rollout.active(conn).candidate_version == base, lines
+        assert conn.execute(select(db.model_versions).where(db.model_versions.c.version == base + 5)).first() is None
+    assert any(f"version {base + 5} (file:///elsewhere/v5) is not in this weight store" in ln for ln in lines), lines
 
     producer.send(bus.VERSIONS, key=key_of(announcement(base + 2)), value=encode(announcement(base + 2)))
     producer.flush()
