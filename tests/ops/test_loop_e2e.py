@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import uuid
 from collections import defaultdict
 from datetime import UTC, datetime
 
@@ -40,7 +41,7 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
         simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5},
         learn={"publish_every": 15.0, "min_samples": 16, "batch_size": 8, "poll_s": 0.5,
                "gate": {"sites": 8, "min_sites": 8, "max_tokens": 8, "max_kl": 5.0, "reward_tolerance": 1.0}},
-        rollout={"auto": True, "weights": [50.0, 100.0], "interval_s": 8.0, "min_samples": 4, "max_holds": 8, "poll_s": 1.0,
+        rollout={"auto": True, "group_id": f"loop-test-{uuid.uuid4().hex[:8]}", "weights": [50.0, 100.0], "interval_s": 8.0, "min_samples": 4, "max_holds": 8, "poll_s": 1.0,
                  "thresholds": {"p99_latency_ratio": 100.0}},
         demo={"minutes": 2.0, "degraded_candidate": True},
     )  # fmt: skip
