@@ -133,9 +133,9 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
 
 
 def _summary(st) -> dict:
-    n = max(st.n, 1)
-    return {"reward": st.reward_sum / n, "accept_rate": st.accepted / max(st.shown, 1), "suggestion_rate": st.shown / n,
-            "accepted_chars_per_request": st.accepted_chars / n, "sites": st.n}  # fmt: skip
+    """The curve's columns, from learner.gate.ReplayStats' own aggregates."""
+    return {"reward": st.mean_reward, "accept_rate": st.accept_rate, "suggestion_rate": st.suggestion_rate,
+            "accepted_chars_per_request": st.accepted_chars_per_request, "sites": st.n}  # fmt: skip
 
 
 def _row_text(r: dict, base: dict) -> str:
