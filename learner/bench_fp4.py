@@ -167,7 +167,7 @@ def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Tran
     data = TrainingData(tok, corpus.train, seq_len=REDUCED_SEQ_LEN, batch_size=REDUCED_BATCH,
                         fim_rate=cfg.fim_rate, summary_rate=cfg.summary_rate, seed=cfg.seed)  # fmt: skip
     windows = heldout_windows(token_stream(tok, corpus.heldout), REDUCED_SEQ_LEN, 64)
-    run_cfg = cfg.model_copy(update={"steps": steps, "minutes": 1e6, "warmup_steps": min(20, steps // 5), "precision": "bf16"})
+    run_cfg = cfg.model_copy(update={"steps": steps, "minutes": 1e6, "warmup_steps": min(20, steps // 5)})
 
     def run(fmt: str, replay: bool) -> tuple[Transformer, float]:
         torch.manual_seed(cfg.seed)

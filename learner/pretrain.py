@@ -59,6 +59,7 @@ from learner.pretrain_settings import PretrainSection
 from learner.tokenizer import EOS_ID, load_tokenizer, save_tokenizer, train_tokenizer
 from ops.config import FlywheelSettings
 from ops.errors import UserError
+from ops.precision import resolve as resolve_precision
 
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
 # Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
@@ -122,7 +123,40 @@ def bigram_baseline(train_stream: torch.Tensor, windows: torch.Tensor, vocab_siz
 
 
 def _autocast(device: torch.device, precision: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """bf16 autocast when `precision` resolves to bf16 on this device (ops/precision.py), else fp32."""
+    chosen = resolve_precision(precision, device=device.type, setting="pretrain.precision")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=chosen.dtype == "bfloat16")
+
+
+def quality_problem(metrics: dict, steps: int, cfg: PretrainSection) -> str | None:
+    """Why a finished base is not worth serving, or None: no better than its bigram baseline
+    (held-out accuracy or loss), or fewer than `cfg.min_steps` steps. Pure: the pretraining run
+    and every reuse of a cached base apply the same rule."""
+    if not cfg.quality_check:
+        return None
+    acc, bacc = metrics["heldout_accuracy"], metrics["bigram_accuracy"]
+    loss, bloss = metrics["heldout_loss"], metrics["bigram_loss"]
+    how = f"{steps} steps, {metrics.get('train_tokens', 0) / 1e6:.1f}M tokens"
+    if tps := metrics.get("tokens_per_s"):
+        how += f" at {tps:,.0f} tokens/s"
+    if prec := metrics.get("precision"):
+        how += f" in {prec}"
+    if acc <= bacc or loss >= bloss:
+        return (f"the base model is worse than its bigram baseline (held-out accuracy {acc:.1%} vs {bacc:.1%}, loss {loss:.2f} vs "
+                f"{bloss:.2f}) after {how}")
+    if steps < cfg.min_steps:
+        return f"the base model trained only {how}, fewer than pretrain.min_steps={cfg.min_steps}"
+    return None
+
+
+def check_quality(folder: Path, done: dict, cfg: PretrainSection) -> None:
+    """Raise UserError (one line, with what to do) if the finished base in `folder` fails `quality_problem`."""
+    problem = quality_problem(done["metrics"], done["step"], cfg)
+    if problem:
+        raise UserError(
+            f"{problem}; not using it ({folder}). Train longer: `flywheel pretrain --minutes N` continues it (or --force starts "
+            f"over); on a CPU without fast bf16 keep pretrain.precision=auto or fp32"
+        )
 
 
 def train_step(
@@ -219,7 +253,11 @@ def find_base_model(settings: FlywheelSettings) -> Path | None:
     """The finished base's run folder for these settings, or None; never trains."""
     cfg = pretrain_section(settings)
     folder = run_folder(settings, cfg, load_training_corpus(cfg).fingerprint)
-    return folder if finished_base(folder, cfg) else None
+    done = finished_base(folder, cfg)
+    if done is None:
+        return None
+    check_quality(folder, done, cfg)
+    return folder
 
 
 def ensure_base_model(settings: FlywheelSettings, console: Console, *, force: bool = False) -> Path:
@@ -235,13 +273,15 @@ def ensure_base_model(settings: FlywheelSettings, console: Console, *, force: bo
         shutil.rmtree(folder)
     done = finished_base(folder, cfg)
     if done is not None:
+        check_quality(folder / "hf", done, cfg)
         m = done["metrics"]
         console.print(
             f"base model already trained: {folder / 'hf'} (step {done['step']}, held-out loss {m['heldout_loss']:.3f}, "
             f"accuracy {m['heldout_accuracy']:.1%} vs bigram {m['bigram_accuracy']:.1%}); reusing it (--force retrains)"
         )
         return folder / "hf"
-    train(corpus, cfg, folder, console)
+    metrics = train(corpus, cfg, folder, console)
+    check_quality(folder / "hf", {"metrics": metrics, "step": metrics["steps"]}, cfg)
     return folder / "hf"
 
 
@@ -289,6 +329,9 @@ def train(
         console.print(f"training {cfg.size} ({model.num_params() / 1e6:.1f}M parameters, {model.num_params(active=True) / 1e6:.1f}M active) "
                       f"on {len(corpus.train)} files ({len(data.stream) / 1e6:.2f}M tokens), {len(corpus.heldout)} held out; run folder {folder}")  # fmt: skip
 
+    precision = resolve_precision(cfg.precision, device=device.type, setting="pretrain.precision")
+    console.print(f"precision: {precision}")
+    cfg = cfg.model_copy(update={"precision": precision.short})
     hook = fp4_hook(cfg.fp4)
     _train_loop(model, opt, data, periodic, hook, cfg, state, folder, console, on_step)
     prompts = completion_prompts(corpus.heldout, 1)
@@ -349,6 +392,7 @@ def _finish(model, args, tok, data, windows, held_prompts, cfg, state: _State, f
         "bigram_loss": bigram["loss"], "bigram_accuracy": bigram["accuracy"],
         "heldout_tokens": int(windows[:, 1:].numel()), "steps": state.step, "train_tokens": state.tokens,
         "train_minutes": state.elapsed_s / 60, "this_run_wall_minutes": (wall_s + time.perf_counter() - t0) / 60,
+        "tokens_per_s": state.tokens / state.elapsed_s if state.elapsed_s else 0.0, "precision": cfg.precision,
         "fp4": cfg.fp4, "router_replay": cfg.router_replay, "fp4_tensors_roundtrip_checked": checked,
         "history": state.history,
     }  # fmt: skip

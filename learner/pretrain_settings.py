@@ -14,8 +14,10 @@ from ops.config import FlywheelSettings, Section
 
 # Fields that change how long or how visibly a run goes, not which model it makes: they stay
 # out of the cache key, so `--minutes 30` continues a 20-minute base instead of starting over.
+# The precision changes speed and rounding, not the recipe: a base is valid on any machine.
 NOT_IN_CACHE_KEY = frozenset(
-    {"corpus", "steps", "minutes", "threads", "device", "eval_every", "eval_windows", "final_eval_windows", "checkpoint_minutes"}
+    {"corpus", "steps", "minutes", "threads", "device", "precision", "eval_every", "eval_windows", "final_eval_windows",
+     "checkpoint_minutes", "quality_check", "min_steps"}
 )
 
 
@@ -52,8 +54,9 @@ class PretrainSection(Section):
     """Route with a no-grad high-precision forward and replay that routing in the FP4 forward."""
     balance_coef: float = Field(default=0.01, ge=0)
     """Weight of the MoE load-balancing loss (1.0 when balanced), which keeps every expert in use."""
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """Matmul precision (autocast); master weights and optimizer state are always fp32."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Matmul precision (bf16 autocast or fp32); master weights and optimizer state are always fp32.
+    `auto`: bf16 only where this machine runs it fast (ops/precision.py measures it at start)."""
     fim_rate: float = Field(default=0.5, ge=0, le=1)
     """Fraction of training rows that are fill-in-the-middle examples."""
     summary_rate: float = Field(default=0.15, ge=0, le=1)
@@ -70,6 +73,11 @@ class PretrainSection(Section):
     """Held-out windows for the final evaluation (and the bigram baseline)."""
     checkpoint_minutes: float = Field(default=2.0, ge=0)
     """Save a resumable checkpoint at least this often; 0 saves after every step."""
+    quality_check: bool = True
+    """Refuse a base that ends no better than its bigram baseline or with fewer than `min_steps`
+    steps (a one-line error, also when a cached one is reused). Off only for throwaway test models."""
+    min_steps: int = Field(default=200, ge=1)
+    """Fewest optimizer steps for a base to count as trained (with `quality_check`)."""
     seed: int = 0
     """Seeds the weights and the data order; a rerun with the same settings gives the same rows."""
     threads: int = Field(default=2, ge=1)

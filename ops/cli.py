@@ -134,11 +134,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with status:
         stats = asyncio.run(
             run_sessions(url, token, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s, max_tokens=sim.max_tokens, seed=sim.seed,
-                         progress=lambda st: update(f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, {st.errors} errors"))
+                         timeout_s=sim.timeout_s,
+                         progress=lambda st: update(f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, failed: {st.failure_line()}"))
         )
     console.print(
         f"{stats.requests} requests: suggestion rate {stats.suggestion_rate:.1%}, accept rate {stats.accept_rate:.1%}, "
-        f"{stats.accepted_chars} accepted characters, {stats.events} events, {stats.errors} errors"
+        f"{stats.accepted_chars} accepted characters, {stats.events} events; failed: {stats.failure_line()}"
     )
     return 0 if stats.errors == 0 else 1
 

@@ -90,14 +90,16 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     console.rule("2/6 base model")
     run_dir = ensure_base_model(s, console)
     model_dir = run_dir if (run_dir / "config.json").is_file() else run_dir / "hf"
+    serving_dtype = app.engine_precision(s.serve)
+    trained_in = _base_precision(model_dir)
 
     console.rule("3/6 sink, learner and serving")
     engine = db.make_engine(s.database_url)
     stop = threading.Event()
-    threads = [threading.Thread(target=run_sink, args=(s,), kwargs={"stop": stop, "progress": lambda m: log.info(m)}, name="sink", daemon=True)]
+    events: list[str] = []
+    threads = [_background("sink", console, events, run_sink, s, stop=stop, progress=lambda m: log.info(m))]
     threads[0].start()
     torch.set_num_threads(1)  # the learner shares two cores with two vLLM engines
-    events: list[str] = []
     learner = Learner(s, progress=lambda p: p.event.startswith("published") and _say(console, events, describe(p)))
     learner.start()
     console.print(f"learner at v{learner.state.version} (last good v{learner.state.last_good}), step {learner.state.step}; store {learner.store.uri()}")
@@ -112,11 +114,10 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     sim = s.simulate
     n = max(1, int(s.demo.minutes * 60 * sim.rate))
     sites = cursor_sites(learner.heldout, n, random.Random(sim.seed))
-    threads.append(threading.Thread(target=_learn, args=(learner, stop, console, events), name="learner", daemon=True))
-    threads.append(threading.Thread(target=rollout.run_controller, args=(s, stop),
-                                    kwargs={"progress": lambda m: _say(console, events, m)}, name="rollout", daemon=True))  # fmt: skip
+    threads.append(_background("learner", console, events, learner.run, stop))
+    threads.append(_background("rollout controller", console, events, rollout.run_controller, s, stop, progress=lambda m: _say(console, events, m)))
     if s.demo.degraded_candidate:
-        threads.append(threading.Thread(target=_inject_degraded, args=(learner, engine, stop, console, events), name="fault", daemon=True))
+        threads.append(_background("fault injection", console, events, _inject_degraded, learner, engine, stop, console, events))
     for t in threads[1:]:
         t.start()
     stats = None
@@ -128,13 +129,15 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
                 lp = learner.snapshot()
                 status.update(
                     f"{time.monotonic() - t0:.0f}/{s.demo.minutes * 60:.0f} s · {st.requests}/{n} requests, {st.shown} shown, {st.accepted} accepted, "
-                    f"{st.errors} errors · learner v{lp.version} step {lp.step}, {lp.trained_since_publish}/{lp.min_samples} samples "
+                    f"failed: {st.failure_line()} · learner v{lp.version} step {lp.step}, {lp.trained_since_publish}/{lp.min_samples} samples "
                     f"for the next version"
                 )
 
+            # The loop ends on time however slow requests get; a request slower than the editors'
+            # timeout is counted as failed, with its reason, and the loop goes on.
             stats = asyncio.run(run_sessions(url, editor, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s,
-                                             max_tokens=sim.max_tokens, seed=sim.seed, progress=show,
-                                             deadline=t0 + s.demo.minutes * 60))  # the loop ends on time however slow requests get  # fmt: skip
+                                             max_tokens=sim.max_tokens, seed=sim.seed, timeout_s=sim.timeout_s, progress=show,
+                                             deadline=t0 + s.demo.minutes * 60))  # fmt: skip
             wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s
             status.update(f"waiting {wait:.0f} s for the last feedback windows to close")
             time.sleep(wait)
@@ -147,35 +150,77 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
 
     console.rule("5/6 summary")
     summary = summarize(engine, console)
-    summary["simulated"] = {"requests": stats.requests, "errors": stats.errors, "shown": stats.shown, "accepted": stats.accepted}
+    summary["simulated"] = {"requests": stats.requests, "errors": stats.errors, "failed_completions": stats.failed_completions,
+                            "failures": dict(stats.failures), "shown": stats.shown, "accepted": stats.accepted,
+                            "latency": stats.latency_summary()}  # fmt: skip
+    summary["precision"] = {"serving": serving_dtype.dtype, "pretraining": trained_in}
     summary["events"] = events
     if result is not None:
         result.update(summary)
-    console.print(
-        f"simulated editors: {stats.requests} requests over HTTP, {stats.errors} failed"
-        + (f" ({stats.skipped} planned ones not started: time was up)" if stats.skipped else "")
-        + f"; suggestion rate {stats.suggestion_rate:.0%}, "
-        f"accept rate {stats.accept_rate:.0%}, {stats.accepted_chars} accepted characters"
-    )
+    print_machine_report(console, stats, serving_dtype, trained_in, timeout_s=sim.timeout_s)
 
     console.rule("6/6 dashboard")
     path = write_static(engine, s.demo.dashboard or s.data_dir / "dashboard.html")
     console.print(f"static dashboard: {path} (live: {url}/ops/dashboard with an ops token, while `flywheel serve` runs)")
     console.print(f"[green]done[/] in {time.monotonic() - t_start:.0f} s. `flywheel query \"SELECT ...\"` reads the tables; `flywheel down` stops the broker.")
-    return 0 if stats.errors == 0 and stats.requests > 0 else 1
+    answered = stats.requests - stats.failed_completions
+    return 0 if answered > 0 else 1
+
+
+def print_machine_report(console: Console, stats, serving_dtype, trained_in: str | None, *, timeout_s: float) -> None:
+    """What the editors felt, per version (client-side latency), what failed and why, and the dtypes:
+    the lines that say whether this machine kept up."""
+    t = Table("version", "answered", "p50 ms", "p99 ms", title="completion latency (as the simulated editors measured it)")
+    lat = stats.latency_summary()
+    for v, row in lat.items():
+        t.add_row(v, str(int(row["n"])), f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}")
+    console.print(t)
+    console.print(
+        f"simulated editors: {stats.requests} requests over HTTP, {stats.failed_completions} failed"
+        + (f" ({stats.skipped} planned ones not started: time was up)" if stats.skipped else "")
+        + f"; suggestion rate {stats.suggestion_rate:.0%}, accept rate {stats.accept_rate:.0%}, {stats.accepted_chars} accepted characters; "
+        f"failures: {stats.failure_line()}",
+        markup=False,
+    )
+    console.print(f"dtype: serving {serving_dtype}; base pretrained in {trained_in or 'unknown'}", markup=False)
+    worst = max((row["p99_ms"] for row in lat.values()), default=0.0)
+    struggling = []
+    if stats.failed_completions:
+        struggling.append(f"{stats.failed_completions} of {stats.requests} completions failed ({stats.failure_line()})")
+    if worst > timeout_s * 1000 / 4:
+        struggling.append(f"completion p99 reached {worst / 1000:.1f} s (editors give up after {timeout_s:g} s)")
+    if struggling:
+        console.print(f"[yellow]this machine is struggling[/]: {'; '.join(struggling)}. Fewer simulated users (simulate.users, "
+                      "simulate.rate) or a longer simulate.timeout_s would ease it.")  # fmt: skip
+
+
+def _base_precision(model_dir: Path) -> str | None:
+    """The precision the base was pretrained in (its metrics.json), when recorded."""
+    import json
+
+    metrics = model_dir.parent / "metrics.json"
+    try:
+        return json.loads(metrics.read_text()).get("precision")
+    except (OSError, ValueError):
+        return None
+
+
+def _background(name: str, console: Console, events: list[str], fn, *args, **kwargs) -> threading.Thread:
+    """A daemon thread running `fn`; if it stops with an error, the demo says so and goes on without it."""
+
+    def run() -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:
+            log.exception("the %s stopped", name)
+            _say(console, events, f"{name} stopped: {type(e).__name__}: {e}")
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def _say(console: Console, events: list[str], line: str) -> None:
     events.append(line)
     console.print(line, markup=False, highlight=False)
-
-
-def _learn(learner, stop: threading.Event, console: Console, events: list[str]) -> None:
-    try:
-        learner.run(stop)
-    except Exception as e:  # the demo goes on without the learner, and says so
-        log.exception("the learner stopped")
-        _say(console, events, f"learner stopped: {type(e).__name__}: {e}")
 
 
 def _inject_degraded(learner, engine, stop: threading.Event, console: Console, events: list[str]) -> None:

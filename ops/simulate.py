@@ -13,10 +13,12 @@ text it kept. Empty suggestions are not shown, so they get no event.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +45,9 @@ class SimulateSection(Section):
     edit_delay_s: float = Field(default=2.0, ge=0)
     """Seconds between accepting a suggestion and reporting the text kept (`edit`)."""
     max_tokens: int = Field(default=32, ge=1)
+    timeout_s: float = Field(default=30.0, gt=0)
+    """How long an editor waits for one call; a slower answer counts as a failed request (with its
+    reason) and the session goes on."""
     seed: int = 0
     corpus: str | None = None
     """Folder of source files whose held-out split is replayed. Empty: the standard library."""
@@ -125,13 +130,23 @@ def judge(suggestion: str, truth: str) -> Verdict:
 @dataclass
 class SimStats:
     requests: int = 0
-    errors: int = 0
     shown: int = 0
     accepted: int = 0
     accepted_chars: int = 0
     events: int = 0
     skipped: int = 0  # sites not requested because the deadline passed
+    failures: Counter = field(default_factory=Counter)  # "completion: timeout", "event: HTTP 503", ... -> count
     by_version: dict[str, dict[str, int]] = field(default_factory=dict)
+    latency_ms: dict[str, list[float]] = field(default_factory=dict)  # answered completions, per served version
+
+    @property
+    def errors(self) -> int:
+        """Failed calls of any kind (completions and events); the loop went on after each."""
+        return sum(self.failures.values())
+
+    @property
+    def failed_completions(self) -> int:
+        return sum(n for k, n in self.failures.items() if k.startswith("completion"))
 
     @property
     def accept_rate(self) -> float:
@@ -139,7 +154,38 @@ class SimStats:
 
     @property
     def suggestion_rate(self) -> float:
-        return self.shown / self.requests if self.requests else 0.0
+        answered = self.requests - self.failed_completions
+        return self.shown / answered if answered > 0 else 0.0
+
+    def failure_line(self) -> str:
+        """"3 completion: timeout, 1 event: HTTP 503", most frequent first; "none" when nothing failed."""
+        return ", ".join(f"{n} {k}" for k, n in self.failures.most_common()) or "none"
+
+    def latency_summary(self) -> dict[str, dict[str, float]]:
+        """Per version: answered requests, p50 and p99 completion latency in ms (nearest rank)."""
+        return {v: {"n": len(xs), "p50_ms": percentile(xs, 50), "p99_ms": percentile(xs, 99)} for v, xs in sorted(self.latency_ms.items()) if xs}
+
+
+def percentile(xs: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (as the SQL views compute it), 0.0 for no values."""
+    if not xs:
+        return 0.0
+    ordered = sorted(xs)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))]
+
+
+def failure_reason(exc: BaseException | None = None, status: int | None = None) -> str:
+    """What went wrong with one call, as an editor would see it: a timeout, a refused or dropped
+    connection, or the HTTP status."""
+    import httpx
+
+    if status is not None:
+        return f"HTTP {status}"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.TransportError):
+        return f"connection error ({type(exc).__name__})"
+    return f"{type(exc).__name__}"
 
 
 async def run_sessions(
@@ -152,24 +198,38 @@ async def run_sessions(
     edit_delay_s: float = 2.0,
     max_tokens: int = 32,
     seed: int = 0,
+    timeout_s: float = 30.0,
     progress=lambda stats: None,
     deadline: float | None = None,
 ) -> SimStats:
     """Replay `sites` as `users` editors at about `rate` requests/s in all, over the real HTTP API.
-    `deadline` (time.monotonic()): start no request after it; the sites left are counted as skipped."""
+
+    A call that times out (`timeout_s`), cannot connect, or gets an error status is counted in
+    `stats.failures` with its reason and the session goes on, as an editor would: a slow or
+    restarting replica costs that suggestion, not the run. `deadline` (time.monotonic()): start no
+    request after it; the sites left are counted as skipped."""
     import httpx
 
     stats = SimStats()
     rng = random.Random(seed)
     pending_edits: list[asyncio.Task] = []
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s) as client:
+
+        async def post(kind: str, path: str, body: dict) -> httpx.Response | None:
+            """The response when it is a 200; else None, with the failure counted."""
+            try:
+                r = await client.post(path, json=body)
+            except httpx.HTTPError as e:
+                stats.failures[f"{kind}: {failure_reason(e)}"] += 1
+                return None
+            if r.status_code != 200:
+                stats.failures[f"{kind}: {failure_reason(status=r.status_code)}"] += 1
+                return None
+            return r
 
         async def event(body: dict, query: str = "") -> None:
-            r = await client.post(f"/v1/events{query}", json=body)
-            if r.status_code == 200:
+            if await post("event", f"/v1/events{query}", body) is not None:
                 stats.events += 1
-            else:
-                stats.errors += 1
 
         async def later_edit(body: dict) -> None:
             await asyncio.sleep(edit_delay_s)
@@ -184,22 +244,24 @@ async def run_sessions(
                 "seed": rng.randrange(2**31),
             }
             t0 = time.perf_counter()
-            r = await client.post("/v1/completions", json=req)
-            if r.status_code != 200:
-                stats.errors += 1
+            r = await post("completion", "/v1/completions", req)
+            if r is None:
+                progress(stats)
                 return
             body = r.json()
             cid, text = body["id"], body["choices"][0]["text"]
             version = body.get("system_fingerprint") or "?"
+            elapsed_ms = (time.perf_counter() - t0) * 1000
+            stats.latency_ms.setdefault(version, []).append(elapsed_ms)
             per = stats.by_version.setdefault(version, {"requests": 0, "shown": 0, "accepted": 0, "accepted_chars": 0})
             per["requests"] += 1
             verdict = judge(text, site.truth)
             if verdict.type == "none":
+                progress(stats)
                 return
             stats.shown += 1
             per["shown"] += 1
-            elapsed = int((time.perf_counter() - t0) * 1000)
-            await event({"type": "view", "completion_id": cid, "choice_index": 0, "view_id": uuid.uuid4().hex, "elapsed": elapsed})
+            await event({"type": "view", "completion_id": cid, "choice_index": 0, "view_id": uuid.uuid4().hex, "elapsed": int(elapsed_ms)})
             if verdict.type == "select":
                 stats.accepted += 1
                 stats.accepted_chars += verdict.accepted_chars

@@ -277,8 +277,10 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
             num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib)))}},
+            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}},
         )
+    if not cfg.ray_address:
+        progress(f"vLLM dtype: {engine_precision(cfg)}")
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     sizes = pool_sizes(cfg)
     where = ", ".join(f"{n} {pool}" for pool, n in sizes.items())
@@ -287,6 +289,22 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     progress("warming up the engines (vLLM's first step is slow)")
     warm_up(sizes)
     return f"http://{cfg.host}:{cfg.port}"
+
+
+def engine_precision(cfg: ServeSettings):
+    """The dtype replicas on this machine choose for `serve.engine.dtype` (each replica decides on its own host)."""
+    from ops.precision import resolve
+
+    return resolve(cfg.engine.dtype, device="cuda" if cfg.engine.num_gpus > 0 else "cpu", setting="serve.engine.dtype")
+
+
+def _passed_env() -> dict[str, str]:
+    """Settings that replicas read from the environment, passed on to Ray's workers."""
+    import os
+
+    from ops.precision import ENV_OVERRIDE
+
+    return {k: os.environ[k] for k in (ENV_OVERRIDE,) if k in os.environ}
 
 
 def migrate(settings: ServingSettings, version: int | None = None, progress=lambda msg: None) -> None:

@@ -7,6 +7,7 @@ tests use a fake with the same two methods.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Protocol
 
 from serving.settings import EngineSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,15 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from ops.precision import resolve
+
+        # Decided where the engine runs: replicas of one cluster may sit on different CPUs.
+        self.precision = resolve(cfg.dtype, device="cuda" if cfg.num_gpus > 0 else "cpu", setting="serve.engine.dtype")
+        log.info("vLLM dtype %s", self.precision)
         args = AsyncEngineArgs(
             model=str(model_dir),
             tokenizer=str(model_dir),
-            dtype=cfg.dtype,
+            dtype=self.precision.dtype,
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager,
             max_num_seqs=cfg.max_num_seqs,

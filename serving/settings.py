@@ -15,7 +15,9 @@ class EngineSettings(Section):
 
     max_model_len: int = Field(default=1024, ge=64)
     """Context window the engine allocates KV cache for (prompt + completion tokens)."""
-    dtype: str = Field(default="bfloat16", pattern="^(bfloat16|float16|float32)$")
+    dtype: str = Field(default="auto", pattern="^(auto|bfloat16|float16|float32)$")
+    """vLLM's compute dtype. `auto`: bfloat16 where this replica's CPU or GPU runs it fast, float32
+    elsewhere (measured at start, see ops/precision.py: an AVX2-only CPU runs bf16 ~75x slower)."""
     enforce_eager: bool = True
     """Skip CUDA-graph / torch.compile capture (start-up time matters more than peak speed here)."""
     kv_cache_gib: float = Field(default=1.0, gt=0)

@@ -17,7 +17,20 @@ import uuid
 import pytest
 
 from ops.config import FlywheelSettings
-from tests.helpers import free_port, make_settings
+from tests.helpers import cpu_report, free_port, make_settings, scaled, timeout_factor
+
+SUITE_TIMEOUT_S = 600  # per test, before the timeout factor
+
+
+def pytest_report_header(config) -> list[str]:
+    return [cpu_report(), f"timeout factor {timeout_factor():g} (FLYWHEEL_TEST_TIMEOUT_FACTOR): every wait and the per-test limit scale with it"]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """pytest-timeout's limit, scaled like every other wait (a test's own `timeout` mark wins)."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(scaled(SUITE_TIMEOUT_S)))
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +43,7 @@ def kafka_settings(tmp_path_factory) -> FlywheelSettings:
     s = make_settings(tmp, kafka={"port": free_port(), "controller_port": free_port()})
     kafka_broker.start(s, progress=lambda msg: None)
     try:
-        bus.wait_until_ready(s.kafka, s.kafka.start_timeout_s)
+        bus.wait_until_ready(s.kafka, scaled(s.kafka.start_timeout_s))
         bus.ensure_topics(s.kafka)
         yield s
     finally:

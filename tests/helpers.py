@@ -34,5 +34,77 @@ def flywheel(*args: str, env: dict | None = None, tmp_path: Path | None = None, 
         full_env["FLYWHEEL_CACHE_DIR"] = os.environ["FLYWHEEL_CACHE_DIR"]
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=tmp_path
+        [sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True, env=full_env, timeout=scaled(timeout), cwd=tmp_path
     )
+
+
+# --- waits that scale with the machine ------------------------------------------------------------
+
+TIMEOUT_FACTOR_ENV = "FLYWHEEL_TEST_TIMEOUT_FACTOR"
+
+
+def timeout_factor() -> float:
+    """One factor for every wait in the suite (`FLYWHEEL_TEST_TIMEOUT_FACTOR`, default 1): on a
+    slower or loaded machine, raise it instead of editing seconds. Waits are upper bounds: a
+    test goes on as soon as its condition holds, so a large factor costs nothing when it passes."""
+    raw = os.environ.get(TIMEOUT_FACTOR_ENV, "1")
+    try:
+        factor = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV}={raw!r} is not a number") from None
+    if not factor > 0:
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV} must be positive, got {raw}")
+    return factor
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` times the suite's timeout factor."""
+    return seconds * timeout_factor()
+
+
+# --- how far served logprobs may be from the learner's ---------------------------------------------
+
+
+def served_logprob_tolerance(model, sequences, served_dtype: str) -> float:
+    """The largest |served logprob - learner logprob| to accept on these tokens, derived from a bound.
+
+    The learner computes in fp32; the engine computes in `served_dtype` on the same (bf16-stored)
+    weights. Rounding to a dtype with unit roundoff u perturbs every activation by at most u
+    relative, and how much that moves a logprob depends on the model and the tokens. We measure
+    exactly that on this machine: δ = max |logprob computed in `served_dtype` - logprob computed
+    in float64| over the same tokens, with our own forward. vLLM rounds in the same dtype, but more
+    often than our forward (it also rounds the residual stream, the norms' outputs and the fused
+    MoE in that dtype) and in its own order: its deviation from exact is a small multiple of δ
+    (measured up to 3.4δ in bf16 on an AVX2 CPU). We allow 8δ. On top, 2e-3 for what every dtype
+    shares: fp32 reduction order and the sampler's logsumexp (measured below 1e-4 in fp32). A
+    real mismatch (RoPE, norms, routing, the wrong weights) moves logprobs by whole units, far
+    above this. `sequences`: (prompt_ids, generated_ids) pairs."""
+    import torch
+
+    dtype = getattr(torch, served_dtype)
+
+    def logprobs(m):
+        out = []
+        for prompt, gen in sequences:
+            with torch.no_grad():
+                logits = m(torch.tensor([list(prompt) + list(gen)]))[0, len(prompt) - 1 : -1]
+            lp = torch.log_softmax(logits.double(), -1)[torch.arange(len(gen)), list(gen)]
+            out.append(lp)
+        return torch.cat(out)
+
+    import copy
+
+    exact = logprobs(copy.deepcopy(model).double())
+    rounded = logprobs(copy.deepcopy(model).to(dtype))
+    delta = float((rounded - exact).abs().max())
+    return 8 * delta + 2e-3
+
+
+def cpu_report() -> str:
+    """One line on this machine's CPU and the dtype Flywheel computes in here (the session header)."""
+    from ops.precision import cpu_bf16_flags, resolve
+
+    import torch
+
+    flags = ", ".join(cpu_bf16_flags()) or "no native bf16"
+    return f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()} ({flags}); compute dtype {resolve('auto')}"

@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from feedback import db
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent, encode, key_of
 from feedback.sink import SinkSettings, SinkStats, run_sink
+from tests.helpers import scaled
 
 
 @contextmanager
@@ -86,6 +87,7 @@ class _Result:
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+    timeout_s = scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
@@ -134,7 +136,7 @@ def produce(kafka_settings, messages: list[tuple[str, object]]) -> None:
                 futures.append(p.send(topic, key=key_of(m), value=encode(m)))
         p.flush(30)
         for f in futures:
-            f.get(timeout=30)
+            f.get(timeout=scaled(30))
     finally:
         p.close()
 

@@ -6,12 +6,13 @@ import pytest
 
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent, ModelVersion, decode, encode, key_of
+from tests.helpers import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 def _consume(s, topic, keys: set[bytes], timeout_ms=20_000):
-    c = bus.consumer(s.kafka, topic, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=timeout_ms)
+    c = bus.consumer(s.kafka, topic, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(timeout_ms)))
     got = {}
     for m in c:
         if m.key in keys:
@@ -51,7 +52,7 @@ def test_topics_exist_with_configured_partitions(kafka_settings):
 )
 def test_message_round_trip(kafka_settings, topic, msg):
     p = bus.producer(kafka_settings.kafka)
-    meta = p.send(topic, key=key_of(msg), value=encode(msg)).get(timeout=30)
+    meta = p.send(topic, key=key_of(msg), value=encode(msg)).get(timeout=scaled(30))
     p.close()
     got = _consume(kafka_settings, topic, {key_of(msg)})
     m = got[key_of(msg)]
@@ -65,10 +66,10 @@ def test_same_key_same_partition_in_order(kafka_settings):
     events = [FeedbackEvent(completion_id=cid, type=t) for t in ("view", "select")]
     events.append(FeedbackEvent(completion_id=cid, type="edit", kept_text="y"))
     p = bus.producer(kafka_settings.kafka)
-    parts = {p.send(bus.EVENTS, key=key_of(e), value=encode(e)).get(timeout=30).partition for e in events}
+    parts = {p.send(bus.EVENTS, key=key_of(e), value=encode(e)).get(timeout=scaled(30)).partition for e in events}
     p.close()
     assert len(parts) == 1
-    c = bus.consumer(kafka_settings.kafka, bus.EVENTS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=15_000)
+    c = bus.consumer(kafka_settings.kafka, bus.EVENTS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(15_000)))
     seen = [decode(FeedbackEvent, m.value) for m in c if m.key == cid.encode()]
     c.close()
     assert [e.type for e in seen] == ["view", "select", "edit"]

@@ -9,7 +9,7 @@ from feedback import bus
 from feedback.producer import BufferedProducer
 from feedback.schemas import FeedbackEvent
 from ops import kafka_broker
-from tests.helpers import free_port, make_settings
+from tests.helpers import free_port, make_settings, scaled
 
 
 def test_unreachable_broker_buffers_then_counts_overflow(tmp_path):
@@ -37,9 +37,9 @@ def test_records_wait_for_the_broker_and_arrive_in_order(tmp_path):
     try:
         bus.wait_until_ready(s.kafka, 90)
         bus.ensure_topics(s.kafka)
-        assert p.flush(timeout_s=60), f"{p.buffered} records still buffered"
+        assert p.flush(timeout_s=scaled(60)), f"{p.buffered} records still buffered"
         assert p.delivered == 20 and p.dropped == 0
-        c = bus.consumer(s.kafka, bus.EVENTS, group_id="t", consumer_timeout_ms=10_000)
+        c = bus.consumer(s.kafka, bus.EVENTS, group_id="t", consumer_timeout_ms=int(scaled(10_000)))
         got = [m.value for m in c if m.key == cid.encode()]
         c.close()
         assert [FeedbackEvent.model_validate_json(v).event_id for v in got] == [e.event_id for e in sent]

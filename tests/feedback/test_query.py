@@ -17,7 +17,7 @@ from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
 from ops.errors import UserError
 from tests.feedback.sink_support import completion, count, events_for
-from tests.helpers import flywheel
+from tests.helpers import flywheel, scaled
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)
 DAY = "2026-03-01"
@@ -172,9 +172,9 @@ def test_the_database_refuses_writes_the_precheck_missed(url):
     else:
         for sql in (write, cte):
             with pytest.raises(UserError, match="refused: flywheel query is read-only"):
-                _run_postgres(url, sql, role="", timeout_s=10)
+                _run_postgres(url, sql, role="", timeout_s=scaled(10))
         with pytest.raises(UserError, match="multiple commands"):
-            _run_postgres(url, "SELECT 1; DELETE FROM events", role="", timeout_s=10)
+            _run_postgres(url, "SELECT 1; DELETE FROM events", role="", timeout_s=scaled(10))
     engine = db.make_engine(url)
     assert count(engine, "events") == 10 and count(engine, "dead_letters") == 0
     engine.dispose()

@@ -27,7 +27,8 @@ def make_corpus(root: Path) -> Path:
 
 def tiny_learn_settings(tmp: Path, corpus: Path, cache: Path, **learn) -> LearnSettings:
     pretrain = dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=96, batch_size=4, steps=8, warmup_steps=2,
-                    eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25)  # fmt: skip
+                    eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25,
+                    quality_check=False)  # a throwaway 8-step model  # fmt: skip
     learn = dict(publish_every=1, min_samples=8, batch_size=4, poll_s=0.1, gate={"sites": 6, "max_tokens": 8, "min_sites": 4}) | learn
     return LearnSettings(data_dir=tmp / "data", cache_dir=cache, pretrain=pretrain, learn=learn)
 

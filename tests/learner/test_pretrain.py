@@ -18,6 +18,7 @@ from learner.pretrain import (
     lm_loss,
     load_training_corpus,
     lr_at,
+    quality_problem,
     run_folder,
     train,
 )
@@ -38,7 +39,8 @@ def corpus_dir(tmp_path_factory):
 
 def tiny_settings(cache, corpus, **kw) -> PretrainSettings:
     cfg = dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=32, batch_size=4, steps=6, warmup_steps=2,
-               eval_every=3, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.2)  # fmt: skip
+               eval_every=3, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.2,
+               quality_check=False)  # fmt: skip
     return PretrainSettings(cache_dir=cache, pretrain=cfg | kw)
 
 
@@ -115,6 +117,38 @@ def test_cli_missing_corpus_is_one_line(tmp_path):
     assert r.returncode == 1, r
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("flywheel: error: corpus folder") and "does not exist" in lines[0]
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_quality_rule_is_a_plain_function():
+    metrics = {"heldout_accuracy": 0.18, "bigram_accuracy": 0.286, "heldout_loss": 5.42, "bigram_loss": 3.76,
+               "train_tokens": 200_000, "tokens_per_s": 121.0, "precision": "bf16"}  # the fresh machine's run  # fmt: skip
+    cfg = PretrainSection(min_steps=200)
+    why = quality_problem(metrics, 46, cfg)
+    assert "worse than its bigram baseline" in why and "18.0% vs 28.6%" in why and "121 tokens/s in bf16" in why
+    good = metrics | {"heldout_accuracy": 0.526, "heldout_loss": 2.39}
+    assert quality_problem(good, 1342, cfg) is None
+    assert "fewer than pretrain.min_steps=200" in quality_problem(good, 46, cfg)  # better, but too few steps to mean anything
+    assert quality_problem(metrics, 46, PretrainSection(quality_check=False)) is None
+
+
+def test_a_base_worse_than_its_baseline_fails_loudly_and_is_never_reused(tmp_path, corpus_dir):
+    s = tiny_settings(tmp_path, corpus_dir, steps=2, quality_check=True)  # 2 steps: still at random init
+    with pytest.raises(UserError, match="worse than its bigram baseline") as e:
+        ensure_base_model(s, quiet())
+    assert "\n" not in str(e.value) and "flywheel pretrain --minutes" in str(e.value)
+    with pytest.raises(UserError, match="worse than its bigram baseline"):  # the cached one, reused: refused too
+        ensure_base_model(s, quiet())
+    from learner.pretrain import find_base_model
+
+    with pytest.raises(UserError, match="worse than its bigram baseline"):  # the learner and `flywheel serve` look it up so
+        find_base_model(s)
+    r = flywheel("pretrain", "--corpus", str(corpus_dir), "--steps", "2", "--set", f"cache_dir={tmp_path}", "--set", "pretrain.size=tiny",
+                 "--set", "pretrain.vocab_size=400", "--set", "pretrain.seq_len=32", "--set", "pretrain.batch_size=4",
+                 "--set", "pretrain.warmup_steps=2", "--set", "pretrain.eval_every=3", "--set", "pretrain.eval_windows=4",
+                 "--set", "pretrain.final_eval_windows=8", "--set", "pretrain.heldout_fraction=0.2", tmp_path=tmp_path)  # fmt: skip
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "worse than its bigram baseline" in lines[0], (r.stdout[-2000:], r.stderr)
     assert "Traceback" not in r.stdout + r.stderr
 
 

@@ -18,7 +18,7 @@ from feedback import db
 from ops import dashboard
 from serving.api import ApiState, build_app
 from serving.settings import ServeSettings
-from tests.helpers import flywheel, free_port
+from tests.helpers import flywheel, free_port, scaled
 
 OPS = "ops-secret-token"
 EDITOR = "editor-secret-token"
@@ -313,7 +313,7 @@ def server(filled, sqlite_url):
     srv = uvicorn.Server(uvicorn.Config(make_app(sqlite_url), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while not srv.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
@@ -338,7 +338,7 @@ def browser(monkeypatch):
     from selenium.webdriver.chrome.service import Service
 
     driver = webdriver.Chrome(options=opts, service=Service(executable_path=shutil.which("chromedriver")))
-    driver.set_page_load_timeout(60)
+    driver.set_page_load_timeout(scaled(60))
     yield driver
     driver.quit()
 

@@ -21,11 +21,11 @@ from learner import store as S
 from learner.learn import model_from_packed
 from learner.pretrain import find_base_model, load_master_weights
 from ops import demo
-from tests.helpers import free_port
+from serving.app import engine_precision
+from tests.helpers import free_port, served_logprob_tolerance
 from tests.learner.learn_support import make_corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
-LOGPROB_TOL = 0.15  # bf16 activations in vLLM against the learner's fp32 (tests/serving/test_hotswap.py)
 
 
 def test_demo_closes_the_loop(tmp_path, kafka_settings):
@@ -35,7 +35,8 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
         cache_dir=tmp_path / "cache",
         kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
         pretrain=dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=128, batch_size=4, steps=8, warmup_steps=2,
-                      eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25),
+                      eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25,
+                      quality_check=False),
         serve={"port": free_port(), "ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
         simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5},
@@ -90,12 +91,13 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
     tagged = [r for r in served if r.model_version == v and r.token_ids][:5]
     assert tagged, "no completion was served by the promoted version"
     model = model_from_packed(store.materialize(v), args)
-    for r in tagged:
-        prompt, gen = _json(r.prompt_token_ids), _json(r.token_ids)
+    seqs = [(_json(r.prompt_token_ids), _json(r.token_ids)) for r in tagged]
+    tol = served_logprob_tolerance(model, seqs, engine_precision(s.serve).dtype)
+    for (prompt, gen), r in zip(seqs, tagged, strict=True):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + gen]))[0, len(prompt) - 1 : -1]
         mine = torch.log_softmax(logits.float(), -1)[torch.arange(len(gen)), gen]
-        assert (mine - torch.tensor(_json(r.logprobs))).abs().max() < LOGPROB_TOL
+        assert (mine - torch.tensor(_json(r.logprobs))).abs().max() < tol
 
     # Sticky users: while a rollout runs, nobody goes from the candidate back to stable.
     for ro in rollouts:

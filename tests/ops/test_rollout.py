@@ -21,7 +21,7 @@ from feedback.schemas import ModelVersion
 from ops import rollout
 from ops.rollout import RolloutError, RolloutSection, RolloutSettings
 from serving import pools
-from tests.helpers import flywheel
+from tests.helpers import flywheel, scaled
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 STABLE, CANDIDATE, GATE_FAILED = 1, 2, 3
@@ -357,7 +357,7 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
     producer.flush()
 
     def drain(starter, until):
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         lines = []
         while time.monotonic() < deadline and not until(lines):
             lines += starter.poll()
@@ -407,7 +407,7 @@ def test_run_controller_survives_a_database_that_is_not_there_yet(tmp_path, capl
         r = rollout.start_rollout(engine, CANDIDATE, section=RolloutSection(weights=[100], interval_s=0.5, min_samples=50), now=now)
         serve(engine, STABLE, 200, start=now - timedelta(seconds=0.4), span_s=0.3)  # before the rollout: the control arm
         serve(engine, CANDIDATE, 200, start=now, span_s=0.3)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + scaled(15)
         while time.monotonic() < deadline and not any("promote" in ln for ln in lines):
             time.sleep(0.05)
     finally:

@@ -1,4 +1,5 @@
-"""Simulated editor sessions: the pure parts (cursor sites, the user's judgement)."""
+"""Simulated editor sessions: the pure parts (cursor sites, the user's judgement), and sessions
+that go on when the API is slow or failing."""
 
 import random
 
@@ -6,6 +7,7 @@ import pytest
 
 from learner.corpus import SourceFile
 from ops.simulate import cursor_sites, judge
+from tests.helpers import scaled
 
 CODE = "import os\n\n\ndef join_all(parts):\n    result = os.path.join(*parts)\n    return result.strip()\n\n\nclass Box:\n    size = 3\n"
 
@@ -48,3 +50,67 @@ def test_sessions_start_nothing_after_their_deadline():
     # the deadline has passed: no request is sent (nothing listens at this URL), all are counted
     stats = asyncio.run(run_sessions("http://127.0.0.1:9", "t", sites, rate=1000.0, deadline=time.monotonic() - 1))
     assert (stats.requests, stats.skipped, stats.errors) == (0, 5, 0)
+
+
+def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
+    """The real API app in front of an engine that answers some requests after the editors gave
+    up, fails others, and answers the rest: every failure is counted with its reason, and the
+    sessions go on to the end (no exception, as a slow request once ended `make demo`)."""
+    import asyncio
+    import itertools
+    import threading
+    import time
+
+    import uvicorn
+
+    from learner.tokenizer import train_tokenizer
+    from ops.simulate import Site, run_sessions
+    from serving.api import ApiState, RoutingState, build_app
+    from serving.pools import STABLE
+    from serving.replica import CompletionService
+    from serving.settings import ServeSettings
+    from tests.helpers import free_port
+    from tests.serving.conftest import FakeEngine, ListSink, LocalPool
+
+    tok = train_tokenizer([CODE * 20], vocab_size=300)
+
+    class MisbehavingEngine(FakeEngine):
+        """Request 0, 3, 6...: slower than the timeout; 1, 4, 7...: fails; the rest answer at once."""
+
+        n = itertools.count()
+
+        async def generate(self, prompt_ids, spec, request_id):
+            i = next(self.n)
+            if i % 3 == 0:
+                await asyncio.sleep(3.0)
+            elif i % 3 == 1:
+                raise RuntimeError("replica restarting")
+            async for out in super().generate(prompt_ids, spec, request_id):
+                yield out
+
+    cfg = ServeSettings(auth_tokens=["t"])
+    app = build_app()
+    app.state.api = ApiState(cfg=cfg, replicas={STABLE: LocalPool(CompletionService(MisbehavingEngine(tok, text="join(*parts)"), tok, cfg, version=0))},
+                             routing=RoutingState(serving={STABLE: 0}), producer=ListSink(), editor_tokens={"t"}, decode=tok.decode)  # fmt: skip
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + scaled(30)
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 9
+        seen = []
+        stats = asyncio.run(run_sessions(f"http://127.0.0.1:{port}", "t", sites, users=3, rate=100.0, edit_delay_s=0.0, timeout_s=0.5,
+                                         progress=lambda st: seen.append(st.errors)))  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(timeout=scaled(10))
+    assert stats.requests == 9 and stats.skipped == 0
+    assert stats.failures["completion: timeout"] == 3 and stats.failures["completion: HTTP 503"] == 3, stats.failures
+    assert stats.failed_completions == 6 and sum(v["requests"] for v in stats.by_version.values()) == 3
+    assert stats.accepted == 3 and stats.events == 3 * 3  # view, select, edit for each answered one
+    assert "3 completion: timeout" in stats.failure_line() and max(seen) == 6  # the progress line saw them as they came
+    assert stats.latency_summary()["v0"]["n"] == 3

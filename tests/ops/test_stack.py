@@ -5,7 +5,7 @@ import json
 import pytest
 
 from feedback import bus
-from tests.helpers import flywheel, free_port, make_settings
+from tests.helpers import flywheel, free_port, make_settings, scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -29,7 +29,7 @@ def test_up_status_down_keeps_messages(tmp_path):
         assert topics[bus.VERSIONS].cleanup_policy == "compact"
 
         p = bus.producer(s.kafka)
-        p.send(bus.EVENTS, key=b"c1", value=json.dumps({"before": "down"}).encode()).get(timeout=30)
+        p.send(bus.EVENTS, key=b"c1", value=json.dumps({"before": "down"}).encode()).get(timeout=scaled(30))
         p.close()
     finally:
         r = flywheel("down", *ports, tmp_path=tmp_path)
@@ -41,7 +41,7 @@ def test_up_status_down_keeps_messages(tmp_path):
     r = flywheel("up", *ports, tmp_path=tmp_path)  # second start: cached jars, formatted storage
     assert r.returncode == 0, r.stderr
     try:
-        c = bus.consumer(s.kafka, bus.EVENTS, group_id="after-restart", consumer_timeout_ms=20_000)
+        c = bus.consumer(s.kafka, bus.EVENTS, group_id="after-restart", consumer_timeout_ms=int(scaled(20_000)))
         values = [json.loads(m.value) for m in c]
         c.close()
         assert {"before": "down"} in values

@@ -22,6 +22,7 @@ from serving.engine import Sample, SamplingSpec
 from serving.hotswap import HotSwapper, SwapError, reload_set, vllm_layer
 from serving.replica import CompletionService, GenerateRequest
 from serving.settings import EngineSettings, ServeSettings
+from tests.helpers import served_logprob_tolerance
 from tests.learner.test_delta import train_steps
 
 
@@ -241,9 +242,6 @@ async def test_a_reload_that_breaks_off_restores_the_old_tensors(tok, published)
 
 # --- with vLLM -------------------------------------------------------------------------------------
 
-LOGPROB_TOL = 0.15  # as in tests/learner/test_export.py (bf16 activations in vLLM)
-
-
 def teacher_forced(model: Transformer, prompt_ids: list[int], gen: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + gen]))[0, len(prompt_ids) - 1 : -1]
@@ -300,38 +298,43 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
         async def served() -> list:
             return [await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy)) for i, p in enumerate(prompts)]
 
-        def max_diff(results, hf: dict) -> float:
+        dtype = engine.precision.dtype
+
+        def max_diff(results, hf: dict) -> tuple[float, float]:
+            """The worst |served - learner| logprob against `hf`'s weights, and the tolerance for it."""
             m = model_from(hf, args)
-            return max(
-                (teacher_forced(m, r.prompt_token_ids, r.samples[0].token_ids) - torch.tensor(r.samples[0].logprobs)).abs().max().item()
-                for r in results
-            )
+            seqs = [(r.prompt_token_ids, r.samples[0].token_ids) for r in results]
+            worst = max((teacher_forced(m, p, g) - torch.tensor(r.samples[0].logprobs)).abs().max().item() for (p, g), r in zip(seqs, results))
+            return worst, served_logprob_tolerance(m, seqs, dtype)
 
         before = await served()
         assert {r.model_version for r in before} == {0}
-        assert max_diff(before, S.to_hf_tensors(v0)) < LOGPROB_TOL
+        d, tol = max_diff(before, S.to_hf_tensors(v0))
+        print(f"served in {engine.precision}: |logprob - learner v0| max {d:.4f} (tolerance {tol:.4f})")
+        assert d < tol
 
         report = await swapper.swap_to(1)
         after = await served()
-        d_new, d_old = max_diff(after, S.to_hf_tensors(v1)), max_diff(after, S.to_hf_tensors(v0))
+        (d_new, tol), (d_old, _) = max_diff(after, S.to_hf_tensors(v1)), max_diff(after, S.to_hf_tensors(v0))
         print(f"swap v0 -> v1: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
-              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v1| max {d_new:.4f}, vs v0 weights {d_old:.3f}")  # fmt: skip
+              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v1| max {d_new:.4f} (tolerance {tol:.4f}), vs v0 weights {d_old:.3f}")  # fmt: skip
         assert {r.model_version for r in after} == {1}
-        assert d_new < LOGPROB_TOL and d_old > 5 * LOGPROB_TOL
+        assert d_new < tol and d_old > 5 * tol  # the new weights answered, not the old ones with a new tag
 
         report = await swapper.swap_to(2)
         after = await served()
-        d_new, d_old = max_diff(after, S.to_hf_tensors(v2)), max_diff(after, S.to_hf_tensors(v1))
+        (d_new, tol), (d_old, _) = max_diff(after, S.to_hf_tensors(v2)), max_diff(after, S.to_hf_tensors(v1))
         print(f"swap v1 -> v2: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
-              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v2| max {d_new:.4f}, vs v1 weights {d_old:.3f}")  # fmt: skip
+              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v2| max {d_new:.4f} (tolerance {tol:.4f}), vs v1 weights {d_old:.3f}")  # fmt: skip
         assert report.tensors_reloaded == 3 + 3 * args.n_experts  # q, k, v and layer 1's experts
-        assert {r.model_version for r in after} == {2} and d_new < LOGPROB_TOL
+        assert {r.model_version for r in after} == {2} and d_new < tol and d_old > tol
 
         with pytest.raises(SwapError):
             await swapper.swap_to(3)
         still = await served()
         assert {r.model_version for r in still} == {2} and service.version == 2
-        assert max_diff(still, S.to_hf_tensors(v2)) < LOGPROB_TOL
+        d, tol = max_diff(still, S.to_hf_tensors(v2))
+        assert d < tol
         assert swapper.last_swap_error and "v2 -> v3" in swapper.last_swap_error
     finally:
         engine.shutdown()

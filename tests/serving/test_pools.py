@@ -19,7 +19,7 @@ from serving.pools import CANARY, STABLE, Routes
 from serving.replica import CompletionService
 from serving.routing import bucket, user_hash
 from serving.settings import ServeSettings
-from tests.helpers import flywheel
+from tests.helpers import flywheel, scaled
 from tests.ops.test_cli import assert_one_line_error
 from tests.serving.conftest import TOKEN, FakeEngine, ListSink, LocalPool
 from tests.serving.test_hotswap import WeightsEngine, make_service, published, sync  # noqa: F401  (published: a fixture)
@@ -253,7 +253,7 @@ async def test_each_pool_follows_its_own_target(tok, published, engine):  # noqa
         loops.append(asyncio.create_task(rec.run(0.01)))
 
     async def until(cond, timeout_s=20.0):
-        for _ in range(int(timeout_s / 0.01)):
+        for _ in range(int(scaled(timeout_s) / 0.01)):
             if cond():
                 return
             await asyncio.sleep(0.01)
