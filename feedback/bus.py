@@ -13,8 +13,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from ops.config import KafkaSettings, TopicSettings
-from ops.errors import UserError
+from feedback.core.config import KafkaSettings, TopicSettings
+from feedback.core.errors import UserError
 
 COMPLETIONS = "flywheel.completions"
 EVENTS = "flywheel.events"

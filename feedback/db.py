@@ -41,7 +41,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import NullPool
 
-from ops.errors import UserError
+from feedback.core.errors import UserError
 
 # Explicit constraint names: migrations can then drop or alter them on every backend.
 NAMING = {
@@ -122,7 +122,7 @@ rewards = Table(
     UniqueConstraint("completion_id", "choice_index"),
 )
 
-# The sink's own bookkeeping (feedback/sink.py). Kafka coordinates are named kafka_* so that
+# The sink's own bookkeeping (feedback/sink/loop.py). Kafka coordinates are named kafka_* so that
 # analysts need not quote the reserved words `offset` and `partition`.
 
 pending_events = Table(
@@ -215,7 +215,7 @@ rollout_steps = Table(
 
 # Serving topology (migration 0003): which version each replica pool should serve and the
 # canary's traffic share. The rollout controller (or `flywheel swap`) writes it; serving
-# replicas and the ingress poll it (serving/pools.py), so the state lives in one place and
+# replicas and the ingress poll it (feedback/pools.py), so the state lives in one place and
 # survives restarts of every process.
 serving_pools = Table(
     "serving_pools",

@@ -22,7 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from feedback import bus
 from feedback.schemas import Message, encode, key_of
-from ops.config import KafkaSettings
+from feedback.core.config import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from pydantic import Field
 
-from ops.config import FlywheelSettings, Section
-from ops.errors import UserError
+from feedback.core.config import FlywheelSettings, Section
+from feedback.core.errors import UserError
 
 READS = ("select", "with", "values", "table", "explain", "show")
 WRITES = (

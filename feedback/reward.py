@@ -43,7 +43,7 @@ from typing import Any
 
 from pydantic import Field
 
-from ops.config import Section
+from feedback.core.config import Section
 
 
 class RewardWeights(Section):

@@ -256,7 +256,7 @@ def fim_span(text: str, rng: random.Random) -> tuple[int, int]:
 def summarized_prefix(prefix: str, rng: random.Random) -> str:
     """The prefix with its older lines replaced by their summary between the markers.
 
-    This is how serving shows a long file (serving/prompts.py): older chunks as
+    This is how serving shows a long file (learner/prompts.py): older chunks as
     `<|summary_start|>summary<|summary_end|>`, then the recent code verbatim. Training on it
     teaches the model to read summaries in place of the code they stand for.
     """

@@ -25,6 +25,10 @@ ideal E4M3 scale, amax / (6 * global_scale), in [216, 432). Why:
     bf16 weights the trainer sees (fake quantization), the bf16 weights serving holds and
     the packed checkpoint all describe the same numbers. An arbitrary FP32 global scale
     would make the dequantized values round when they are stored in bf16.
+    Where the compute dtype is float32 (a CPU without fast bf16: feedback/core/precision.py) all of
+    this still holds: the stored weights stay bf16, every bf16 number is exact in float32 (8 of
+    its 24 significand bits), and the fake-quantized fp32 values are the same numbers, so serving
+    and training in fp32 compute on exactly the weights the packed checkpoint describes.
   * Lossless round trips. quantize(dequantize(q)) returns q bit for bit: the same codes,
     block scales and global scale. Packed -> bf16 -> packed is therefore lossless, which
     the XOR delta codec and the in-place hot swap rely on. The window [216, 432) makes

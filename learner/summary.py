@@ -17,7 +17,7 @@ not parse: then a line scanner finds the same items with regexes and formats eac
 through `ast` where its own text parses, so both paths print the same way. The summary is
 empty when the chunk holds none of these items.
 
-Training format (what `learner.pretrain` trains on; serving prompts the same way):
+Training format (what `learner.train.pretrain` trains on; serving prompts the same way):
 
     ids = encode(code) + [<|summary_start|>] + encode(summary) + [<|summary_end|>, <|endoftext|>]
 

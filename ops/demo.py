@@ -35,10 +35,10 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
-from feedback.sink import SinkSection, SinkSettings
-from learner.learn_settings import GateSection, LearnSection, LearnSettings
+from feedback.sink.loop import SinkSection, SinkSettings
+from learner.train.learn_settings import GateSection, LearnSection, LearnSettings
 from ops import stack
-from ops.config import Section
+from feedback.core.config import Section
 from ops.rollout import RolloutSection, RolloutSettings
 from ops.simulate import SimulateSection, SimulateSettings
 
@@ -73,12 +73,13 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     import torch
 
     from feedback import db
-    from feedback.sink import run_sink
-    from learner.learn import Learner, describe
-    from learner.pretrain import ensure_base_model
+    from feedback.sink.loop import run_sink
+    from learner.train.learn import Learner, describe
+    from learner.train.pretrain import ensure_base_model
     from ops import rollout
     from ops.dashboard import write_static
-    from ops.simulate import cursor_sites, run_sessions
+    from learner.judge import cursor_sites
+    from ops.simulate import run_sessions
     from serving import app
 
     t_start = time.monotonic()

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops.config import FlywheelSettings
-from ops.errors import UserError
+from feedback.core.config import FlywheelSettings
+from feedback.core.errors import UserError
 
 POM = Path(__file__).with_name("kafka") / "pom.xml"
 

@@ -19,7 +19,7 @@ All state is in SQL, nothing in the process, so a controller can die and restart
     `advance` row that opened it (the rollout's `started_at` for the first), the next
     evaluation is due `interval_s` after the latest row of any kind, and the holds of a step
     are its `hold` rows;
-  - the serving topology (`serving_pools`, serving/pools.py) follows the rollout. A
+  - the serving topology (`serving_pools`, feedback/pools.py) follows the rollout. A
     decision is committed first and the pools written after it; each controller pass
     compares the pools with the latest rollout and repairs a write that failed.
 
@@ -58,10 +58,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from feedback import db
 from feedback.schemas import ModelVersion
-from ops.config import FlywheelSettings, Section, Seconds
-from ops.errors import UserError
+from feedback.core.config import FlywheelSettings, Section, Seconds
+from feedback.core.errors import UserError
 from ops.rollout_stats import ADVANCE, HOLD, PROMOTE, ROLLBACK, Arm, Decision, Policy, decide, json_safe
-from serving import pools
+from feedback import pools
 
 log = logging.getLogger("flywheel.rollout")
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from feedback import bus, db
 from ops import kafka_broker
-from ops.config import FlywheelSettings
-from ops.errors import UserError
+from feedback.core.config import FlywheelSettings
+from feedback.core.errors import UserError
 
 
 @dataclass

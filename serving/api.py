@@ -6,7 +6,7 @@ local services. Every served completion is recorded to `flywheel.completions`, t
 version that produced it, and every event to `flywheel.events`, through a buffered producer
 that never holds up a request.
 
-Routing: `poll_routing` reads the target state (serving/pools.py) every `serve.pool_poll_s`
+Routing: `poll_routing` reads the target state (feedback/pools.py) every `serve.pool_poll_s`
 and asks each pool which version it serves. A user goes to the canary (sticky by user hash,
 serving/routing.py) only while a canary is set with a share above 0 AND the canary pool
 already reports that version; otherwise, and while it swaps, to stable.
@@ -38,7 +38,7 @@ from learner.fim import fim_header
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.replica import GenerateRequest, GenerateResult
-from serving.pools import CANARY, POOLS, STABLE, Routes
+from feedback.pools import CANARY, POOLS, STABLE, Routes
 from serving.routing import bucket, user_hash
 from serving.schemas import (
     Choice,
@@ -106,7 +106,7 @@ class RoutingState:
 @dataclass
 class ApiState:
     cfg: ServeSettings
-    replicas: dict[str, ReplicaClient]  # by pool name: serving.pools.STABLE, CANARY (absent: not deployed)
+    replicas: dict[str, ReplicaClient]  # by pool name: feedback.pools.STABLE, CANARY (absent: not deployed)
     producer: RecordSink
     editor_tokens: set[str]
     decode: Any  # token ids -> text (the served model's tokenizer)

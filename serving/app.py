@@ -7,7 +7,7 @@ The same code runs on a local Ray (`serve.ray_address` empty) and on a Ray clust
 (`ray://head:10001` or `auto`); replica counts, engine arguments and resources come from
 the `[serve]` section. Both pools start from the same model folder and version. Which
 version each pool should serve, and the canary's share of users, live in SQL
-(serving/pools.py): every replica polls its pool's target and hot-swaps itself in place
+(feedback/pools.py): every replica polls its pool's target and hot-swaps itself in place
 (`PoolReconciler`), and the ingress polls the same table to route users (serving/api.py),
 so whoever decides (the rollout controller, `flywheel swap`) only writes a row.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serving import pools
+from feedback import pools
 from serving.api import ApiState, RoutingState, build_app, install, poll_routing
 from serving.replica import GenerateRequest, GenerateResult
 from serving.settings import ServeSettings, ServingSettings
@@ -293,7 +293,7 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
 
 def engine_precision(cfg: ServeSettings):
     """The dtype replicas on this machine choose for `serve.engine.dtype` (each replica decides on its own host)."""
-    from ops.precision import resolve
+    from feedback.core.precision import resolve
 
     return resolve(cfg.engine.dtype, device="cuda" if cfg.engine.num_gpus > 0 else "cpu", setting="serve.engine.dtype")
 
@@ -302,7 +302,7 @@ def _passed_env() -> dict[str, str]:
     """Settings that replicas read from the environment, passed on to Ray's workers."""
     import os
 
-    from ops.precision import ENV_OVERRIDE
+    from feedback.core.precision import ENV_OVERRIDE
 
     return {k: os.environ[k] for k in (ENV_OVERRIDE,) if k in os.environ}
 
@@ -313,8 +313,8 @@ def migrate(settings: ServingSettings, version: int | None = None, progress=lamb
     controller knows what a candidate is compared with. Serving does not need the database to
     answer, so an unreachable one is only reported."""
     from feedback import db
-    from ops.errors import UserError
-    from serving import pools
+    from feedback.core.errors import UserError
+    from feedback import pools
 
     try:
         engine = db.make_engine(settings.database_url)

@@ -62,7 +62,7 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from ops.precision import resolve
+        from feedback.core.precision import resolve
 
         # Decided where the engine runs: replicas of one cluster may sit on different CPUs.
         self.precision = resolve(cfg.dtype, device="cuda" if cfg.num_gpus > 0 else "cpu", setting="serve.engine.dtype")

@@ -37,7 +37,7 @@ first swap reloads every tensor; `adopt(version)` declares the weights equal to 
 version instead.
 
 Who calls `swap_to`: each replica's `PoolReconciler` (serving/app.py), when its pool's target
-version in `serving_pools` changes (serving/pools.py); the rollout controller or `flywheel
+version in `serving_pools` changes (feedback/pools.py); the rollout controller or `flywheel
 swap` set the targets. Every attempt is logged in `swap_events`. The metrics live in the
 process that swaps (each Ray Serve replica), not in the ingress's /metrics.
 """

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from learner.tokenizer import EOS_ID, SUMMARY_END
 from serving.engine import Engine, Sample, SamplingSpec
-from serving.prompts import PromptBuilder, SummaryCache
+from learner.prompts import PromptBuilder, SummaryCache
 from serving.settings import ServeSettings
 
 

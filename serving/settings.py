@@ -7,7 +7,7 @@ from typing import Self
 
 from pydantic import Field, SecretStr, model_validator
 
-from ops.config import FlywheelSettings, Section
+from feedback.core.config import FlywheelSettings, Section
 
 
 class EngineSettings(Section):
@@ -17,7 +17,7 @@ class EngineSettings(Section):
     """Context window the engine allocates KV cache for (prompt + completion tokens)."""
     dtype: str = Field(default="auto", pattern="^(auto|bfloat16|float16|float32)$")
     """vLLM's compute dtype. `auto`: bfloat16 where this replica's CPU or GPU runs it fast, float32
-    elsewhere (measured at start, see ops/precision.py: an AVX2-only CPU runs bf16 ~75x slower)."""
+    elsewhere (measured at start, see feedback/core/precision.py: an AVX2-only CPU runs bf16 ~75x slower)."""
     enforce_eager: bool = True
     """Skip CUDA-graph / torch.compile capture (start-up time matters more than peak speed here)."""
     kv_cache_gib: float = Field(default=1.0, gt=0)

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from ops.config import FlywheelSettings
+from feedback.core.config import FlywheelSettings
 from tests.helpers import cpu_report, free_port, make_settings, scaled, timeout_factor
 
 SUITE_TIMEOUT_S = 600  # per test, before the timeout factor
@@ -31,6 +31,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(scaled(SUITE_TIMEOUT_S)))
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """A real byte-level BPE tokenizer with Flywheel's special tokens, trained on a little stdlib code."""
+    import inspect
+    import json
+    import textwrap
+
+    from learner.tokenizer import train_tokenizer
+
+    return train_tokenizer([inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap)], vocab_size=512)
 
 
 @pytest.fixture(scope="session")

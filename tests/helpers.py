@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ops.config import StackSettings
+from feedback.core.config import StackSettings
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository root (where pyproject.toml and flywheel.example.toml live)."""
 
 
 def free_port() -> int:
@@ -102,7 +105,7 @@ def served_logprob_tolerance(model, sequences, served_dtype: str) -> float:
 
 def cpu_report() -> str:
     """One line on this machine's CPU and the dtype Flywheel computes in here (the session header)."""
-    from ops.precision import cpu_bf16_flags, resolve
+    from feedback.core.precision import cpu_bf16_flags, resolve
 
     import torch
 

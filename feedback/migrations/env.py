@@ -8,7 +8,7 @@ config = context.config
 connection = config.attributes.get("connection")
 if connection is None:  # `alembic` run by hand: build the engine from the configured URL
     from feedback.db import make_engine
-    from ops.config import StackSettings
+    from feedback.core.config import StackSettings
 
     connection = make_engine(StackSettings.load().database_url).connect()
 

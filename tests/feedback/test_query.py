@@ -10,13 +10,15 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from feedback import db, ingest
-from feedback.ingest import Batch, Origin
+from feedback import db
+
+from feedback.sink import ingest
+from feedback.sink.ingest import Batch, Origin
 from feedback.query import _plain, _run_postgres, _run_sqlite, check_read_only, run_query
 from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
-from ops.errors import UserError
-from tests.feedback.sink_support import completion, count, events_for
+from feedback.core.errors import UserError
+from tests.feedback.sink.sink_support import completion, count, events_for
 from tests.helpers import flywheel, scaled
 
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)

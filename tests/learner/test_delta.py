@@ -8,7 +8,7 @@ import torch
 from learner import delta as D
 from learner import fp4
 from learner.model import ModelArgs, Transformer
-from learner.pretrain import fp4_hook
+from learner.train.pretrain import fp4_hook
 from learner.store import pack_checkpoint, to_hf_tensors
 
 
@@ -146,7 +146,7 @@ def test_a_changed_layout_needs_a_full_snapshot():
 
 def test_bench_methods_round_trip_and_flywheel_is_smallest(versions):
     """`flywheel bench delta`'s methods on one pair: each one checks its own round trip."""
-    from learner import bench_delta as B
+    from ops.bench import delta as B
 
     v0, v1 = versions
     methods = ["flywheel", "xor+zstd", "zstd (full)"]

@@ -20,8 +20,8 @@ from feedback import db
 from feedback.schemas import ModelVersion
 from ops import rollout
 from ops.rollout import RolloutError, RolloutSection, RolloutSettings
-from serving import pools
-from tests.helpers import flywheel, scaled
+from feedback import pools
+from tests.helpers import flywheel, scaled, REPO
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 STABLE, CANDIDATE, GATE_FAILED = 1, 2, 3
@@ -515,7 +515,7 @@ def test_cli(tmp_path):
 
 
 def test_example_config_documents_every_rollout_setting():
-    example = Path(__file__).parents[2] / "flywheel.example.toml"
+    example = REPO / "flywheel.example.toml"
     s = RolloutSettings.load(example)
     text = example.read_text()
     for section, model in (("rollout", s.rollout), ("rollout.thresholds", s.rollout.thresholds)):
@@ -525,11 +525,11 @@ def test_example_config_documents_every_rollout_setting():
 
 
 def test_settings_refuse_bad_weights():
-    from ops.errors import UserError
+    from feedback.core.errors import UserError
 
     with pytest.raises(UserError, match="increasing percentages"):
         RolloutSettings.load(None, ["rollout.weights=[50, 25]"])
-    from ops.config import parse_duration
+    from feedback.core.config import parse_duration
 
     assert parse_duration("1.5h") == 5400 and parse_duration("90") == 90 and parse_duration("1h30m") == 5400
     assert RolloutSettings.load(None, ['rollout.interval_s="2m"']).rollout.interval_s == 120

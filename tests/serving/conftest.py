@@ -1,4 +1,4 @@
-"""Serving fixtures: a real tokenizer, a fake engine behind the `Engine` interface, local pools, the app."""
+"""Serving fixtures: a fake engine behind the `Engine` interface, local pools, the app."""
 
 from __future__ import annotations
 
@@ -13,16 +13,11 @@ from fastapi.testclient import TestClient
 from learner.tokenizer import train_tokenizer
 from serving.api import ApiState, RoutingState, build_app
 from serving.engine import Sample, SamplingSpec
-from serving.pools import STABLE
+from feedback.pools import STABLE
 from serving.replica import CompletionService
 from serving.settings import ServeSettings
 
 TOKEN = "editor-test-token"
-
-
-@pytest.fixture(scope="session")
-def tok():
-    return train_tokenizer([inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap)], vocab_size=512)
 
 
 @dataclass

@@ -11,16 +11,16 @@ from sqlalchemy import select
 
 from feedback import db
 from learner import store as S
-from serving import pools
+from feedback import pools
 from serving.api import ApiState, RoutingState, build_app, refresh_routing
 from serving.app import PoolReconciler, pool_sizes
 from serving.hotswap import HotSwapper
-from serving.pools import CANARY, STABLE, Routes
+from feedback.pools import CANARY, STABLE, Routes
 from serving.replica import CompletionService
 from serving.routing import bucket, user_hash
 from serving.settings import ServeSettings
 from tests.helpers import flywheel, scaled
-from tests.ops.test_cli import assert_one_line_error
+from tests.ops.cli.test_main import assert_one_line_error
 from tests.serving.conftest import TOKEN, FakeEngine, ListSink, LocalPool
 from tests.serving.test_hotswap import WeightsEngine, make_service, published, sync  # noqa: F401  (published: a fixture)
 

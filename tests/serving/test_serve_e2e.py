@@ -210,7 +210,7 @@ def test_pools_swap_in_place_to_their_targets(stack, model_dir):
     from feedback import db
     from learner import store as S
     from learner.export import load_hf
-    from serving import pools
+    from feedback import pools
     from tests.learner.test_delta import train_steps
     from tests.serving.test_hotswap import model_from
 

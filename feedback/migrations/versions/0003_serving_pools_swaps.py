@@ -5,7 +5,7 @@ Revises: 0002
 Create Date: 2026-11-30
 
 `serving_pools` holds the version each replica pool (stable, canary) should serve and the
-canary's traffic share; replicas and the ingress poll it (serving/pools.py). It starts with
+canary's traffic share; replicas and the ingress poll it (feedback/pools.py). It starts with
 no rows: a pool without a row serves the version it was deployed with. `swap_events` logs
 every swap a replica attempted. The analyst role's default privileges (0002) grant SELECT
 on both.

@@ -1,0 +1,260 @@
+"""Typed configuration: one pydantic-settings class per process.
+
+Sources, highest priority first:
+  1. command-line overrides (`--set kafka.port=9093`, repeatable);
+  2. environment variables `FLYWHEEL_*`, nested with `__` (`FLYWHEEL_KAFKA__PORT=9093`);
+  3. a TOML file (`--config FILE`, or `FLYWHEEL_CONFIG`, or `./flywheel.toml` if present);
+  4. the defaults below.
+
+All processes read the same file; each takes the sections it needs and ignores the others.
+Inside a section, unknown keys are errors, so a typo is caught instead of silently ignored.
+`flywheel.example.toml` at the repository root documents every field.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import platformdirs
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from feedback.core.errors import UserError
+
+_TOML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("flywheel_toml_file", default=None)
+
+
+
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+
+
+def parse_duration(v: object) -> float:
+    """Seconds from a number or a string like "3h", "90s", "1h30m", "2.5m", "250ms"; ValueError otherwise."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected a duration like 3h, 90s or 1h30m (or seconds), got {v!r}")
+    if isinstance(v, int | float):
+        seconds = float(v)
+    elif isinstance(v, str):
+        text = v.strip().lower().replace(" ", "")
+        parts = _DURATION_PART.findall(text)
+        try:
+            seconds = float(text)
+        except ValueError:
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise ValueError(f"bad duration {v!r}: expected e.g. 3h, 90s, 1h30m or seconds") from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        raise ValueError(f"expected a duration like 3h, 90s or 1h30m (or seconds), got {v!r}")
+    if not seconds > 0:
+        raise ValueError(f"bad duration {v!r}: it must be positive")
+    return seconds
+
+
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+"""A settings field in seconds that also accepts "3h", "90s", "1h30m"."""
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TopicSettings(Section):
+    """One Kafka topic as `flywheel up` creates it."""
+
+    partitions: int = Field(ge=1, le=1024)
+    """Partition count; the upper bound on consumer parallelism for this topic."""
+    retention_ms: int = Field(ge=-1)
+    """Kafka `retention.ms`; -1 keeps messages forever."""
+    cleanup_policy: str = Field(default="delete", pattern="^(delete|compact|compact,delete)$")
+    """Kafka `cleanup.policy`."""
+
+
+class KafkaSettings(Section):
+    bootstrap_servers: str = ""
+    """Existing Kafka cluster (`host:port,...`). Empty: `flywheel up` starts a local broker."""
+    host: str = "127.0.0.1"
+    """Address the local broker listens on and advertises."""
+    port: int = Field(default=9092, ge=1, le=65535)
+    """Client port of the local broker."""
+    controller_port: int = Field(default=9093, ge=1, le=65535)
+    """KRaft controller port of the local broker."""
+    heap: str = Field(default="512m", pattern=r"^\d+[mMgG]$")
+    """JVM heap of the local broker (`-Xmx`)."""
+    start_timeout_s: float = Field(default=90.0, gt=0)
+    """How long `up` waits for the broker to answer."""
+    request_timeout_ms: int = Field(default=10_000, ge=100)
+    """Client timeout for admin and produce requests."""
+    completions: TopicSettings = TopicSettings(partitions=3, retention_ms=7 * 24 * 3600 * 1000)
+    """Topic `flywheel.completions`: one record per served completion (key: completion_id)."""
+    events: TopicSettings = TopicSettings(partitions=3, retention_ms=7 * 24 * 3600 * 1000)
+    """Topic `flywheel.events`: editor feedback (key: completion_id, so a completion's events stay ordered)."""
+    versions: TopicSettings = TopicSettings(partitions=1, retention_ms=-1, cleanup_policy="compact")
+    """Topic `flywheel.versions`: model-version announcements (key: version), compacted and kept forever."""
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> Self:
+        if not self.bootstrap_servers and self.port == self.controller_port:
+            raise ValueError("kafka.port and kafka.controller_port must differ")
+        return self
+
+    @property
+    def managed(self) -> bool:
+        """True when Flywheel runs the broker itself (no external cluster configured)."""
+        return not self.bootstrap_servers
+
+    @property
+    def bootstrap(self) -> str:
+        return self.bootstrap_servers or f"{self.host}:{self.port}"
+
+
+class DatabaseSettings(Section):
+    url: str = ""
+    """SQLAlchemy URL. Empty: a SQLite file `flywheel.db` in the data folder.
+    PostgreSQL: `postgresql+psycopg://user:password@host:5432/flywheel`."""
+    echo: bool = False
+    """Log every SQL statement (debugging)."""
+
+
+def _default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("flywheel", appauthor=False))
+
+
+def _default_cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir("flywheel", appauthor=False))
+
+
+class FlywheelSettings(BaseSettings):
+    """Settings every process shares: where data lives, Kafka, the database."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_",
+        env_nested_delimiter="__",
+        extra="ignore",  # other processes' sections in the shared file
+        validate_default=True,
+    )
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    """Persistent state: broker data, SQLite database, weight store, pid files, logs."""
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    """Re-creatable downloads: the Kafka broker classpath, the pretrained base model."""
+    kafka: KafkaSettings = KafkaSettings()
+    database: DatabaseSettings = DatabaseSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = _TOML_FILE.get()
+        sources = [init_settings, env_settings]
+        if toml is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, overrides: list[str] | None = None) -> Self:
+        """Resolve the settings from all sources; raise UserError with one line on bad input."""
+        path = _resolve_config_file(config_file)
+        token = _TOML_FILE.set(path)
+        try:
+            return cls(**parse_overrides(overrides or []))
+        except ValidationError as e:
+            raise UserError(f"bad configuration: {_one_line(e)}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"bad configuration file {path}: {e}") from None
+        finally:
+            _TOML_FILE.reset(token)
+
+    # Derived paths, in one place so every process agrees on them.
+    @property
+    def database_url(self) -> str:
+        return self.database.url or f"sqlite:///{self.data_dir / 'flywheel.db'}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.data_dir / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved config as plain data, with secrets and URL passwords masked."""
+        return _redact(self.model_dump(mode="json"))
+
+
+class StackSettings(FlywheelSettings):
+    """`flywheel up | down | status | db`: the local stack and the database."""
+
+
+def _resolve_config_file(config_file: str | Path | None) -> Path | None:
+    explicit = config_file or os.environ.get("FLYWHEEL_CONFIG")
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist")
+        return path
+    local = Path("flywheel.toml")
+    return local if local.is_file() else None
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["kafka.port=9093", "database.url=sqlite:///x.db"]` -> nested dict; values parse as TOML when they can."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"bad --set {item!r}: expected KEY=VALUE, e.g. --set kafka.port=9093")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare string
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UserError(f"bad --set {item!r}: {p} is not a section")
+        node[leaf] = value
+    return out
+
+
+def _one_line(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        given = err.get("input")
+        shown = "" if isinstance(given, dict) or given is None else f" (got {given!r})"
+        parts.append(f"{loc}: {err['msg']}{shown}")
+    return "; ".join(parts)
+
+
+_SECRET_WORDS = ("token", "password", "secret")
+
+
+def _redact(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _redact(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v, key) for v in value]
+    if isinstance(value, str):
+        if value and any(w in key.lower() for w in _SECRET_WORDS):
+            return "***"
+        if "://" in value and "@" in value:
+            from sqlalchemy.engine import make_url
+            from sqlalchemy.exc import ArgumentError
+
+            try:
+                return make_url(value).render_as_string(hide_password=True)
+            except ArgumentError:  # not a database URL after all
+                return value
+    return value

@@ -1,0 +1,354 @@
+"""`flywheel sink`: Kafka completions and events into SQL, each row exactly once.
+
+A consumer-group member reads `flywheel.completions` and `flywheel.events`, collects a batch
+(up to `batch_size` messages, until it has caught up, or `max_batch_wait_s`), writes it in one database transaction
+(feedback/sink/ingest.py: idempotent inserts), and only then commits the batch's offsets. A crash
+between the two commits replays the batch, which the unique keys absorb: at-least-once
+delivery plus idempotent writes gives exactly-once rows. Several sinks in one group split
+the partitions between them.
+
+Between batches it sweeps: held events whose completion arrived are promoted, those past
+the grace period become dead letters, rewards whose feedback window closed are computed,
+and text older than `retention_days` is dropped. SIGTERM or SIGINT finishes the batch in
+hand, commits it and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from prometheus_client import Counter, Gauge, Histogram
+from pydantic import Field
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from feedback import db
+
+from feedback.sink import ingest
+from feedback.sink.ingest import Batch, Counts
+from feedback.reward import RewardWeights
+from feedback.core.config import FlywheelSettings, Section
+from feedback.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MESSAGES = Counter("flywheel_sink_messages_total", "Kafka messages the sink consumed", ["topic"])
+ROWS = Counter("flywheel_sink_rows_total", "New rows the sink wrote (duplicates excluded)", ["table"])
+DEAD_LETTERS = Counter("flywheel_sink_dead_letters_total", "Messages the sink sent to dead_letters", ["reason"])
+DB_ERRORS = Counter("flywheel_sink_db_errors_total", "Database failures the sink retried")
+LAG = Gauge("flywheel_sink_lag_messages", "Messages between the sink's position and the end of its partitions")
+BATCH_SECONDS = Histogram("flywheel_sink_batch_seconds", "Time to write a batch and commit its offsets")
+
+
+class SinkSection(Section):
+    """Section `[sink]`."""
+
+    group_id: str = "flywheel-sink"
+    """Kafka consumer group; sinks sharing it split the partitions, each message is stored once."""
+    completions_topic: str = "flywheel.completions"
+    """Topic of completion records."""
+    events_topic: str = "flywheel.events"
+    """Topic of feedback events."""
+    batch_size: int = Field(default=1000, ge=1, le=100_000)
+    """Most messages written in one database transaction."""
+    max_batch_wait_s: float = Field(default=0.5, gt=0, le=60)
+    """A batch is written when it is full, when the consumer has nothing more buffered, or this long after collecting began."""
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    """A sink that dies without leaving the group loses its partitions after this long (the broker's
+    group.min.session.timeout.ms, 6000 by default, is the floor)."""
+    grace_period_s: float = Field(default=600.0, ge=0)
+    """How long an event waits for its completion record before it becomes a dead letter."""
+    feedback_window_s: float = Field(default=300.0, gt=0)
+    """Events up to this long after a completion count toward its reward; it is computed when the window closes."""
+    reward: RewardWeights = RewardWeights()
+    """Reward per outcome (feedback/reward.py)."""
+    retention_days: int = Field(default=30, ge=0)
+    """Prompt and completion text (and edited text, dead-letter payloads) older than this is set to NULL; token ids stay. 0 keeps text forever."""
+    retention_interval_s: float = Field(default=3600.0, gt=0)
+    """How often the sink applies retention."""
+    sweep_interval_s: float = Field(default=1.0, gt=0)
+    """How often held events, dead letters and due rewards are processed."""
+    progress_interval_s: float = Field(default=10.0, gt=0)
+    """How often the progress line (rows/s, lag, dead letters) is printed."""
+    db_retry_s: float = Field(default=2.0, gt=0)
+    """Wait between attempts while the database is unreachable (the batch is kept, offsets are not committed)."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus metrics on this port; 0 serves none."""
+
+
+class SinkSettings(FlywheelSettings):
+    """`flywheel sink` and `flywheel retention`."""
+
+    sink: SinkSection = SinkSection()
+
+
+@dataclass
+class SinkStats:
+    messages: int = 0
+    batches: int = 0
+    counts: Counts = field(default_factory=Counts)
+    lag: int | None = None
+
+    @property
+    def dead_letters(self) -> int:
+        return sum(self.counts.dead_letters.values())
+
+
+def run_sink(
+    settings: SinkSettings,
+    *,
+    stop: threading.Event | None = None,
+    progress: Callable[[str], None] = lambda msg: None,
+    handle_signals: bool = False,
+) -> SinkStats:
+    """Consume until `stop` is set (or SIGTERM/SIGINT with `handle_signals`); return what was written."""
+    cfg = settings.sink
+    stop = stop or threading.Event()
+    restore = _install_signal_handlers(stop) if handle_signals else None
+    engine = db.make_engine(settings.database_url, echo=settings.database.echo)
+    consumer = None
+    stats = SinkStats()
+    try:
+        db.upgrade(engine)
+        consumer = _consumer(settings)
+        if cfg.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port)
+        progress(f"sink: group {cfg.group_id!r} reading {cfg.completions_topic}, {cfg.events_topic} from {settings.kafka.bootstrap}")
+        _loop(settings, engine, consumer, stop, stats, progress)
+    finally:
+        if consumer is not None:
+            consumer.close(autocommit=False)  # everything written is committed already
+        engine.dispose()
+        if restore:
+            restore()
+    progress(f"sink: stopped after {stats.messages} messages; {_summary(stats)}")
+    return stats
+
+
+def _consumer(settings: SinkSettings):
+    from kafka.errors import KafkaError
+
+    from feedback import bus
+
+    cfg = settings.sink
+    try:
+        return bus.consumer(
+            settings.kafka, cfg.completions_topic, cfg.events_topic, group_id=cfg.group_id, max_poll_records=cfg.batch_size,
+            session_timeout_ms=cfg.session_timeout_ms,
+        )
+    except KafkaError as e:
+        raise UserError(f"Kafka at {settings.kafka.bootstrap} is unreachable ({type(e).__name__}); is `flywheel up` running?") from None
+
+
+def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats: SinkStats, progress) -> None:
+    cfg = settings.sink
+    next_sweep = next_retention = time.monotonic()
+    last_report, reported = time.monotonic(), SinkStats()
+    while not stop.is_set():
+        records = _collect(consumer, cfg.batch_size, cfg.max_batch_wait_s, stop)
+        if records:
+            t0 = time.perf_counter()
+            batch = ingest.decode_batch(records, completions_topic=cfg.completions_topic, events_topic=cfg.events_topic)
+            counts = _write_until_done(engine, batch, settings, stop)
+            if counts is None:
+                return  # stopped while the database was down: leave the offsets uncommitted
+            _commit(consumer, records)
+            BATCH_SECONDS.observe(time.perf_counter() - t0)
+            stats.messages += len(records)
+            stats.batches += 1
+            _record(stats, counts)
+            for r in records:
+                MESSAGES.labels(r.topic).inc()
+        now_m = time.monotonic()
+        if now_m >= next_sweep:
+            next_sweep = now_m + cfg.sweep_interval_s
+            _record(stats, _sweep(engine, settings))
+        if cfg.retention_days and now_m >= next_retention:
+            next_retention = now_m + cfg.retention_interval_s
+            _retention(engine, cfg.retention_days, progress)
+        if now_m - last_report >= cfg.progress_interval_s:
+            stats.lag = _lag(consumer)
+            progress(_progress_line(stats, reported, now_m - last_report))
+            last_report, reported = now_m, SinkStats(stats.messages, stats.batches, Counts().add(stats.counts), stats.lag)
+
+
+def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event) -> list:
+    """Up to `batch_size` records: once some arrived, stop at the first poll that finds no more.
+
+    Under light load a batch is written as soon as the consumer has caught up (low lag);
+    under heavy load polls keep returning records and batches fill up (high throughput).
+    """
+    records: list = []
+    deadline = time.monotonic() + max_wait_s
+    while len(records) < batch_size and not stop.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        timeout_ms = 0 if records else max(1, int(remaining * 1000))
+        polled = consumer.poll(timeout_ms=timeout_ms, max_records=batch_size - len(records))
+        got = [r for part in polled.values() for r in part]
+        if records and not got:
+            break
+        records.extend(got)
+    return records
+
+
+def _write_until_done(engine, batch: Batch, settings: SinkSettings, stop: threading.Event) -> Counts | None:
+    """Write the batch, retrying while the database is unreachable; None if stopped meanwhile."""
+    while True:
+        try:
+            return _write(engine, batch, settings)
+        except OperationalError as e:
+            DB_ERRORS.inc()
+            log.warning("database unavailable (%s); retrying the batch in %gs", db._first_line(e), settings.sink.db_retry_s)
+            if stop.wait(settings.sink.db_retry_s):
+                return None
+
+
+def _write(engine, batch: Batch, settings: SinkSettings) -> Counts:
+    now = datetime.now(UTC)
+    window = settings.sink.feedback_window_s
+    try:
+        with engine.begin() as conn:
+            return ingest.write_batch(conn, batch, now=now, feedback_window_s=window)
+    except OperationalError:
+        raise
+    except DBAPIError as e:
+        # A message the database refuses though it passed validation (say a NUL character,
+        # which PostgreSQL text cannot hold): write one by one so only that one is set aside.
+        log.warning("batch refused by the database (%s); writing it message by message", db._first_line(e))
+    counts = Counts()
+    for one in _singles(batch):
+        try:
+            with engine.begin() as conn:
+                counts.add(ingest.write_batch(conn, one, now=now, feedback_window_s=window))
+        except OperationalError:
+            raise
+        except DBAPIError as e:
+            counts.add(_reject(engine, one, db._first_line(e), now))
+    return counts
+
+
+def _singles(batch: Batch):
+    for c in batch.completions:
+        yield Batch(completions=[c])
+    for e in batch.events:
+        yield Batch(events=[e])
+    for m in batch.malformed:
+        yield Batch(malformed=[m])
+
+
+def _reject(engine, one: Batch, error: str, now: datetime) -> Counts:
+    (msg, origin) = (one.completions or one.events or [(None, None)])[0]
+    if origin is None:
+        origin, _ = one.malformed[0]
+    cid = getattr(msg, "completion_id", None)
+    eid = str(msg.event_id) if hasattr(msg, "event_id") else None
+    row = ingest.dead_letter_row(origin, "rejected", f"database refused it: {error}", now, completion_id=cid, event_id=eid)
+    with engine.begin() as conn:
+        n = len(ingest.insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id))
+    return Counts(dead_letters={"rejected": n} if n else {})
+
+
+def _commit(consumer, records: list) -> None:
+    from kafka import TopicPartition
+    from kafka.errors import KafkaError
+    from kafka.structs import OffsetAndMetadata
+
+    last: dict[TopicPartition, int] = {}
+    for r in records:
+        tp = TopicPartition(r.topic, r.partition)
+        last[tp] = max(last.get(tp, -1), r.offset)
+    try:
+        consumer.commit({tp: OffsetAndMetadata(off + 1, "", -1) for tp, off in last.items()})
+    except KafkaError as e:
+        # Rebalanced away or the broker is down: the rows are durable, and the next owner
+        # replays these messages into the unique keys, which ignore them.
+        log.warning("offset commit failed (%s); the batch will be replayed harmlessly", type(e).__name__)
+
+
+def _sweep(engine, settings: SinkSettings) -> Counts:
+    cfg = settings.sink
+    now = datetime.now(UTC)
+    counts = Counts()
+    try:
+        with engine.begin() as conn:
+            counts.promoted = ingest.promote_pending(conn, now=now)
+            if n := ingest.expire_pending(conn, now=now, grace_s=cfg.grace_period_s):
+                counts.dead_letters["unknown_completion"] = n
+        with engine.begin() as conn:
+            counts.rewards = ingest.compute_due_rewards(conn, now=now, feedback_window_s=cfg.feedback_window_s, weights=cfg.reward)
+    except OperationalError as e:
+        DB_ERRORS.inc()
+        log.warning("sweep skipped: database unavailable (%s)", db._first_line(e))
+    return counts
+
+
+def _retention(engine, days: int, progress) -> None:
+    from feedback.sink import retention
+
+    try:
+        with engine.begin() as conn:
+            dropped = retention.apply_retention(conn, now=datetime.now(UTC), retention_days=days)
+        if any(dropped.values()):
+            progress(f"sink: retention dropped text older than {days} days: {retention.describe(dropped)}")
+    except OperationalError as e:
+        log.warning("retention skipped: database unavailable (%s)", db._first_line(e))
+
+
+def _record(stats: SinkStats, counts: Counts) -> None:
+    stats.counts.add(counts)
+    for table, n in [("completions", counts.completions), ("events", counts.events), ("pending_events", counts.held), ("rewards", counts.rewards)]:
+        if n:
+            ROWS.labels(table).inc(n)
+    if counts.promoted:
+        ROWS.labels("events").inc(counts.promoted)
+    for reason, n in counts.dead_letters.items():
+        DEAD_LETTERS.labels(reason).inc(n)
+
+
+def _lag(consumer) -> int | None:
+    try:
+        total = 0
+        for tp in consumer.assignment():
+            high = consumer.highwater(tp)
+            if high is not None:
+                total += max(0, high - consumer.position(tp, timeout_ms=200))
+    except Exception:  # a rebalance in progress: report no number rather than a wrong one
+        return None
+    LAG.set(total)
+    return total
+
+
+def _summary(s: SinkStats) -> str:
+    c = s.counts
+    dead = ", ".join(f"{k} {v}" for k, v in sorted(c.dead_letters.items())) or "none"
+    return f"{c.completions} completions, {c.events + c.promoted} events, {c.rewards} rewards, dead letters {s.dead_letters} ({dead})"
+
+
+def _progress_line(now: SinkStats, before: SinkStats, dt: float) -> str:
+    rows = lambda s: s.counts.completions + s.counts.events + s.counts.promoted  # noqa: E731
+    rate = (rows(now) - rows(before)) / dt if dt > 0 else 0.0
+    lag = "?" if now.lag is None else str(now.lag)
+    return f"sink: {rate:,.0f} rows/s, lag {lag} messages; total {_summary(now)}"
+
+
+def _install_signal_handlers(stop: threading.Event) -> Callable[[], None] | None:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum, _frame):
+        log.info("received %s: finishing the batch in hand", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in previous:
+        signal.signal(sig, on_signal)
+    return lambda: [signal.signal(sig, h) for sig, h in previous.items()]

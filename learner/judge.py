@@ -1,0 +1,83 @@
+"""What a simulated editor user does: where the cursor goes in a held-out file, and what the
+user keeps of a suggestion there.
+
+Each site is a cursor inside a non-trivial line of a real file: the prefix is the code before
+the cursor, the suffix the code after the line, the truth the rest of that line. `judge()`
+accepts what matches the truth (all of it, its first line, or its first words) and dismisses
+the rest. Both are pure, so the simulated editors (ops/simulate.py), the held-out evaluation
+and the learner's gate judge suggestions the same way.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from learner.corpus import SourceFile
+
+_WORD = re.compile(r"\s*(?:\w+|[^\w\s])")  # a word: an identifier or one punctuation mark
+
+
+@dataclass(frozen=True)
+class Site:
+    """One cursor position in a file: what the editor sends, and what the user would type."""
+
+    path: str
+    language: str | None
+    prefix: str
+    suffix: str
+    truth: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the simulated user does with a suggestion."""
+
+    type: str  # select | dismiss | none (nothing shown)
+    select_kind: str | None = None
+    accepted_chars: int = 0
+    kept_text: str | None = None
+
+
+def cursor_sites(files: Sequence[SourceFile], n: int, rng: random.Random, *, min_chars: int = 4) -> list[Site]:
+    """n cursor positions: inside a non-trivial line, after its leading indentation and a few characters."""
+    sites: list[Site] = []
+    candidates = [f for f in files if f.text.count("\n") > 5]
+    attempts = 0
+    while len(sites) < n and candidates and attempts < n * 50:
+        attempts += 1
+        f = rng.choice(candidates)
+        lines = f.text.splitlines(keepends=True)
+        i = rng.randrange(1, len(lines))
+        line = lines[i]
+        body = line.strip()
+        if len(body) < min_chars + 4 or body.startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        cut = indent + rng.randint(min_chars // 2, max(min_chars // 2, len(body) // 2))
+        prefix = "".join(lines[:i]) + line[:cut]
+        truth = line[cut:].rstrip("\n")
+        suffix = "\n" + "".join(lines[i + 1 :])
+        sites.append(Site(f.path, f.language, prefix, suffix, truth))
+    return sites
+
+
+def judge(suggestion: str, truth: str) -> Verdict:
+    """Accept what matches the true continuation: all of it, its first line, or its first words."""
+    if not suggestion:
+        return Verdict("none")
+    first_line = suggestion.split("\n", 1)[0]
+    if truth.startswith(first_line) and first_line == suggestion:
+        return Verdict("select", "full", len(suggestion), suggestion)
+    if first_line and truth.startswith(first_line):
+        return Verdict("select", "line", len(first_line), first_line)
+    kept = ""
+    for m in _WORD.finditer(suggestion):
+        if not truth.startswith(kept + m.group()):
+            break
+        kept += m.group()
+    if kept.strip():
+        return Verdict("select", "word", len(kept), kept)
+    return Verdict("dismiss")

@@ -1,0 +1,607 @@
+"""`flywheel learn`: user feedback in, model versions out.
+
+    rewards ⨝ completion_choices ⨝ completions        (SQL: the sink joined Kafka's records and events)
+        -> ReplayBuffer (drops samples whose behaviour version lags > max_staleness)
+        -> update: FP4 QAT forward with router replay, rl_loss (PPO-clip or TIS, KL to the base), AdamW
+        -> checkpoint (weights, optimizer, step, cursor, buffer: one atomic file)
+        -> every `publish_every`, once `min_samples` were trained:
+           gate (held-out replay vs stable, reward-hacking checks) -> pack FP4 -> store.publish
+           (delta vs the last good version, STABLE last) -> model_versions -> flywheel.versions
+
+**Input.** The sink writes a `rewards` row when a completion's feedback window closes; the
+learner reads rewards joined to their completion (prompt token ids, behaviour version) and
+choice (sampled token ids, behaviour logprobs, routing when the engine recorded it), in
+`rewards.id` order. `rewards.id` is the learner's consumer offset. One sink writes rewards,
+so ids become visible in order; with several sinks on PostgreSQL a row could commit below
+an id already read and be missed (run one sink per database, as `flywheel up` does).
+Samples whose outcome is not in `learn.outcomes` (by default: `unseen`, never shown) are
+skipped and counted. An empty suggestion (just <|endoftext|>) is a legal action, reward 0.
+
+**Delivery.** The cursor, the buffer and the weights are saved together after every update,
+atomically (temp file, fsync, rename). A crash loses at most the update in progress, whose
+samples are read again from the saved cursor and trained once: each sample is trained
+exactly once per saved state; a crash during a save keeps the previous state (the update's
+samples are trained again: at-least-once). The checkpoint lists the reward ids it trained
+(the last 100 000), which the crash test reads.
+
+**Publishing.** The weights are saved before a publish, so a version always equals a saved
+state. The store makes a version visible only once complete (STABLE last). If the learner
+dies after that but before it recorded the version, it finds the version on restart, runs
+the (deterministic) gate again on the same weights, and records and announces it then: a
+version number is never published twice, and none is half-visible. A version that fails the
+gate is still stored and recorded with `gate_passed = false` and the reason, so it can be
+inspected, but no rollout serves it, and the learner goes back to the last good version's
+weights and optimizer state before training on.
+
+**Router replay.** Training runs the FP4 (QAT) forward with the routing of a
+high-precision forward replayed in it, or the serving engine's routing when a record
+carries it. Each update reports the train-vs-behaviour mismatch (KL between the learner's
+and the recorded logprobs on the same tokens) with replay and without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from feedback import db
+from learner.train.learn_settings import LearnSection, LearnSettings
+from learner.model import ModelArgs, Transformer, WeightHook
+from learner.train.rl_loss import RLConfig, RLInputs, rl_loss
+from learner.tokenizer import EOS_ID
+
+log = logging.getLogger(__name__)
+
+STATE_FILE, LAST_GOOD_FILE = "state.pt", "last_good.pt"
+AUDIT_IDS = 100_000
+
+
+# --- samples -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One rewarded choice: the prompt the replica saw, the tokens it sampled, their logprobs."""
+
+    reward_id: int
+    completion_id: str
+    choice_index: int
+    version: int  # the behaviour policy: the model version that produced it
+    prompt_ids: list[int]
+    token_ids: list[int]
+    behaviour: list[float]
+    reward: float
+    outcome: str | None
+    routing: list | None = None  # serving's experts per layer and position, when recorded
+
+
+def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample], int]:
+    """Up to `limit` rewarded choices with `rewards.id > after_id`, oldest first, and the last id read."""
+    r, c, ch = db.rewards, db.completions, db.completion_choices
+    with engine.connect() as conn:
+        ids = conn.execute(select(r.c.id).where(r.c.id > after_id).order_by(r.c.id).limit(limit)).scalars().all()
+        if not ids:
+            return [], after_id
+        q = (
+            select(r.c.id, r.c.completion_id, r.c.choice_index, r.c.model_version, r.c.reward, r.c.outcome,
+                   c.c.prompt_token_ids, ch.c.token_ids, ch.c.logprobs, ch.c.routing)  # fmt: skip
+            .select_from(
+                r.join(c, c.c.completion_id == r.c.completion_id).join(
+                    ch, (ch.c.completion_id == r.c.completion_id) & (ch.c.choice_index == r.c.choice_index)
+                )
+            )
+            .where(r.c.id > after_id, r.c.id <= ids[-1])
+            .order_by(r.c.id)
+        )
+        rows = conn.execute(q).all()  # a reward without its completion (none in practice) is passed over
+    samples = [
+        Sample(row.id, row.completion_id, row.choice_index, row.model_version, list(row.prompt_token_ids), list(row.token_ids),
+               [float(x) for x in row.logprobs], float(row.reward), row.outcome, row.routing)  # fmt: skip
+        for row in rows
+    ]
+    return samples, ids[-1]
+
+
+class ReplayBuffer:
+    """Untrained samples in arrival order, with a staleness bound in model versions."""
+
+    def __init__(self, max_staleness: int, capacity: int):
+        self.max_staleness = max_staleness
+        self.capacity = capacity
+        self.items: deque[Sample] = deque()
+        self.dropped_stale = 0
+        self.dropped_overflow = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, samples: Sequence[Sample]) -> None:
+        self.items.extend(samples)
+        while len(self.items) > self.capacity:
+            self.items.popleft()
+            self.dropped_overflow += 1
+
+    def drop_stale(self, current_version: int) -> int:
+        """Remove samples whose behaviour version lags `current_version` by more than the bound."""
+        keep = deque(s for s in self.items if current_version - s.version <= self.max_staleness)
+        n = len(self.items) - len(keep)
+        self.items, self.dropped_stale = keep, self.dropped_stale + n
+        return n
+
+    def take(self, n: int) -> list[Sample]:
+        return [self.items.popleft() for _ in range(min(n, len(self.items)))]
+
+    def state_dict(self) -> dict:
+        return {"items": [asdict(s) for s in self.items], "dropped_stale": self.dropped_stale, "dropped_overflow": self.dropped_overflow}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.items = deque(Sample(**s) for s in d["items"])
+        self.dropped_stale, self.dropped_overflow = d["dropped_stale"], d["dropped_overflow"]
+
+
+# --- one update (pure given its inputs) ------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    input_BS: torch.Tensor  # prompt + completion, minus the last token
+    target_BT: torch.Tensor  # the completion tokens
+    pos_BT: torch.Tensor  # where in input_BS each completion token is predicted
+    mask_BT: torch.Tensor
+    behaviour_BT: torch.Tensor
+    reward_B: torch.Tensor
+    routing: list[torch.Tensor] | None  # recorded serving routing, [B, S, K] per layer, when every sample has it
+
+
+def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
+    """Right-padded tensors; prompts lose their oldest tokens if a sequence exceeds the window."""
+    seqs, spans = [], []
+    for s in samples:
+        toks = s.token_ids[: args.max_seq_len - 1]
+        keep = max(1, args.max_seq_len - len(toks))
+        prompt = s.prompt_ids[-keep:]
+        seqs.append(prompt + toks)
+        spans.append((len(prompt), len(toks), len(s.prompt_ids) - len(prompt)))
+    S = max(len(q) for q in seqs) - 1
+    T = max(n for _, n, _ in spans)
+    B = len(samples)
+    input_BS = torch.full((B, S), EOS_ID, dtype=torch.long)
+    target_BT = torch.full((B, T), EOS_ID, dtype=torch.long)
+    pos_BT = torch.zeros((B, T), dtype=torch.long)
+    mask_BT = torch.zeros((B, T))
+    behaviour_BT = torch.zeros((B, T))
+    for b, (q, (p, n, _cut), s) in enumerate(zip(seqs, spans, samples, strict=True)):
+        input_BS[b, : len(q) - 1] = torch.tensor(q[:-1])
+        target_BT[b, :n] = torch.tensor(q[p:])
+        pos_BT[b, :n] = torch.arange(p - 1, p - 1 + n)
+        mask_BT[b, :n] = 1.0
+        behaviour_BT[b, :n] = torch.tensor(s.behaviour[:n])
+    routing = _recorded_routing(samples, spans, args, S)
+    return Batch(input_BS, target_BT, pos_BT, mask_BT, behaviour_BT, torch.tensor([s.reward for s in samples]), routing)
+
+
+def _recorded_routing(samples, spans, args: ModelArgs, S: int) -> list[torch.Tensor] | None:
+    """The serving engine's routing as [B, S, K] per layer, if every sample carries it for every
+    position (record layout: routing[layer][position] = K expert ids over prompt + completion)."""
+    if not samples or any(not s.routing for s in samples):
+        return None
+    out = [torch.zeros((len(samples), S, args.top_k), dtype=torch.long) for _ in range(args.n_layers)]
+    for b, (s, (p, n, cut)) in enumerate(zip(samples, spans, strict=True)):
+        if len(s.routing) != args.n_layers:
+            return None
+        for i, layer in enumerate(s.routing):
+            r = torch.tensor(layer[cut : cut + p + n - 1], dtype=torch.long)
+            if r.shape != (p + n - 1, args.top_k):
+                return None
+            out[i][b, : p + n - 1] = r
+    return out
+
+
+def token_logprobs(logits_BSV: torch.Tensor, batch: Batch) -> torch.Tensor:
+    logp_BSV = F.log_softmax(logits_BSV.float(), dim=-1)
+    at_BTV = logp_BSV.gather(1, batch.pos_BT.unsqueeze(-1).expand(-1, -1, logp_BSV.shape[-1]))
+    return at_BTV.gather(2, batch.target_BT.unsqueeze(-1)).squeeze(-1)
+
+
+def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    d = (a_BT - b_BT) * mask_BT
+    return float(((torch.exp(d) - d - 1) * mask_BT).sum() / mask_BT.sum().clamp_min(1))
+
+
+def rl_update(
+    model: Transformer, ref: Transformer, opt: torch.optim.Optimizer, batch: Batch, *, hook: WeightHook | None, cfg: LearnSection
+) -> dict[str, float]:
+    """One AdamW step on `batch`: FP4 forward (with router replay unless disabled), rl_loss."""
+    x = batch.input_BS
+    with torch.no_grad():
+        ref_BT = token_logprobs(ref(x, fp4=hook), batch)
+        own_BT = token_logprobs(model(x, fp4=hook), batch)  # FP4, routing chosen by the FP4 router itself
+        routing = batch.routing
+        if routing is None and cfg.router_replay:
+            _, routing = model(x, return_routing=True)  # high-precision forward's routing
+    model.train()
+    logits = model(x, routing=routing if cfg.router_replay else None, fp4=hook)
+    logp_BT = token_logprobs(logits, batch)
+    rl = RLConfig(importance=cfg.importance, clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef)
+    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT), rl)
+    loss.backward()
+    m["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        replayed = logp_BT.detach() if cfg.router_replay else None
+        if replayed is None:
+            _, hp_routing = model(x, return_routing=True)
+            replayed = token_logprobs(model(x, routing=hp_routing, fp4=hook), batch)
+    m["mismatch_kl_replay"] = _k3(replayed, batch.behaviour_BT, batch.mask_BT)
+    m["mismatch_kl_no_replay"] = _k3(own_BT, batch.behaviour_BT, batch.mask_BT)
+    m["recorded_routing"] = float(batch.routing is not None)
+    m["abstain_share"] = float(((batch.mask_BT.sum(1) == 1) & (batch.target_BT[:, 0] == EOS_ID)).float().mean())
+    return m
+
+
+def flat_metrics(d: dict, prefix: str = "") -> dict[str, float]:
+    """`ModelVersion.metrics` is {name: number}: nested dicts become dotted names; None and text go."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= flat_metrics(v, f"{prefix}{k}.")
+        elif isinstance(v, bool | int | float) and v == v:
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+def model_from_packed(packed, args: ModelArgs) -> Transformer:
+    """An fp32 Transformer holding exactly the served weights of a packed checkpoint (FP4 dequantized)."""
+    from learner.store import to_hf_tensors
+
+    with torch.device("meta"):
+        m = Transformer(args)
+    m.load_state_dict({k: v.float() for k, v in to_hf_tensors(packed).items()}, assign=True)
+    return m.eval()
+
+
+@torch.no_grad()
+def policy_kl(p: Transformer, q: Transformer, windows_NS: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean per-token KL(p || q) of the next-token distributions on held-out windows."""
+    total, n = 0.0, 0
+    for i in range(0, len(windows_NS), batch_size):
+        x = windows_NS[i : i + batch_size]
+        lp, lq = F.log_softmax(p(x).float(), -1), F.log_softmax(q(x).float(), -1)
+        total += float((lp.exp() * (lp - lq)).sum(-1).sum())
+        n += x.numel()
+    return total / max(n, 1)
+
+
+# --- the learner's state ---------------------------------------------------------------------------
+
+
+@dataclass
+class LearnerState:
+    step: int = 0
+    cursor: int = 0  # last rewards.id read into the buffer
+    version: int = 0  # latest version this learner published (or found published)
+    last_good: int = 0  # latest version that passed the gate: the parent of the next one
+    last_publish_at: float = 0.0  # wall clock, seconds since the epoch
+    trained_since_publish: int = 0
+    samples_read: int = 0
+    samples_skipped: int = 0
+    samples_trained: int = 0
+    rewards_since_publish: list[float] = field(default_factory=list)
+    online_reward_history: list[float] = field(default_factory=list)  # mean training reward per version window
+    last_metrics: dict = field(default_factory=dict)
+    trained_ids: list[int] = field(default_factory=list)  # audit: the last AUDIT_IDS reward ids trained
+
+
+def save_state(path: Path, model, opt, state: LearnerState, buffer: ReplayBuffer) -> None:
+    blob = {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state), "buffer": buffer.state_dict()}
+    _atomic_save(blob, path)
+
+
+def _atomic_save(blob: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(blob, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_state(path: Path, model, opt, buffer: ReplayBuffer) -> LearnerState:
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(blob["model"])
+    opt.load_state_dict(blob["optimizer"])
+    buffer.load_state_dict(blob["buffer"])
+    return LearnerState(**blob["state"])
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """What the progress display shows (and the demo reads)."""
+
+    version: int
+    last_good: int
+    step: int
+    samples_read: int
+    samples_trained: int
+    buffered: int
+    dropped_stale: int
+    skipped: int
+    trained_since_publish: int
+    min_samples: int
+    next_publish_in_s: float
+    metrics: dict
+    event: str = ""
+
+
+class Learner:
+    """The learner process's state and steps; `run` loops them. Construct, then `start()`."""
+
+    def __init__(self, s: LearnSettings, *, progress: Callable[[Progress], None] = lambda p: None, producer=None):
+        self.s, self.cfg = s, s.learn
+        self.progress = progress
+        self._producer = producer
+        self.engine = db.make_engine(s.database_url)
+        self.dir = s.learner_dir
+
+    # set-up ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from learner import store as S
+        from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, load_training_corpus, pretrain_section
+        from learner.tokenizer import load_tokenizer
+        from feedback.core.errors import UserError
+
+        base = find_base_model(self.s)
+        if base is None:
+            raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
+        self.base_dir = base
+        self.model, self.args = load_master_weights(base)
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
+        fmt = json.loads((base / "run.json").read_text())["settings"].get("fp4", "off")
+        self.fmt = None if fmt == "off" else fmt
+        self.hook = fp4_hook(self.fmt) if self.fmt else None
+        self.tok = load_tokenizer(base / "hf")
+        corpus = load_training_corpus(pretrain_section(self.s))
+        self.heldout, self.train_files = corpus.heldout, corpus.train
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
+        self.store = S.open_store(S.default_store_uri(self.s), full_every=self.cfg.full_every,
+                                  zstd_level=self.cfg.zstd_level, zstd_threads=self.cfg.zstd_threads)  # fmt: skip
+        self._stable_cache: tuple[int, Transformer, object] | None = None
+        db.upgrade(self.engine)
+        state_path = self.dir / STATE_FILE
+        if state_path.is_file():
+            self.state = load_state(state_path, self.model, self.opt, self.buffer)
+            log.info("resumed the learner at step %d, cursor %d, v%d", self.state.step, self.state.cursor, self.state.version)
+        else:
+            self.state = LearnerState(last_publish_at=time.time())
+            self._publish_base()
+            self._save_last_good()
+            self._save()
+        self._recover_unrecorded()
+
+    def _publish_base(self) -> None:
+        """Version 0: the pretrained base's packed FP4 artifact, exactly what serving loaded. A
+        v0 already in the store with exactly these tensors (the learner died before its first
+        save) is recorded and announced again, not published twice."""
+        from learner import delta as codec
+        from learner import store as S
+        from feedback.core.errors import UserError
+
+        packed = S.load_packed_artifact(self.base_dir / "fp4") if self.fmt else S.pack_checkpoint(self.model.state_dict(), "nvfp4", ())
+        stable = self.store.versions()
+        if stable and not (stable == [0] and self.store.hashes(0) == codec.tensor_hashes(packed)):
+            raise UserError(
+                f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
+                f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
+            )
+        if not stable:
+            self.store.publish(packed, parent=None, version=0)
+        msg = self.store.model_version(0, gate_passed=True, gate_reason=f"the pretrained base model ({self.base_dir.name})")
+        S.record(msg, self.engine)
+        self._announce(msg)
+
+    def _recover_unrecorded(self) -> None:
+        """Versions in the store newer than the saved state: published, then the learner died."""
+        for v in self.store.versions():
+            if v <= self.state.version:
+                continue
+            with self.engine.connect() as conn:
+                row = conn.execute(select(db.model_versions).where(db.model_versions.c.version == v)).first()
+            if row is not None:
+                passed, reason, metrics = row.gate_passed, row.gate_reason, row.metrics
+            else:  # died between STABLE and recording it: same weights (saved before publishing), same gate
+                passed, reason, metrics = self._gate(self.store.materialize(v))
+            log.warning("v%d was published before the learner stopped; recording it now (gate %s)", v, "passed" if passed else "blocked")
+            self._finish_publish(v, passed, reason, metrics)
+
+    # steps -------------------------------------------------------------------------------------------
+    def poll(self) -> int:
+        """Read new rewarded samples into the buffer; returns how many were added."""
+        samples, last = read_samples(self.engine, self.state.cursor, limit=max(512, 4 * self.cfg.batch_size))
+        usable = [s for s in samples if s.outcome in self.cfg.outcomes and s.token_ids and len(s.behaviour) >= len(s.token_ids)]
+        self.state.samples_skipped += len(samples) - len(usable)
+        self.state.samples_read += len(samples)
+        self.state.cursor = last
+        self.buffer.add(usable)
+        self.buffer.drop_stale(self.state.version)
+        return len(usable)
+
+    def update(self) -> dict | None:
+        """One update when a batch is buffered; saves the state (cursor, buffer, weights) after it."""
+        if len(self.buffer) < self.cfg.batch_size:
+            return None
+        samples = self.buffer.take(self.cfg.batch_size)
+        m = rl_update(self.model, self.ref, self.opt, make_batch(samples, self.args), hook=self.hook, cfg=self.cfg)
+        st = self.state
+        st.step += 1
+        st.samples_trained += len(samples)
+        st.trained_since_publish += len(samples)
+        st.rewards_since_publish += [s.reward for s in samples]
+        st.trained_ids = (st.trained_ids + [s.reward_id for s in samples])[-AUDIT_IDS:]
+        st.last_metrics = {k: round(v, 6) for k, v in m.items()}
+        self._save()
+        return m
+
+    def publish_due(self, now: float | None = None) -> bool:
+        st = self.state
+        return st.trained_since_publish >= self.cfg.min_samples and (now or time.time()) - st.last_publish_at >= self.cfg.publish_every
+
+    def publish(self) -> dict:
+        """Gate, then store the candidate as the next version (delta against the last good one)."""
+        from learner import store as S
+
+        self._save()  # the published weights are a saved state (see the module docstring)
+        packed = S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ())
+        passed, reason, metrics = self._gate(packed)
+        msg = self.store.publish(packed, parent=self.state.last_good)
+        return self._finish_publish(msg.version, passed, reason, metrics)
+
+    def _finish_publish(self, v: int, passed: bool, reason: str | None, metrics: dict) -> dict:
+        from learner import store as S
+
+        st = self.state
+        online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
+        metrics = {**metrics, "online_reward": online, "samples_trained": st.trained_since_publish, "learner_step": st.step}
+        msg = self.store.model_version(v, gate_passed=passed, gate_reason=reason, metrics=flat_metrics(metrics))
+        S.record(msg, self.engine)
+        self._announce(msg)
+        if online is not None:
+            st.online_reward_history.append(online)
+        st.version, st.last_publish_at, st.trained_since_publish, st.rewards_since_publish = v, time.time(), 0, []
+        if passed:
+            st.last_good = v
+            self._save_last_good()
+        else:
+            self._revert_to_last_good()
+        self._save()
+        self.store.cleanup(self.cfg.keep_versions)
+        return {"version": v, "parent": msg.parent, "kind": msg.kind, "size_bytes": msg.size_bytes, "full_size_bytes": msg.full_size_bytes,
+                "gate_passed": passed, "gate_reason": reason, "metrics": metrics}  # fmt: skip
+
+    def _gate(self, packed) -> tuple[bool, str | None, dict]:
+        """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""
+        from learner.train import gate as G
+        from feedback import pools
+
+        g = self.cfg.gate
+        t0 = time.perf_counter()
+        stable_v = pools.read(self.engine).stable
+        if stable_v is None or stable_v not in self.store.versions():
+            stable_v = self.state.last_good
+        sites = G.heldout_sites(self.heldout, g.sites, seed=g.seed)
+        if self._stable_cache is None or self._stable_cache[0] != stable_v:
+            stable_model = model_from_packed(self.store.materialize(stable_v), self.args)
+            self._stable_cache = (stable_v, stable_model, G.heldout_replay(stable_model, self.tok, sites, max_tokens=g.max_tokens))
+        _, stable_model, stable_stats = self._stable_cache
+        candidate = model_from_packed(packed, self.args)
+        cand_stats = G.heldout_replay(candidate, self.tok, sites, max_tokens=g.max_tokens)
+        kl = policy_kl(candidate, stable_model, self._kl_windows())
+        st = self.state
+        online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
+        trend = online - st.online_reward_history[-1] if online is not None and st.online_reward_history else None
+        result = G.check(cand_stats, stable_stats, online_reward_trend=trend, kl=kl, thresholds=g)
+        metrics = {
+            **result.metrics, "stable_version": stable_v, "kl_to_stable": kl, "online_reward_trend": trend,
+            "heldout": cand_stats.summary(), "stable_heldout": stable_stats.summary(), "gate_seconds": round(time.perf_counter() - t0, 2),
+        }  # fmt: skip
+        return result.passed, "; ".join(result.reasons) or None, metrics
+
+    def _kl_windows(self) -> torch.Tensor:
+        if not hasattr(self, "_windows"):
+            from learner.corpus import heldout_windows, token_stream
+
+            self._windows = heldout_windows(token_stream(self.tok, self.heldout), self.args.max_seq_len - 1, 16)[:, :-1]
+        return self._windows
+
+    # persistence ----------------------------------------------------------------------------------------
+    def _save(self) -> None:
+        save_state(self.dir / STATE_FILE, self.model, self.opt, self.state, self.buffer)
+
+    def _save_last_good(self) -> None:
+        _atomic_save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.state.last_good}, self.dir / LAST_GOOD_FILE)
+
+    def _revert_to_last_good(self) -> None:
+        blob = torch.load(self.dir / LAST_GOOD_FILE, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(blob["model"])
+        self.opt.load_state_dict(blob["optimizer"])
+        log.warning("gate blocked v%d: training goes on from v%d's weights", self.state.version, blob["version"])
+
+    def _announce(self, msg) -> None:
+        from learner import store as S
+
+        if self._producer is None:
+            from feedback.producer import BufferedProducer
+
+            self._producer = BufferedProducer(self.s.kafka)
+        S.announce(msg, self._producer)
+        if not self._producer.flush(timeout_s=30):
+            log.warning("v%d is recorded in SQL but not yet on %s (Kafka unreachable); it stays buffered", msg.version, "flywheel.versions")
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close(timeout_s=10)
+
+    def snapshot(self, event: str = "") -> Progress:
+        st = self.state
+        return Progress(
+            version=st.version, last_good=st.last_good, step=st.step, samples_read=st.samples_read, samples_trained=st.samples_trained,
+            buffered=len(self.buffer), dropped_stale=self.buffer.dropped_stale, skipped=st.samples_skipped,
+            trained_since_publish=st.trained_since_publish, min_samples=self.cfg.min_samples,
+            next_publish_in_s=max(0.0, st.last_publish_at + self.cfg.publish_every - time.time()), metrics=st.last_metrics, event=event,
+        )  # fmt: skip
+
+    # the loop ------------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, *, max_versions: int | None = None, until_idle: bool = False) -> None:
+        """Poll, update, publish until `stop` is set, `max_versions` were published by this call,
+        or (`until_idle`) nothing new arrived and less than a batch is left to train."""
+        published = 0
+        while not stop.is_set():
+            added = self.poll()
+            m = self.update()
+            if until_idle and not added and m is None and not self.publish_due():
+                return
+            if m is not None:
+                self.progress(self.snapshot(f"update {self.state.step}"))
+            if self.publish_due():
+                info = self.publish()
+                published += 1
+                verdict = "passed the gate" if info["gate_passed"] else f"BLOCKED by the gate: {info['gate_reason']}"
+                self.progress(self.snapshot(f"published v{info['version']} ({info['size_bytes']} B {info['kind']}), {verdict}"))
+                if max_versions is not None and published >= max_versions:
+                    return
+            if m is None:
+                self.progress(self.snapshot())
+                stop.wait(self.cfg.poll_s)
+
+
+def describe(p: Progress) -> str:
+    """One line for the progress display."""
+    m = p.metrics
+    train = f"loss {m['loss']:.3f} reward {m['reward_mean']:+.2f} mismatch {m['mismatch_kl_replay']:.4f}/{m['mismatch_kl_no_replay']:.4f} (replay/none)" if m else "no update yet"
+    wait = f"next publish in {p.next_publish_in_s:.0f} s" if p.trained_since_publish >= p.min_samples else f"{p.trained_since_publish}/{p.min_samples} samples for the next version"
+    line = (f"v{p.version} (last good v{p.last_good}) · step {p.step} · read {p.samples_read}, trained {p.samples_trained}, "
+            f"buffer {p.buffered}, stale {p.dropped_stale}, skipped {p.skipped} · {train} · {wait}")  # fmt: skip
+    return f"{p.event}: {line}" if p.event else line

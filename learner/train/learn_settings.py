@@ -1,0 +1,74 @@
+"""`flywheel learn` configuration: the `[learn]` section (see learner/train/learn.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from learner.train.gate import GateThresholds
+from learner.train.pretrain_settings import PretrainSettings
+from feedback.core.config import Section, Seconds
+
+class GateSection(GateThresholds):
+    """The gate before publish (learner/train/gate.py): held-out replay against the stable version,
+    and the reward-hacking checks (the thresholds) that block a publish."""
+
+    sites: int = Field(default=48, ge=1)
+    """Held-out cursor positions replayed for the candidate and for stable (same sites, fixed seed)."""
+    max_tokens: int = Field(default=32, ge=1)
+    """Longest suggestion the replay decodes (greedy)."""
+    seed: int = 1234
+    """Picks the held-out sites; fixed so every gate compares on the same ones."""
+
+
+class LearnSection(Section):
+    """The RL learner: feedback in, model versions out."""
+
+    publish_every: Seconds = Field(default=3 * 3600.0, gt=0)
+    """Publish a version this often ("3h", "90s", "1h30m" or seconds), once `min_samples` were trained."""
+    min_samples: int = Field(default=256, ge=1)
+    """Samples trained since the last version before the next may be published."""
+    batch_size: int = Field(default=16, ge=1)
+    """Samples per update."""
+    lr: float = Field(default=1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    max_staleness: int = Field(default=2, ge=0)
+    """Drop samples whose behaviour version lags the learner's latest version by more than this."""
+    buffer_capacity: int = Field(default=4096, ge=1)
+    """Samples the replay buffer holds; beyond that the oldest are dropped (and counted)."""
+    outcomes: list[str] = ["select", "edit", "dismiss", "ignored", "no_suggestion"]
+    """Reward outcomes that train (feedback/reward.py); `unseen` suggestions carry no signal."""
+    importance: Literal["ppo_clip", "tis"] = "ppo_clip"
+    """Off-policy correction: PPO-style clipped ratio, or truncated importance sampling."""
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    tis_cap: float = Field(default=2.0, gt=1)
+    kl_coef: float = Field(default=0.05, ge=0)
+    """Weight of the KL penalty to the reference (base) model."""
+    router_replay: bool = True
+    """Replay routing in the FP4 forward: the serving engine's when recorded, else a high-precision forward's."""
+    poll_s: float = Field(default=2.0, gt=0)
+    """How often to look for new rewarded samples when idle."""
+    checkpoint_dir: Path | None = None
+    """Learner state (weights, optimizer, step, cursor, buffer). Empty: <data_dir>/learner."""
+    full_every: int = Field(default=8, ge=1)
+    """A full snapshot every N versions; deltas in between."""
+    zstd_level: int = Field(default=3, ge=1, le=22)
+    zstd_threads: int = Field(default=-1, ge=-1)
+    """zstd worker threads (-1: all cores, 0: single-threaded)."""
+    keep_versions: int = Field(default=32, ge=1)
+    """Versions the store keeps (plus what their delta chains need)."""
+    gate: GateSection = GateSection()
+
+
+class LearnSettings(PretrainSettings):
+    """`flywheel learn`: the learner; [pretrain] says which base model it starts from."""
+
+    learn: LearnSection = LearnSection()
+
+    @property
+    def learner_dir(self) -> Path:
+        return Path(self.learn.checkpoint_dir or self.data_dir / "learner").expanduser()

@@ -1,0 +1,146 @@
+"""`flywheel bench learn`: does the learner make completions better? A learning curve against the base.
+
+One run, one process, the learner's own code path on simulated editor feedback:
+
+    for each learning rate:                      (the base model is the baseline, replayed in the same run)
+      for version 1..K:
+        N updates: the FP4 policy (as served) samples completions at cursor sites of the
+                   *training* files, the simulated editor judges them (ops.simulate.judge),
+                   feedback.reward scores them as the sink would, learner.train.learn.rl_update trains
+        publish:   pack to FP4, then the gate's held-out replay on the *held-out* files
+
+Reported per version: held-out reward, accept rate, suggestion rate, accepted characters per
+request and the KL to the base, each beside the base model's. No Kafka, vLLM or HTTP: this
+measures learning, not serving; the demo and the e2e test run the same learner on real traffic.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from learner.train.learn_settings import LearnSettings
+
+
+@torch.no_grad()
+def sample(served, prompt: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop_text: str, tok) -> tuple[list[int], list[float]]:
+    """Sample from the served weights like the replica does (KV cache, raw logprobs of the sampled
+    tokens), stopping at <|endoftext|> or `stop_text`."""
+    from learner.train.gate import cached_forward
+    from learner.tokenizer import EOS_ID
+
+    kv: list = []
+    logits = cached_forward(served, torch.tensor([prompt]), kv)[0]
+    toks, lps = [], []
+    for _ in range(max(1, min(max_tokens, served.args.max_seq_len - len(prompt)))):
+        lp = torch.log_softmax(logits.float(), -1)
+        t = int(torch.multinomial((lp / temperature).softmax(-1), 1, generator=gen)) if temperature > 0 else int(lp.argmax())
+        toks.append(t)
+        lps.append(float(lp[t]))
+        if t == EOS_ID or stop_text in tok.decode(toks):
+            break
+        logits = cached_forward(served, torch.tensor([[t]]), kv)[0]
+    return toks, lps
+
+
+def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], versions: int, updates: int, temperature: float,
+              train_sites: int, out: str | None, command: str) -> dict:  # fmt: skip
+    from learner.train import gate as G
+    from learner import store as S
+    from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update
+    from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, load_training_corpus, pretrain_section
+    from learner.tokenizer import load_tokenizer
+    from feedback.core.errors import UserError
+    from learner.judge import cursor_sites, judge
+    from feedback.reward import reward
+
+    base_dir = find_base_model(s)
+    if base_dir is None:
+        raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
+    master, args = load_master_weights(base_dir)
+    tok = load_tokenizer(base_dir / "hf")
+    fmt = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
+    hook = fp4_hook(fmt)
+    corpus = load_training_corpus(pretrain_section(s))
+    g = s.learn.gate
+    held = G.heldout_sites(corpus.heldout, g.sites, seed=g.seed)
+    train = cursor_sites(corpus.train, train_sites, random.Random(7))
+    builder = G.prompt_builder(tok, args.max_seq_len)
+    prompts = [G.site_prompt(builder, site)[0] for site in train]
+    from learner.corpus import heldout_windows, token_stream
+
+    windows = heldout_windows(token_stream(tok, corpus.heldout), args.max_seq_len - 1, 16)[:, :-1]
+
+    base_served = model_from_packed(S.pack_checkpoint(master.state_dict(), fmt), args)
+    t0 = time.perf_counter()
+    base_stats = G.heldout_replay(base_served, tok, held, max_tokens=g.max_tokens)
+    console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
+    rows = [{"lr": None, "version": 0, "updates": 0, **_summary(base_stats), "kl_to_base": 0.0, "train_reward": None,
+             "mismatch_kl_replay": None, "mismatch_kl_no_replay": None}]
+    cfg = s.learn
+    for lr in lrs:
+        policy = copy.deepcopy(master).train()
+        ref = copy.deepcopy(master).eval().requires_grad_(False)
+        opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        gen = torch.Generator().manual_seed(0)
+        rng = random.Random(0)
+        step = 0
+        with console.status(f"lr {lr:g}") as status:
+            for v in range(1, versions + 1):
+                rewards, mism_replay, mism_none = [], [], []
+                for _ in range(updates):
+                    batch = []
+                    behaviour = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)  # what serving would run
+                    for i in rng.sample(range(len(train)), cfg.batch_size):
+                        toks, lps = sample(behaviour, prompts[i], g.max_tokens, temperature, gen, G.EDITOR_STOP, tok)
+                        text = tok.decode([t for t in toks if t != 0]).split(G.EDITOR_STOP)[0]
+                        r, parts = reward(G.editor_feedback(text, judge(text, train[i].truth)))
+                        batch.append(Sample(step, f"b{step}", 0, v - 1, prompts[i], toks, lps, r, parts["outcome"]))
+                        rewards.append(r)
+                    m = rl_update(policy, ref, opt, make_batch(batch, args), hook=hook, cfg=cfg)
+                    mism_replay.append(m["mismatch_kl_replay"])
+                    mism_none.append(m["mismatch_kl_no_replay"])
+                    step += 1
+                    status.update(f"lr {lr:g}: version {v}/{versions}, update {step}: train reward {m['reward_mean']:+.3f}, "
+                                  f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)")  # fmt: skip
+                served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
+                stats = G.heldout_replay(served, tok, held, max_tokens=g.max_tokens)
+                rows.append({"lr": lr, "version": v, "updates": step, **_summary(stats), "kl_to_base": policy_kl(served, base_served, windows),
+                             "train_reward": sum(rewards) / len(rewards), "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
+                             "mismatch_kl_no_replay": sum(mism_none) / len(mism_none)})  # fmt: skip
+                console.print(_row_text(rows[-1], rows[0]))
+    table = Table("lr", "version", "updates", "held-out reward", "accept rate", "suggestion rate", "accepted chars / request", "KL to base", "train reward",
+                  "mismatch KL replay / none",
+                  title=f"learning curve: {len(held)} held-out sites, {cfg.batch_size} samples/update, {updates} updates/version")  # fmt: skip
+    for r in rows:
+        table.add_row("base" if r["lr"] is None else f"{r['lr']:g}", str(r["version"]), str(r["updates"]), f"{r['reward']:+.3f}",
+                      f"{r['accept_rate']:.1%}", f"{r['suggestion_rate']:.1%}", f"{r['accepted_chars_per_request']:.2f}",
+                      f"{r['kl_to_base']:.2e}", "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
+                      "" if r["mismatch_kl_replay"] is None else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}")  # fmt: skip
+    console.print(table)
+    result = {"command": command, "base": str(base_dir), "heldout_sites": len(held), "train_sites": len(train), "temperature": temperature,
+              "batch_size": cfg.batch_size, "updates_per_version": updates, "rows": rows}  # fmt: skip
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _summary(st) -> dict:
+    """The curve's columns, from learner.train.gate.ReplayStats' own aggregates."""
+    return {"reward": st.mean_reward, "accept_rate": st.accept_rate, "suggestion_rate": st.suggestion_rate,
+            "accepted_chars_per_request": st.accepted_chars_per_request, "sites": st.n}  # fmt: skip
+
+
+def _row_text(r: dict, base: dict) -> str:
+    return (f"lr {r['lr']:g} v{r['version']} ({r['updates']} updates): held-out reward {r['reward']:+.3f} (base {base['reward']:+.3f}), "
+            f"accept {r['accept_rate']:.1%} (base {base['accept_rate']:.1%}), suggestions {r['suggestion_rate']:.1%} "
+            f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f}")  # fmt: skip
+
+

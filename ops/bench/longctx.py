@@ -1,0 +1,131 @@
+"""Long context: full context vs truncation vs self-summary, on held-out files.
+
+Each example is a cursor in a held-out Python file right after the first characters of a
+name (a function, class or import) that the file defined far back: more than `budget`
+tokens before the cursor, and not mentioned since. Truncating the prefix to `budget` tokens
+loses the definition; a self-summary can keep it (summaries list imports and signatures);
+full context keeps everything, where the whole prompt fits the model's window. The three
+strategies run on the same vLLM engine, prompts and sampling (greedy), in one run.
+
+Scores on the first line of the completion against the true rest of the line: exact match
+and edit similarity (difflib ratio), plus the prompt tokens each strategy used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import random
+import re
+import statistics
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from learner.corpus import SourceFile
+from learner.fim import fim_header
+from serving.engine import SamplingSpec
+from learner.prompts import PromptBuilder, SummaryCache
+
+_DEFINES = re.compile(r"^(?:\s*(?:async\s+)?def|\s*class)\s+([A-Za-z_]\w{3,})|^\s*import\s+([A-Za-z_]\w{3,})|^\s*from\s+\S+\s+import\s+([A-Za-z_]\w{3,})", re.M)
+
+
+@dataclass(frozen=True)
+class Example:
+    path: str
+    prefix: str
+    suffix: str
+    truth: str  # the rest of the cursor's line
+    name: str
+    distance_tokens: int  # from the definition to the cursor
+
+
+def far_back_examples(tok, files: list[SourceFile], *, budget: int, window: int, n: int, rng: random.Random) -> list[Example]:
+    """Cursors whose answer is a name defined between `budget` and `window` tokens back, unused since."""
+    out: list[Example] = []
+    for f in rng.sample(files, len(files)):
+        if f.language != "python":
+            continue
+        text = f.text
+        for m in _DEFINES.finditer(text):
+            name = next(g for g in m.groups() if g)
+            for use in re.finditer(rf"\b{re.escape(name)}\b", text[m.end() :]):
+                pos = m.end() + use.start()
+                between = text[m.end() : pos]
+                distance = len(tok.encode(text[m.start() : pos]).ids)
+                if not budget < distance <= window - 16 or name in between:
+                    continue
+                line_end = text.find("\n", pos)
+                line_end = len(text) if line_end < 0 else line_end
+                cut = pos + 2  # the user typed the first two characters
+                if line_end - cut < 2:
+                    continue
+                prefix = text[:cut]
+                out.append(Example(f.path, prefix, text[line_end:], text[cut:line_end], name, distance))
+                break
+            if len(out) >= n:
+                return out
+    return out
+
+
+def score(completion: str, truth: str) -> tuple[bool, float]:
+    first = completion.split("\n", 1)[0]
+    return first == truth, difflib.SequenceMatcher(None, first, truth, autojunk=False).ratio()
+
+
+@dataclass
+class StrategyResult:
+    strategy: str
+    examples: int
+    exact_match: float
+    edit_similarity: float
+    prompt_tokens: float
+    fallbacks: int
+
+
+async def _evaluate(service, builders: dict[str, PromptBuilder], examples: list[Example], max_tokens: int) -> list[StrategyResult]:
+    spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, stream=False, stop=("\n",))
+    results = []
+    for name, builder in builders.items():
+        summarize = service.summarize if name == "self-summary" else None
+        em, sim, tokens, fallbacks = [], [], [], 0
+        for ex in examples:
+            prompt = await builder.build(ex.prefix, ex.suffix, fim_header(language="python", path=ex.path), summarize)
+            fallbacks += prompt.fallback
+            final = []
+            async for final in service.engine.generate(prompt.ids, spec, uuid.uuid4().hex):
+                pass
+            exact, similarity = score(final[0].text if final else "", ex.truth)
+            em.append(exact)
+            sim.append(similarity)
+            tokens.append(len(prompt.ids))
+        results.append(StrategyResult(name, len(examples), statistics.mean(em), statistics.mean(sim), statistics.mean(tokens), fallbacks))
+    return results
+
+
+def run(settings, model_dir: Path, *, n: int, budget: int, max_tokens: int, seed: int, progress) -> dict:
+    from learner.corpus import load_corpus
+    from serving.replica import load_service, model_window
+
+    window = model_window(model_dir) - max_tokens
+    if budget >= window:
+        raise ValueError(f"--budget {budget} must be below the model's window ({window} tokens after {max_tokens} for the completion)")
+    service = load_service(model_dir, settings.serve, version=0)
+    tok = service.tok
+    corpus = load_corpus(getattr(getattr(settings, "pretrain", None), "corpus", None))
+    examples = far_back_examples(tok, corpus.heldout, budget=budget, window=window, n=n, rng=random.Random(seed))
+    if not examples:
+        raise ValueError("no held-out example needs context from that far back; lower --budget")
+    progress(f"{len(examples)} held-out examples; definitions {min(e.distance_tokens for e in examples)}-"
+             f"{max(e.distance_tokens for e in examples)} tokens before the cursor; budget {budget}, window {window}")
+    chunk = max(16, budget // 3)
+    builders = {
+        "full context": PromptBuilder(tok, window, chunk, SummaryCache(0), 0),
+        "truncation": PromptBuilder(tok, budget, chunk, SummaryCache(0), 0),
+        "self-summary": PromptBuilder(tok, budget, chunk, SummaryCache(4096), 0),
+    }
+    try:
+        results = asyncio.run(_evaluate(service, builders, examples, max_tokens))
+    finally:
+        service.engine.shutdown()
+    return {"model_dir": str(model_dir), "budget": budget, "window": window, "examples": len(examples), "results": [asdict(r) for r in results]}

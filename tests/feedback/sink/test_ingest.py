@@ -1,0 +1,183 @@
+"""The sink's database side without Kafka: idempotent batches, held events, dead letters, rewards."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import select
+
+from feedback import db
+
+from feedback.sink import ingest
+from feedback.sink.ingest import Batch, Origin
+from feedback.reward import RewardWeights
+from feedback.schemas import FeedbackEvent, encode
+from feedback.sink.loop import SinkSettings, _write, _write_until_done
+from tests.feedback.sink.sink_support import completion, count, events_for
+
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+WINDOW = 60.0
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def engine(request, tmp_path):
+    url = f"sqlite:///{tmp_path / 'i.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    e = db.make_engine(url)
+    db.upgrade(e)
+    yield e
+    e.dispose()
+
+
+class Offsets:
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, msg, topic="t") -> tuple:
+        self.n += 1
+        return msg, Origin(topic, 0, self.n, b"k", encode(msg))
+
+
+def write(engine, now=T0, **parts) -> ingest.Counts:
+    with engine.begin() as conn:
+        return ingest.write_batch(conn, Batch(**parts), now=now, feedback_window_s=WINDOW)
+
+
+def sweep(engine, now, grace_s=300.0) -> tuple[int, int]:
+    with engine.begin() as conn:
+        dead = ingest.expire_pending(conn, now=now, grace_s=grace_s)
+        rewards = ingest.compute_due_rewards(conn, now=now, feedback_window_s=WINDOW, weights=RewardWeights())
+    return dead, rewards
+
+
+def rewards_of(engine) -> dict[str, float]:
+    with engine.connect() as conn:
+        return {r.completion_id: r.reward for r in conn.execute(select(db.rewards))}
+
+
+def test_a_batch_written_twice_leaves_the_same_rows(engine):
+    o = Offsets()
+    comps = [o(completion(f"c{i}", created_at=T0)) for i in range(3)]
+    evs = [o(e) for e in events_for("c0", "view", "select") + events_for("c1", "dismiss")]
+    first = write(engine, completions=comps, events=evs + evs[:1])  # and a retry inside the batch
+    assert (first.completions, first.events) == (3, 3)
+    again = write(engine, completions=comps, events=evs)
+    assert (again.completions, again.events, again.held) == (0, 0, 0)
+    assert [count(engine, t) for t in ("completions", "completion_choices", "events", "reward_due")] == [3, 3, 3, 3]
+
+
+def test_an_event_before_its_completion_is_held_then_promoted(engine):
+    o = Offsets()
+    ev = o(events_for("late", "select")[0])
+    assert write(engine, events=[ev]).held == 1
+    assert write(engine, events=[ev]).held == 0  # a retry while held
+    assert (count(engine, "events"), count(engine, "pending_events")) == (0, 1)
+    assert write(engine, completions=[o(completion("late", created_at=T0))]).promoted == 1
+    assert (count(engine, "events"), count(engine, "pending_events")) == (1, 0)
+
+
+def test_a_completion_written_by_another_sink_is_found_by_the_sweep(engine):
+    o = Offsets()
+    write(engine, events=[o(events_for("other", "view")[0])])
+    with engine.begin() as conn:  # another group member stores the completion (its batch promotes nothing it can see)
+        conn.execute(db.completions.insert().values(**ingest.completion_rows(completion("other", created_at=T0), T0)[0]))
+    assert sweep(engine, T0 + timedelta(seconds=1)) == (0, 0)
+    assert (count(engine, "events"), count(engine, "pending_events")) == (1, 0)
+
+
+def test_an_unknown_completion_becomes_a_dead_letter_after_the_grace_period(engine):
+    o = Offsets()
+    ev, origin = o(events_for("ghost", "view")[0], topic="flywheel.events")
+    write(engine, events=[(ev, origin)])
+    assert sweep(engine, T0 + timedelta(seconds=299)) == (0, 0)
+    assert sweep(engine, T0 + timedelta(seconds=301)) == (1, 0)
+    assert count(engine, "pending_events") == 0
+    with engine.connect() as conn:
+        d = conn.execute(select(db.dead_letters)).one()
+    assert (d.reason, d.completion_id, d.event_id, d.kafka_topic, d.kafka_offset) == ("unknown_completion", "ghost", str(ev.event_id), "flywheel.events", 1)
+    assert bytes(d.payload) == encode(ev) and "300s" in d.error
+
+
+def test_malformed_messages_are_dead_letters_with_their_bytes(engine):
+    class Raw:
+        def __init__(self, topic, offset, value):
+            self.topic, self.partition, self.offset, self.key, self.value = topic, 2, offset, b"\xffkey", value
+
+    msgs = [Raw("E", 7, b"{oops"), Raw("C", 8, b'{"completion_id": "c"}'), Raw("E", 9, None), Raw("other", 1, b"{}")]
+    batch = ingest.decode_batch(msgs, completions_topic="C", events_topic="E")
+    assert len(batch.malformed) == 4
+    with engine.begin() as conn:
+        assert ingest.write_batch(conn, batch, now=T0, feedback_window_s=WINDOW).dead_letters == {"malformed": 4}
+    with engine.begin() as conn:  # replayed after a crash: still four
+        assert ingest.write_batch(conn, batch, now=T0, feedback_window_s=WINDOW).dead_letters == {}
+    with engine.connect() as conn:
+        rows = conn.execute(select(db.dead_letters).order_by(db.dead_letters.c.kafka_offset)).all()
+    assert [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in rows] == [("other", 2, 1), ("E", 2, 7), ("C", 2, 8), ("E", 2, 9)]
+    assert rows[1].payload == b"{oops" and rows[3].payload is None and rows[1].key == "\\xffkey"
+    assert "invalid FeedbackEvent" in rows[1].error and "unexpected topic" in rows[0].error
+
+
+def test_rewards_wait_for_the_window_and_count_only_events_inside_it(engine):
+    o = Offsets()
+    c = completion("r1", "hello world", created_at=T0)
+    inside = FeedbackEvent(completion_id="r1", type="select", select_kind="word", accepted_chars=5, created_at=T0 + timedelta(seconds=30))
+    outside = FeedbackEvent(completion_id="r1", type="select", created_at=T0 + timedelta(seconds=61))
+    write(engine, completions=[o(c)], events=[o(inside), o(outside)])
+    assert sweep(engine, T0 + timedelta(seconds=59)) == (0, 0)
+    assert sweep(engine, T0 + timedelta(seconds=61)) == (0, 1)
+    assert rewards_of(engine) == {"r1": pytest.approx(0.75 * 5 / 11)}
+    assert count(engine, "reward_due") == 0
+
+
+def test_a_late_arriving_event_recomputes_the_reward(engine):
+    o = Offsets()
+    write(engine, completions=[o(completion("r2", created_at=T0))], events=[o(FeedbackEvent(completion_id="r2", type="view", created_at=T0))])
+    sweep(engine, T0 + timedelta(seconds=120))
+    assert rewards_of(engine) == {"r2": -0.25}  # shown, ignored
+    # The select happened inside the window but reached the sink late (it lagged).
+    write(engine, now=T0 + timedelta(seconds=200), events=[o(FeedbackEvent(completion_id="r2", type="select", created_at=T0 + timedelta(seconds=5)))])
+    assert sweep(engine, T0 + timedelta(seconds=200)) == (0, 1)
+    assert rewards_of(engine) == {"r2": 0.75}
+    with engine.connect() as conn:
+        r = conn.execute(select(db.rewards)).one()
+    assert (r.outcome, r.model_version, r.components["outcome"]) == ("select", 1, "select")
+
+
+@pytest.mark.postgres
+def test_a_message_the_database_refuses_is_set_aside_alone(postgres_url):
+    """PostgreSQL text cannot hold NUL characters (SQLite stores them, so it has no such case)."""
+    engine = db.make_engine(postgres_url)
+    db.upgrade(engine)
+    o = Offsets()
+    bad = completion("nul", created_at=T0).model_copy(update={"prompt_text": "a\x00b"})
+    good = [o(completion(f"ok{i}", created_at=T0)) for i in range(3)]
+    s = SinkSettings(database={"url": engine.url.render_as_string(hide_password=False)})
+    counts = _write(engine, Batch(completions=good[:2] + [o(bad)] + good[2:]), s)
+    assert (counts.completions, counts.dead_letters) == (3, {"rejected": 1})
+    with engine.connect() as conn:
+        d = conn.execute(select(db.dead_letters)).one()
+    assert d.reason == "rejected" and d.completion_id == "nul" and "database refused it" in d.error
+
+
+def test_an_unreachable_database_keeps_the_batch_and_retries():
+    s = SinkSettings(database={"url": "postgresql+psycopg://nobody:x@127.0.0.1:1/none"}, sink={"db_retry_s": 0.05})
+    engine = db.make_engine(s.database_url)
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    assert _write_until_done(engine, Batch(completions=[Offsets()(completion("x"))]), s, stop) is None
+
+
+def test_sink_settings_from_toml_env_and_overrides(tmp_path, monkeypatch):
+    from feedback.core.errors import UserError
+
+    f = tmp_path / "flywheel.toml"
+    f.write_text('[sink]\nbatch_size = 200\nfeedback_window_s = 120\n[sink.reward]\naccepted = 1.0\n[serve]\nwhatever = 1\n')
+    monkeypatch.setenv("FLYWHEEL_SINK__GRACE_PERIOD_S", "30")
+    s = SinkSettings.load(f, ["sink.retention_days=7"])
+    assert (s.sink.batch_size, s.sink.feedback_window_s, s.sink.reward.accepted, s.sink.reward.dismissed) == (200, 120, 1.0, -0.25)
+    assert (s.sink.grace_period_s, s.sink.retention_days) == (30, 7)
+    with pytest.raises(UserError, match="sink.batch_size"):
+        SinkSettings.load(f, ["sink.batch_size=0"])
+    with pytest.raises(UserError, match="sink.reward.acepted"):
+        SinkSettings.load(f, ["sink.reward.acepted=1"])  # a typo is an error, not ignored

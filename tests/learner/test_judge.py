@@ -1,0 +1,38 @@
+"""The simulated user: cursor sites in real lines, and what it keeps of a suggestion."""
+
+import random
+
+import pytest
+
+from learner.corpus import SourceFile
+from learner.judge import cursor_sites, judge
+
+CODE = "import os\n\n\ndef join_all(parts):\n    result = os.path.join(*parts)\n    return result.strip()\n\n\nclass Box:\n    size = 3\n"
+
+
+@pytest.mark.parametrize(
+    "suggestion, truth, expected",
+    [
+        ("", "x = 1", ("none", None, 0)),
+        ("path.join(*parts)", "path.join(*parts)", ("select", "full", 17)),
+        ("path.join(*parts)\n    return", "path.join(*parts)", ("select", "line", 17)),
+        ("path.split(x)", "path.join(*parts)", ("select", "word", 5)),
+        ("path.join(a)", "path.join(*parts)", ("select", "word", 10)),
+        ("zzz", "path.join(*parts)", ("dismiss", None, 0)),
+        ("  ", "x", ("dismiss", None, 0)),
+    ],
+)
+def test_judge(suggestion, truth, expected):
+    v = judge(suggestion, truth)
+    assert (v.type, v.select_kind, v.accepted_chars) == expected
+    if v.type == "select":
+        assert truth.startswith(v.kept_text) and len(v.kept_text) == v.accepted_chars
+
+
+def test_cursor_sites_split_a_real_line():
+    sites = cursor_sites([SourceFile("pkg/m.py", CODE)], 20, random.Random(0))
+    assert len(sites) == 20
+    for s in sites:
+        assert CODE.startswith(s.prefix) and s.truth
+        assert (s.prefix + s.truth + s.suffix).startswith(CODE.rstrip("\n")[: len(s.prefix) + len(s.truth)])
+        assert "\n" not in s.truth and s.language == "python"

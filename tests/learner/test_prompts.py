@@ -1,0 +1,74 @@
+"""Prompt building: FIM layout, budget, self-summaries with a cache, fallback to truncation."""
+
+import asyncio
+
+from learner.fim import fim_header, fim_prompt_ids
+from learner.prompts import PromptBuilder, SummaryCache, split_lines_by_tokens
+
+LONG = "".join(f"def function_{i}(a, b):\n    return a * {i} + b\n\n" for i in range(200))
+
+
+def builder(tok, budget=256, version=1, cache=None):
+    return PromptBuilder(tok, budget=budget, chunk_tokens=64, cache=cache or SummaryCache(100), version=version)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_short_prompt_is_plain_fim(tok):
+    b = builder(tok)
+    header = fim_header(language="python", path="m.py")
+    p = run(b.build("x = 1\n", "\ny = 2", header, None))
+    assert p.ids == fim_prompt_ids(tok, "x = 1\n", "\ny = 2", header)  # the format the model was trained on
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert text == "<|fim_prefix|># python: m.py\nx = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
+    assert not p.summary_ids and not p.fallback and p.truncated_tokens == 0
+
+
+def test_long_prefix_is_summarized_within_budget_and_cached(tok):
+    calls = []
+
+    async def summarize(chunk):
+        calls.append(chunk)
+        return tok.encode("def f(a, b)", add_special_tokens=False).ids
+
+    cache = SummaryCache(100)
+    p = run(builder(tok, cache=cache).build(LONG, "", "", summarize))
+    assert len(p.ids) <= 256
+    assert p.summary_ids and p.summaries_generated == len(calls) > 0 and not p.fallback
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert text.count("<|summary_start|>") == len(p.summary_ids)
+    assert text.endswith("<|fim_suffix|><|fim_middle|>")
+    assert "return a * 199 + b" in text  # the code right before the cursor stays verbatim
+
+    n = len(calls)
+    again = run(builder(tok, cache=cache).build(LONG, "", "", summarize))
+    assert len(calls) == n and again.summaries_cached == p.summaries_generated and again.ids == p.ids
+    other_version = run(builder(tok, cache=cache, version=2).build(LONG, "", "", summarize))
+    assert len(calls) > n and other_version.summaries_generated > 0  # keyed by version too
+
+
+def test_summarizer_failure_falls_back_to_truncation(tok):
+    async def broken(chunk):
+        raise RuntimeError("no")
+
+    p = run(builder(tok).build(LONG, "", "", broken))
+    assert p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
+    assert "return a * 199 + b" in tok.decode(p.ids)
+
+
+def test_no_summarizer_truncates_without_counting_a_fallback(tok):
+    p = run(builder(tok).build(LONG, None, "", None))
+    assert not p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
+
+
+def test_split_lines_by_tokens():
+    assert split_lines_by_tokens(["a", "b", "c", "d"], [3, 3, 3, 3], 6) == [(0, 2), (2, 4)]
+    assert split_lines_by_tokens(["a"], [10], 6) == [(0, 1)]
+
+
+def test_empty_plain_prompt_starts_a_document(tok):
+    from learner.tokenizer import EOS_ID
+
+    assert run(builder(tok).build("", None, "", None)).ids == [EOS_ID]

@@ -1,0 +1,184 @@
+"""The learner on a tiny pretrained base: samples from SQL, updates, checkpoints, publishes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+from feedback import db
+from learner import store as S
+from learner.train.learn import Learner, LearnerState, ReplayBuffer, Sample, make_batch, model_from_packed, read_samples
+from learner.model import ModelArgs
+from learner.train.pretrain import ensure_base_model
+from learner.tokenizer import EOS_ID
+from tests.learner.train.learn_support import ListProducer, fim_prompts, make_corpus, reward_ids, tiny_learn_settings, write_samples
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(corpus, cache): a tiny base trained once for the module."""
+    root = tmp_path_factory.mktemp("learnbase")
+    corpus, cache = make_corpus(root / "corpus"), root / "cache"
+    ensure_base_model(tiny_learn_settings(root, corpus, cache), Console(file=io.StringIO()))
+    return corpus, cache
+
+
+def started(tmp_path, base, **learn) -> Learner:
+    corpus, cache = base
+    s = tiny_learn_settings(tmp_path, corpus, cache / "..", **learn)
+    s = s.model_copy(update={"cache_dir": cache})
+    lr = Learner(s, producer=ListProducer())
+    lr.start()
+    return lr
+
+
+def texts(n: int) -> list[str]:
+    import textwrap
+
+    src = open(textwrap.__file__).read()
+    return [src[i * 97 : i * 97 + 300] for i in range(n)]
+
+
+def test_replay_buffer_drops_stale_and_overflow():
+    def s(i, v):
+        return Sample(i, f"c{i}", 0, v, [1], [2], [-0.1], 0.0, "select")
+
+    b = ReplayBuffer(max_staleness=2, capacity=4)
+    b.add([s(1, 0), s(2, 1), s(3, 3), s(4, 3), s(5, 3)])
+    assert b.dropped_overflow == 1 and [x.reward_id for x in b.items] == [2, 3, 4, 5]
+    assert b.drop_stale(current_version=4) == 1 and b.dropped_stale == 1  # v1 lags 3 > 2
+    assert [x.reward_id for x in b.take(2)] == [3, 4] and len(b) == 1
+    c = ReplayBuffer(2, 4)
+    c.load_state_dict(b.state_dict())
+    assert [x.reward_id for x in c.items] == [5] and c.dropped_stale == 1
+
+
+def test_make_batch_aligns_targets_with_positions():
+    args = ModelArgs.from_name("tiny", vocab_size=50, max_seq_len=8)
+    a = Sample(1, "a", 0, 0, [5, 6, 7], [8, 9, EOS_ID], [-1.0, -2.0, -3.0], 1.0, "select")
+    b = Sample(2, "b", 0, 0, [1, 2, 3, 4, 5, 6, 7], [EOS_ID], [-0.5], 0.0, "no_suggestion")  # abstain
+    c = Sample(3, "c", 0, 0, list(range(10, 20)), [30, 31], [-1.0, -1.0], -0.25, "dismiss")  # prompt cut to fit 8
+    batch = make_batch([a, b, c], args)
+    assert batch.input_BS.shape[1] <= 7
+    for i, s in enumerate((a, b, c)):
+        n = len(s.token_ids)
+        assert batch.mask_BT[i].sum() == n
+        for t in range(n):
+            # the token at pos+1 of the full sequence is the target
+            full = torch.cat([batch.input_BS[i], batch.target_BT[i, -1:]])
+            assert batch.target_BT[i, t] == s.token_ids[t]
+            assert int(batch.pos_BT[i, t]) + 1 <= len(full)
+    assert batch.input_BS[2, :6].tolist() == [14, 15, 16, 17, 18, 19]  # the prompt's oldest tokens went
+    assert batch.behaviour_BT[0].tolist() == [-1.0, -2.0, -3.0]
+
+
+def test_start_publishes_the_base_as_v0_and_updates_save_everything(tmp_path, base):
+    lr = started(tmp_path, base)
+    assert lr.store.versions() == [0] and lr.state.version == 0
+    assert [m.version for _, m in lr._producer.sent] == [0]
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(10))
+    assert lr.poll() == 10 and lr.state.cursor == reward_ids(lr.engine)[-1]
+    m = lr.update()
+    assert m is not None and lr.state.step == 1 and len(lr.buffer) == 6
+    # behaviour = the served v0 weights: the learner's FP4 forward reproduces them closely
+    assert m["mismatch_kl_no_replay"] < 1e-3, m
+    assert m["mismatch_kl_replay"] < 0.05, m
+    before = {k: v.clone() for k, v in lr.model.state_dict().items()}
+    assert lr.update() is not None and lr.update() is None  # 2 full batches; 2 samples wait
+
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()  # resumes: same weights, cursor, buffer; v0 is not published again
+    assert again.state.step == 2 and again.state.cursor == lr.state.cursor and len(again.buffer) == 2
+    assert again.store.versions() == [0] and again._producer.sent == []
+    assert any(not torch.equal(before[k], v) for k, v in again.model.state_dict().items())
+    assert sorted(again.state.trained_ids) == reward_ids(lr.engine)[:8]
+
+
+def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
+    lr = started(tmp_path, base)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(4), reward_fn=lambda t: (0.0, "unseen"))
+    assert lr.poll() == 0 and lr.state.samples_skipped == 4 and lr.state.samples_read == 4
+
+
+def test_read_samples_pages_by_reward_id(tmp_path, base):
+    lr = started(tmp_path, base)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(5))
+    ids = reward_ids(lr.engine)
+    first, last = read_samples(lr.engine, 0, limit=3)
+    assert [s.reward_id for s in first] == ids[:3] and last == ids[2]
+    rest, last = read_samples(lr.engine, last, limit=3)
+    assert [s.reward_id for s in rest] == ids[3:] and last == ids[-1]
+    assert read_samples(lr.engine, last, limit=3) == ([], last)
+
+
+def test_publish_gates_stores_a_delta_records_and_announces(tmp_path, base):
+    lr = started(tmp_path, base, min_samples=8, publish_every=0.01)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(8))
+    lr.poll()
+    assert not lr.publish_due()  # nothing trained yet
+    lr.update(), lr.update()
+    assert lr.publish_due()
+    info = lr.publish()
+    assert info["version"] == 1 and info["parent"] == 0 and info["kind"] == "delta"
+    assert info["gate_passed"], info["gate_reason"]
+    assert info["size_bytes"] < info["full_size_bytes"]
+    with lr.engine.connect() as conn:
+        row = conn.execute(db.model_versions.select().where(db.model_versions.c.version == 1)).one()
+    assert row.gate_passed and row.metrics["heldout.n"] == 6 and "kl_to_stable" in row.metrics
+    assert [m.version for _, m in lr._producer.sent] == [0, 1]
+    assert lr.state.version == lr.state.last_good == 1 and lr.state.trained_since_publish == 0
+    # the published version is the learner's weights, quantized: what serving will load
+    served = S.to_hf_tensors(lr.store.materialize(1))
+    mine = S.to_hf_tensors(S.pack_checkpoint(lr.model.state_dict()))
+    assert all(torch.equal(served[k], mine[k]) for k in served)
+
+
+class PaysForAbstaining:
+    """A deliberately hacked reward: +1 for an empty suggestion, -1 for anything shown."""
+
+    abstain_every = 2
+
+    def __call__(self, toks):
+        return (1.0, "no_suggestion") if toks == [EOS_ID] else (-1.0, "dismiss")
+
+
+def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path, base):
+    lr = started(tmp_path, base, min_samples=8, publish_every=0.01, lr=3e-2, kl_coef=0.0, batch_size=16)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, fim_prompts(lr.tok, lr.train_files, 160, lr.args.max_seq_len), reward_fn=PaysForAbstaining())
+    lr.poll()
+    good = {k: v.clone() for k, v in lr.model.state_dict().items()}
+    while lr.update() is not None:
+        pass
+    info = lr.publish()
+    # The property: a policy trained to abstain is blocked by a reward-hacking check. Which check
+    # fires first depends on how far the machine's numerics let it drift (the suggestion rate
+    # collapsing, or the KL spike that collapse takes), so any of them will do.
+    hacking_checks = ("suggestion_rate", "kl", "reward_divergence", "completion_length", "heldout_reward")
+    assert not info["gate_passed"]
+    assert any(c in info["gate_reason"] for c in hacking_checks), (info["gate_reason"], info["metrics"])
+    assert info["metrics"]["heldout"]["suggestion_rate"] <= info["metrics"]["stable_heldout"]["suggestion_rate"]
+    with lr.engine.connect() as conn:
+        row = conn.execute(db.model_versions.select().where(db.model_versions.c.version == 1)).one()
+    assert not row.gate_passed and row.gate_reason == info["gate_reason"]
+    assert lr.state.last_good == 0 and lr.state.version == 1  # v1 is stored (for inspection), never served
+    assert all(torch.equal(good[k], v) for k, v in lr.model.state_dict().items())  # back on v0's weights
+
+
+def test_a_learner_that_died_before_its_first_save_adopts_its_v0(tmp_path, base):
+    lr = started(tmp_path, base)
+    (lr.dir / "state.pt").unlink()  # died after publishing v0, before saving
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()
+    assert again.store.versions() == [0] and [m.version for _, m in again._producer.sent] == [0]
+    S.open_store(S.default_store_uri(lr.s)).publish(S.pack_checkpoint(again.model.state_dict()), parent=0)
+    (lr.dir / "state.pt").unlink()
+    with pytest.raises(Exception, match="already holds versions"):
+        Learner(lr.s, producer=ListProducer()).start()

@@ -1,0 +1,25 @@
+"""The ingest benchmark runs end to end on a small load (its numbers are for the README, not asserted)."""
+
+import pytest
+
+from ops.bench.ingest import percentile, run_ingest_bench
+from feedback.sink.loop import SinkSettings
+from tests.helpers import scaled
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([40, 10, 30, 20], 0.5) == 20
+    assert percentile([40, 10, 30, 20], 0.9) == 40
+    assert percentile([5], 0.99) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_bench_ingest_smoke(kafka_settings, tmp_path):
+    s = SinkSettings(data_dir=str(tmp_path), cache_dir=str(kafka_settings.cache_dir), kafka=kafka_settings.kafka.model_dump(), sink={"batch_size": 50})
+    lines = []
+    r = run_ingest_bench(s, n_events=400, paced=False, progress=lines.append, timeout_s=scaled(120))
+    assert r.direct.events == r.sink_drain.events == r.kafka.events == 400
+    assert r.kafka_paced is None and r.throughput_ratio > 0 and r.drain_ratio > 0 and r.producer_per_s > 0
+    assert r.kafka.lag_p99_ms >= r.kafka.lag_p50_ms >= 0
+    assert any("sink drained" in line for line in lines)
