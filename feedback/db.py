@@ -1,6 +1,6 @@
 """SQL tables (SQLAlchemy Core), engines and migrations.
 
-The schema follows DESIGN.md's contracts. Unique keys carry idempotency: `completion_id`,
+Every table Flywheel keeps is defined here, whichever process writes it. Unique keys carry idempotency: `completion_id`,
 `(completion_id, choice_index)`, `event_id`, `version`. Events have no foreign key to
 completions on purpose: an event may arrive before its completion record.
 
@@ -42,6 +42,7 @@ from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from feedback.core.errors import UserError
+from feedback.core.errors import first_line
 
 # Explicit constraint names: migrations can then drop or alter them on every backend.
 NAMING = {
@@ -249,6 +250,20 @@ swap_events = Table(
 # --- engines and migrations -------------------------------------------------------------------
 
 
+def upsert_insert(bind, table: Table):
+    """`INSERT` for `table` in the dialect of `bind` (an Engine or Connection), so the caller can add
+    `ON CONFLICT DO NOTHING / DO UPDATE` (`.on_conflict_do_nothing()`, `.on_conflict_do_update()`):
+    both dialects Flywheel supports spell it the same way."""
+    name = bind.dialect.name
+    if name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise ValueError(f"Flywheel supports SQLite and PostgreSQL, not {name}")
+    return insert(table)
+
+
 def make_engine(url: str, *, echo: bool = False) -> Engine:
     """An engine for `url`; SQLite gets WAL and a busy timeout so the sink and readers coexist."""
     try:
@@ -293,7 +308,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
     except OperationalError as e:
-        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {_first_line(e)}") from None
+        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}") from None
 
 
 def current_revision(engine: Engine) -> str | None:
@@ -303,7 +318,7 @@ def current_revision(engine: Engine) -> str | None:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
     except OperationalError as e:
-        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {_first_line(e)}") from None
+        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}") from None
 
 
 def head_revision() -> str:
@@ -311,6 +326,3 @@ def head_revision() -> str:
 
     return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()  # type: ignore[arg-type]
 
-
-def _first_line(e: Exception) -> str:
-    return str(getattr(e, "orig", e)).strip().splitlines()[0]

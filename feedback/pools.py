@@ -54,9 +54,8 @@ def read(engine: Engine) -> Routes:
 
 
 def _upsert(conn, pool: str, version: int | None, percent: float, rollout_id: int | None) -> None:
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
     row = {"pool": pool, "version": version, "traffic_percent": percent, "rollout_id": rollout_id, "updated_at": datetime.now(UTC)}
-    stmt = insert(db.serving_pools).values(**row)
+    stmt = db.upsert_insert(conn, db.serving_pools).values(**row)
     conn.execute(stmt.on_conflict_do_update(index_elements=[db.serving_pools.c.pool], set_={k: stmt.excluded[k] for k in row if k != "pool"}))
 
 

@@ -75,10 +75,6 @@ class BufferedProducer:
     def buffered(self) -> int:
         return len(self._buf)
 
-    @property
-    def connected(self) -> bool:
-        return self._producer is not None
-
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until the buffer is empty (or `timeout_s`); True if everything was delivered."""
         deadline = time.monotonic() + timeout_s

@@ -27,6 +27,7 @@ from pydantic import Field
 
 from feedback.core.config import FlywheelSettings, Section
 from feedback.core.errors import UserError
+from feedback.core.errors import first_line
 
 READS = ("select", "with", "values", "table", "explain", "show")
 WRITES = (
@@ -119,7 +120,7 @@ def _run_postgres(url: str, sql: str, *, role: str, timeout_s: float) -> QueryRe
     try:
         raw = engine.raw_connection()
     except Exception as e:
-        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {db._first_line(e)}") from None
+        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}") from None
     try:
         pg = raw.driver_connection
         pg.rollback()  # READ ONLY must be the transaction's first statement

@@ -2,8 +2,8 @@
 
 Each class states its invariants in its docstring and enforces them in validation, so a
 message that exists at all is well-formed. On Kafka they travel as JSON (`encode` and
-`decode`), keyed as DESIGN.md says: completions and events by `completion_id`, versions by
-`version`.
+`decode`), keyed so that one completion's record and events stay in order on one partition:
+completions and events by `completion_id`, versions by `version`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from feedback.core.clock import utcnow
 
 CompletionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 EventType = Literal["view", "select", "dismiss", "edit"]
 SelectKind = Literal["full", "line", "word"]
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 class Message(BaseModel):
@@ -171,7 +168,7 @@ def decode(cls: type[M], payload: bytes | None) -> M:
 
 
 def key_of(msg: Message) -> bytes:
-    """The Kafka key DESIGN.md fixes for each message type."""
+    """The Kafka key of each message type (see the module docstring)."""
     if isinstance(msg, (CompletionRecord, FeedbackEvent)):
         return msg.completion_id.encode()
     if isinstance(msg, ModelVersion):

@@ -147,11 +147,6 @@ class ModelArgs:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
 
 SIZES: dict[str, dict] = {
     # head_dim 32 even in `tiny`: vLLM's CPU attention supports head sizes 32, 64, ...

@@ -28,6 +28,11 @@ from tokenizers import Tokenizer
 from learner.fim import fim_prompt_ids
 from learner.tokenizer import EOS_ID, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SUMMARY_END, SUMMARY_START
 
+EDITOR_STOP = "\n\n"
+"""Where an editor's suggestion ends when the client names no stop: at the first blank line (a
+completion in an editor is the rest of a line or a short block). Serving adds it to editor-shaped
+requests, and the held-out replay cuts its greedy middles there, so both see the same text."""
+
 log = logging.getLogger(__name__)
 
 Summarizer = Callable[[str], Awaitable[list[int]]]  # chunk text -> summary token ids

@@ -532,13 +532,10 @@ def announce(msg: ModelVersion, producer: Producer) -> ModelVersion:
 
 def record(msg: ModelVersion, engine) -> None:
     """Upsert a version into the `model_versions` table (a re-record updates gate and metrics)."""
-    from sqlalchemy.dialects import postgresql, sqlite
-
     from feedback import db
 
     row = msg.model_dump(mode="python")
-    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-    stmt = insert(db.model_versions).values(**row)
+    stmt = db.upsert_insert(engine, db.model_versions).values(**row)
     stmt = stmt.on_conflict_do_update(
         index_elements=[db.model_versions.c.version],
         set_={k: stmt.excluded[k] for k in ("gate_passed", "gate_reason", "metrics", "size_bytes", "full_size_bytes", "uri", "sha256")},

@@ -40,6 +40,8 @@ from sqlalchemy.exc import DBAPIError
 
 from feedback import db
 from serving.api import _state, require_ops
+from feedback.core.errors import first_line
+from feedback.core.clock import as_utc
 
 MAX_BUCKETS = 96
 NICE_BUCKETS_S = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400)
@@ -80,7 +82,7 @@ def pick_bucket(first: datetime | None, last: datetime | None) -> int:
     """The smallest nice bucket (seconds) that keeps the span within MAX_BUCKETS points."""
     if first is None or last is None:
         return NICE_BUCKETS_S[0]
-    span = (_utc(last) - _utc(first)).total_seconds()
+    span = (as_utc(last) - as_utc(first)).total_seconds()
     return next((b for b in NICE_BUCKETS_S if span / b <= MAX_BUCKETS), NICE_BUCKETS_S[-1])
 
 
@@ -225,12 +227,8 @@ def summarise_swaps(swaps: list[dict]) -> list[dict]:
     return out
 
 
-def _utc(t: datetime) -> datetime:
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)  # SQLite returns naive UTC
-
-
 def _iso(t: datetime | None) -> str | None:
-    return None if t is None else _utc(t).isoformat()
+    return None if t is None else as_utc(t).isoformat()
 
 
 def _iso_epoch(seconds: Any) -> str:
@@ -642,7 +640,7 @@ def _data(request: Request) -> dict:
     try:
         return dashboard_data(_engine(request))
     except DBAPIError as e:
-        raise HTTPException(503, f"the dashboard cannot read the database: {db._first_line(e)} (is it migrated? `flywheel db upgrade`)") from None
+        raise HTTPException(503, f"the dashboard cannot read the database: {first_line(e, with_type=False)} (is it migrated? `flywheel db upgrade`)") from None
 
 
 router = APIRouter(prefix="/ops", tags=["ops"])

@@ -62,6 +62,8 @@ from feedback.core.config import FlywheelSettings, Section, Seconds
 from feedback.core.errors import UserError
 from ops.rollout_stats import ADVANCE, HOLD, PROMOTE, ROLLBACK, Arm, Decision, Policy, decide, json_safe
 from feedback import pools
+from feedback.core.errors import first_line
+from feedback.core.clock import as_utc
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -228,10 +230,7 @@ class Status:
 
 
 def _utc(dt: datetime | None) -> datetime | None:
-    """Aware UTC; SQLite hands back naive values, which are UTC already."""
-    if dt is None:
-        return None
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+    return None if dt is None else as_utc(dt)
 
 
 def _now() -> datetime:
@@ -670,7 +669,7 @@ def run_controller(
                     if failing.pop(name, None):
                         progress(f"rollout controller: {name} recovered")
                 except Exception as e:  # a database or broker hiccup, or a bug: log it, never die of it
-                    what = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                    what = first_line(e)
                     if failing.get(name) != what:  # once per distinct failure, not every poll
                         bug = not isinstance(e, (SQLAlchemyError, UserError)) and type(e).__module__.split(".")[0] != "kafka"
                         log.warning("rollout controller (%s): %s; retrying every %gs", name, what, cfg.poll_s, exc_info=bug)

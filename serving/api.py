@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
 from learner.fim import fim_header
+from learner.prompts import EDITOR_STOP
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.replica import GenerateRequest, GenerateResult
@@ -51,6 +52,7 @@ from serving.schemas import (
     Usage,
 )
 from serving.settings import ServeSettings
+from feedback.core.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,7 @@ async def refresh_routing(st: ApiState, read_routes: Callable[[], Routes], *, ti
             log.info("serving targets readable again")
         rt.error = None
     except Exception as e:  # keep routing as it stood: a database blip must not move users
-        text = str(getattr(e, "orig", None) or e).strip()
-        msg = f"reading the serving targets (serving_pools) failed: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
+        msg = f"reading the serving targets (serving_pools) failed: {first_line(e)}"
         if msg != rt.error:
             log.error("%s (is the database migrated? `flywheel db upgrade`); routing as before", msg)
         rt.error = msg
@@ -227,7 +228,7 @@ def _to_generate(st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRe
         prefix, suffix = seg.prefix, seg.suffix or ""
         header = fim_header(language=body.language, path=seg.filepath)
         temperature = body.temperature if body.temperature is not None else 0.2
-        spec = SamplingSpec(n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=("\n\n",))
+        spec = SamplingSpec(n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=(EDITOR_STOP,))
     else:
         prefix, suffix, header = body.prompt_text, body.suffix, ""
         if body.n > cfg.max_n:

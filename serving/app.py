@@ -28,6 +28,7 @@ from feedback import pools
 from serving.api import ApiState, RoutingState, build_app, install, poll_routing
 from serving.replica import GenerateRequest, GenerateResult
 from serving.settings import ServeSettings, ServingSettings
+from feedback.core.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,6 @@ def pool_sizes(cfg: ServeSettings) -> dict[str, int]:
 
 
 # --- keeping a replica on its pool's target ---------------------------------------------------------
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(getattr(e, "orig", None) or e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class PoolReconciler:
@@ -124,7 +120,7 @@ class PoolReconciler:
             await asyncio.sleep(interval_s)
 
     def _db_failed(self, what: str, e: Exception) -> None:
-        msg = f"{what} failed: {_first_line(e)}"
+        msg = f"{what} failed: {first_line(e)}"
         if msg != self.db_error:  # once per distinct error, not once per poll
             log.error("%s pool replica %s: %s (is the database migrated? `flywheel db upgrade`)", self.pool, self.replica, msg)
         self.db_error = msg

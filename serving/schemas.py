@@ -157,7 +157,3 @@ class EventAccepted(BaseModel):
     status: Literal["accepted"] = "accepted"
 
 
-class ErrorBody(BaseModel):
-    error: dict[str, Any]
-
-

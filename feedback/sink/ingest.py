@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection
 from feedback import db
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
 from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode, encode
+from feedback.core.clock import as_utc
 
 CHUNK = 500  # ids per IN (...) list: far below SQLite's bound-parameter limit
 
@@ -87,11 +88,6 @@ class Counts:
         return self
 
 
-def utc(dt: datetime) -> datetime:
-    """Aware UTC; a naive value (SQLite hands them back) is UTC already."""
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
-
-
 # --- decoding (pure) ---------------------------------------------------------------------------
 
 
@@ -125,7 +121,7 @@ def completion_rows(rec: CompletionRecord, now: datetime) -> tuple[dict[str, Any
         summary_ids=rec.summary_ids,
         n_choices=len(rec.choices),
         latency_ms=rec.latency_ms,
-        created_at=utc(rec.created_at),
+        created_at=as_utc(rec.created_at),
         ingested_at=now,
     )
     choices = [
@@ -156,7 +152,7 @@ def event_row(ev: FeedbackEvent, now: datetime) -> dict[str, Any]:
         kept_text=ev.kept_text,
         view_id=ev.view_id,
         elapsed_ms=ev.elapsed_ms,
-        created_at=utc(ev.created_at),
+        created_at=as_utc(ev.created_at),
         ingested_at=now,
     )
 
@@ -191,21 +187,11 @@ def dead_letter_row(origin: Origin, reason: str, error: str, now: datetime, *, c
 # --- writing a batch ---------------------------------------------------------------------------
 
 
-def _insert(conn: Connection, table: Table):
-    if conn.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    elif conn.dialect.name == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    else:
-        raise ValueError(f"the sink supports SQLite and PostgreSQL, not {conn.dialect.name}")
-    return insert(table)
-
-
 def insert_new(conn: Connection, table: Table, rows: Sequence[dict[str, Any]], returning=None) -> list:
     """INSERT ... ON CONFLICT DO NOTHING; the `returning` column of the rows really inserted."""
     if not rows:
         return []
-    stmt = _insert(conn, table).on_conflict_do_nothing()
+    stmt = db.upsert_insert(conn, table).on_conflict_do_nothing()
     if returning is None:
         conn.execute(stmt, list(rows))
         return []
@@ -345,8 +331,8 @@ def compute_due_rewards(conn: Connection, *, now: datetime, feedback_window_s: f
         )
     ):
         comp = comps.get(e.completion_id)
-        if comp is not None and utc(e.created_at) <= utc(comp.created_at) + window:
-            events.setdefault((e.completion_id, e.choice_index), []).append(Event(e.type, e.select_kind, e.accepted_chars, e.kept_text, utc(e.created_at)))
+        if comp is not None and as_utc(e.created_at) <= as_utc(comp.created_at) + window:
+            events.setdefault((e.completion_id, e.choice_index), []).append(Event(e.type, e.select_kind, e.accepted_chars, e.kept_text, as_utc(e.created_at)))
     rows = []
     for ch in choices:
         value, parts = reward(ChoiceFeedback(ch.n_chars, ch.text, events.get((ch.completion_id, ch.choice_index), ())), weights)
@@ -362,7 +348,7 @@ def compute_due_rewards(conn: Connection, *, now: datetime, feedback_window_s: f
             )
         )
     if rows:
-        stmt = _insert(conn, db.rewards)
+        stmt = db.upsert_insert(conn, db.rewards)
         stmt = stmt.on_conflict_do_update(
             index_elements=["completion_id", "choice_index"],
             set_={k: stmt.excluded[k] for k in ("model_version", "reward", "components", "outcome", "computed_at")},

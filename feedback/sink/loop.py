@@ -34,6 +34,7 @@ from feedback.sink.ingest import Batch, Counts
 from feedback.reward import RewardWeights
 from feedback.core.config import FlywheelSettings, Section
 from feedback.core.errors import UserError
+from feedback.core.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ def _write_until_done(engine, batch: Batch, settings: SinkSettings, stop: thread
             return _write(engine, batch, settings)
         except OperationalError as e:
             DB_ERRORS.inc()
-            log.warning("database unavailable (%s); retrying the batch in %gs", db._first_line(e), settings.sink.db_retry_s)
+            log.warning("database unavailable (%s); retrying the batch in %gs", first_line(e, with_type=False), settings.sink.db_retry_s)
             if stop.wait(settings.sink.db_retry_s):
                 return None
 
@@ -223,7 +224,7 @@ def _write(engine, batch: Batch, settings: SinkSettings) -> Counts:
     except DBAPIError as e:
         # A message the database refuses though it passed validation (say a NUL character,
         # which PostgreSQL text cannot hold): write one by one so only that one is set aside.
-        log.warning("batch refused by the database (%s); writing it message by message", db._first_line(e))
+        log.warning("batch refused by the database (%s); writing it message by message", first_line(e, with_type=False))
     counts = Counts()
     for one in _singles(batch):
         try:
@@ -232,7 +233,7 @@ def _write(engine, batch: Batch, settings: SinkSettings) -> Counts:
         except OperationalError:
             raise
         except DBAPIError as e:
-            counts.add(_reject(engine, one, db._first_line(e), now))
+            counts.add(_reject(engine, one, first_line(e, with_type=False), now))
     return counts
 
 
@@ -287,7 +288,7 @@ def _sweep(engine, settings: SinkSettings) -> Counts:
             counts.rewards = ingest.compute_due_rewards(conn, now=now, feedback_window_s=cfg.feedback_window_s, weights=cfg.reward)
     except OperationalError as e:
         DB_ERRORS.inc()
-        log.warning("sweep skipped: database unavailable (%s)", db._first_line(e))
+        log.warning("sweep skipped: database unavailable (%s)", first_line(e, with_type=False))
     return counts
 
 
@@ -300,7 +301,7 @@ def _retention(engine, days: int, progress) -> None:
         if any(dropped.values()):
             progress(f"sink: retention dropped text older than {days} days: {retention.describe(dropped)}")
     except OperationalError as e:
-        log.warning("retention skipped: database unavailable (%s)", db._first_line(e))
+        log.warning("retention skipped: database unavailable (%s)", first_line(e, with_type=False))
 
 
 def _record(stats: SinkStats, counts: Counts) -> None:

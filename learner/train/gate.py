@@ -51,10 +51,9 @@ from learner.model import Transformer, WeightHook, _w, apply_rope, rope_cos_sin
 from learner.tokenizer import EOS_ID
 from feedback.core.config import Section
 from learner.judge import Site, Verdict, cursor_sites, judge
-from learner.prompts import PromptBuilder, SummaryCache
+from learner.prompts import EDITOR_STOP, PromptBuilder, SummaryCache
 from serving.settings import ServeSettings
 
-EDITOR_STOP = "\n\n"  # the stop string serving adds to editor (Tabby-shaped) requests: serving/api.py
 
 
 # --- replay -----------------------------------------------------------------------------------------

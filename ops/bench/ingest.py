@@ -113,7 +113,7 @@ def measure(engine, prefix: str, path: str, offered: float | None = None, from_f
     from sqlalchemy import select
 
     from feedback import db
-    from feedback.sink.ingest import utc
+    from feedback.core.clock import as_utc as utc
 
     ev = db.events
     with engine.connect() as conn:
