@@ -18,7 +18,7 @@ endif
 
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo clean
+.PHONY: install lint test demo clean
 
 install: $(STAMP)
 
@@ -35,8 +35,13 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-test: install
+test: install lint
 	$(BIN)/pytest
+
+# The layer rules and the code style are part of the tests: a violation fails `make test`.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 demo: install
 	$(BIN)/flywheel demo

@@ -35,7 +35,9 @@ def admin(k: KafkaSettings, timeout_s: float | None = None) -> KafkaAdminClient:
             bootstrap_timeout_ms=int((timeout_s or k.request_timeout_ms / 1000) * 1000),
         )
     except (KafkaError, OSError) as e:
-        raise UserError(f"Kafka at {k.bootstrap} is unreachable ({type(e).__name__}); is `flywheel up` running?") from None
+        raise UserError(
+            f"Kafka at {k.bootstrap} is unreachable ({type(e).__name__}); is `flywheel up` running?"
+        ) from None
 
 
 def wait_until_ready(k: KafkaSettings, timeout_s: float, alive=lambda: None) -> None:
@@ -97,10 +99,20 @@ def describe_topics(k: KafkaSettings) -> list[TopicInfo]:
         if not names:
             return []
         partitions = {t["name"]: len(t["partitions"]) for t in client.describe_topics(names)}
-        described = client.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names], config_filter="all")
-        configs = {name: {key: d.get("value") for key, d in entries.items()} for name, entries in next(iter(described.values()), {}).items()}
+        described = client.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, n) for n in names], config_filter="all"
+        )
+        configs = {
+            name: {key: d.get("value") for key, d in entries.items()}
+            for name, entries in next(iter(described.values()), {}).items()
+        }
         return [
-            TopicInfo(n, partitions.get(n, 0), configs.get(n, {}).get("retention.ms", "?"), configs.get(n, {}).get("cleanup.policy", "?"))
+            TopicInfo(
+                n,
+                partitions.get(n, 0),
+                configs.get(n, {}).get("retention.ms", "?"),
+                configs.get(n, {}).get("cleanup.policy", "?"),
+            )
             for n in names
         ]
     finally:

@@ -41,8 +41,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.pool import NullPool
 
-from feedback.core.errors import UserError
-from feedback.core.errors import first_line
+from feedback.core.errors import UserError, first_line
 
 # Explicit constraint names: migrations can then drop or alter them on every backend.
 NAMING = {
@@ -119,7 +118,9 @@ rewards = Table(
     Column("reward", Float, nullable=False),
     Column("components", JSON, nullable=False, comment="how the reward was computed"),
     Column("computed_at", TS, nullable=False, server_default=func.now()),
-    Column("outcome", String(16), comment="no_suggestion | edit | select | dismiss | ignored | unseen (feedback/reward.py)"),
+    Column(
+        "outcome", String(16), comment="no_suggestion | edit | select | dismiss | ignored | unseen (feedback/reward.py)"
+    ),
     UniqueConstraint("completion_id", "choice_index"),
 )
 
@@ -132,11 +133,22 @@ pending_events = Table(
     Column("id", Id, primary_key=True, autoincrement=True),
     Column("event_id", String(36), nullable=False, unique=True),
     Column("completion_id", String(64), nullable=False, index=True),
-    Column("payload", LargeBinary, nullable=False, comment="the Kafka message value, decoded again when its completion arrives"),
+    Column(
+        "payload",
+        LargeBinary,
+        nullable=False,
+        comment="the Kafka message value, decoded again when its completion arrives",
+    ),
     Column("kafka_topic", String(255), nullable=False),
     Column("kafka_partition", Integer, nullable=False),
     Column("kafka_offset", BigInteger, nullable=False),
-    Column("held_at", TS, nullable=False, index=True, comment="when the sink first held it; dead-lettered after the grace period"),
+    Column(
+        "held_at",
+        TS,
+        nullable=False,
+        index=True,
+        comment="when the sink first held it; dead-lettered after the grace period",
+    ),
     comment="events whose completion record has not arrived yet",
 )
 
@@ -162,7 +174,9 @@ reward_due = Table(
     "reward_due",
     metadata,
     Column("completion_id", String(64), primary_key=True),
-    Column("due_at", TS, nullable=False, index=True, comment="when its feedback window closes (or now, for a late event)"),
+    Column(
+        "due_at", TS, nullable=False, index=True, comment="when its feedback window closes (or now, for a late event)"
+    ),
     comment="completions whose reward is still to be computed",
 )
 
@@ -207,7 +221,9 @@ rollout_steps = Table(
     Column("rollout_id", Id, ForeignKey("rollouts.id", ondelete="CASCADE"), nullable=False),
     Column("step_index", Integer, nullable=False),
     Column("weight", Float, nullable=False),
-    Column("decision", String(16), nullable=False, comment="advance | hold | promote | rollback | pause | resume | abort"),
+    Column(
+        "decision", String(16), nullable=False, comment="advance | hold | promote | rollback | pause | resume | abort"
+    ),
     Column("evidence", JSON, nullable=False, comment="the metrics and test results behind the decision"),
     Column("decided_at", TS, nullable=False, server_default=func.now()),
     Index(None, "rollout_id", "step_index"),
@@ -269,7 +285,9 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError:
-        raise UserError(f"bad database URL {url!r}: expected e.g. sqlite:///path.db or postgresql+psycopg://...") from None
+        raise UserError(
+            f"bad database URL {url!r}: expected e.g. sqlite:///path.db or postgresql+psycopg://..."
+        ) from None
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is the driver we ship
     if parsed.get_backend_name() == "sqlite":
@@ -308,7 +326,9 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
     except OperationalError as e:
-        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}") from None
+        raise UserError(
+            f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}"
+        ) from None
 
 
 def current_revision(engine: Engine) -> str | None:
@@ -318,11 +338,12 @@ def current_revision(engine: Engine) -> str | None:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
     except OperationalError as e:
-        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}") from None
+        raise UserError(
+            f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}"
+        ) from None
 
 
 def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()  # type: ignore[arg-type]
-

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
 from feedback import db
@@ -54,9 +53,19 @@ def read(engine: Engine) -> Routes:
 
 
 def _upsert(conn, pool: str, version: int | None, percent: float, rollout_id: int | None) -> None:
-    row = {"pool": pool, "version": version, "traffic_percent": percent, "rollout_id": rollout_id, "updated_at": datetime.now(UTC)}
+    row = {
+        "pool": pool,
+        "version": version,
+        "traffic_percent": percent,
+        "rollout_id": rollout_id,
+        "updated_at": datetime.now(UTC),
+    }
     stmt = db.upsert_insert(conn, db.serving_pools).values(**row)
-    conn.execute(stmt.on_conflict_do_update(index_elements=[db.serving_pools.c.pool], set_={k: stmt.excluded[k] for k in row if k != "pool"}))
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[db.serving_pools.c.pool], set_={k: stmt.excluded[k] for k in row if k != "pool"}
+        )
+    )
 
 
 def set_canary(engine: Engine, version: int, percent: float, *, rollout_id: int | None = None) -> None:

@@ -21,8 +21,8 @@ from kafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
 
 from feedback import bus
-from feedback.schemas import Message, encode, key_of
 from feedback.core.config import KafkaSettings
+from feedback.schemas import Message, encode, key_of
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ class _Pending:
 
 
 class BufferedProducer:
-    def __init__(self, kafka: KafkaSettings, *, max_buffered: int = 10_000, batch: int = 500, retry_backoff_s: float = 1.0):
+    def __init__(
+        self, kafka: KafkaSettings, *, max_buffered: int = 10_000, batch: int = 500, retry_backoff_s: float = 1.0
+    ):
         self._kafka = kafka
         self._max = max_buffered
         self._batch = batch
@@ -96,7 +98,12 @@ class BufferedProducer:
         now = time.monotonic()
         if now - self._last_drop_log > 10:
             self._last_drop_log = now
-            log.warning("producer buffer full (%d records): dropped %d records so far; is Kafka at %s up?", self._max, self.dropped, self._kafka.bootstrap)
+            log.warning(
+                "producer buffer full (%d records): dropped %d records so far; is Kafka at %s up?",
+                self._max,
+                self.dropped,
+                self._kafka.bootstrap,
+            )
 
     # --- delivery thread ----------------------------------------------------------------------
 

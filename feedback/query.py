@@ -26,14 +26,30 @@ from typing import Any
 from pydantic import Field
 
 from feedback.core.config import FlywheelSettings, Section
-from feedback.core.errors import UserError
-from feedback.core.errors import first_line
+from feedback.core.errors import UserError, first_line
 
 READS = ("select", "with", "values", "table", "explain", "show")
 WRITES = (
-    "insert", "update", "delete", "merge", "upsert", "create", "drop", "alter", "truncate", "grant",
-    "revoke", "attach", "detach", "vacuum", "reindex", "copy", "call", "pragma", "replace into",
-)  # fmt: skip
+    "insert",
+    "update",
+    "delete",
+    "merge",
+    "upsert",
+    "create",
+    "drop",
+    "alter",
+    "truncate",
+    "grant",
+    "revoke",
+    "attach",
+    "detach",
+    "vacuum",
+    "reindex",
+    "copy",
+    "call",
+    "pragma",
+    "replace into",
+)
 # String literals, quoted identifiers and comments: what the keyword check must not look into.
 _OPAQUE = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|`[^`]*`|\[[^\]]*\]|--[^\n]*|/\*.*?\*/", re.S)
 _WRITE_RE = re.compile(r"\b(" + "|".join(w.replace(" ", r"\s+") for w in WRITES) + r")\b", re.I)
@@ -64,13 +80,17 @@ def check_read_only(sql: str) -> None:
     """Raise UserError naming the first write keyword, or a statement that is not a read."""
     visible = _OPAQUE.sub(" ", sql).strip().rstrip(";").strip()
     if not visible:
-        raise UserError("empty query: pass a SELECT statement, e.g. flywheel query \"SELECT * FROM v_daily_acceptance\"")
+        raise UserError('empty query: pass a SELECT statement, e.g. flywheel query "SELECT * FROM v_daily_acceptance"')
     first = visible.split(None, 1)[0].lower()
     if m := _WRITE_RE.search(visible):
         word = " ".join(m.group(1).upper().split())
-        raise UserError(f"refused: flywheel query is read-only and the query contains {word}; use SELECT (or WITH, EXPLAIN)")
+        raise UserError(
+            f"refused: flywheel query is read-only and the query contains {word}; use SELECT (or WITH, EXPLAIN)"
+        )
     if first not in READS:
-        raise UserError(f"refused: flywheel query is read-only and runs only SELECT, WITH, VALUES, TABLE, EXPLAIN or SHOW, not {first.upper()}")
+        raise UserError(
+            f"refused: flywheel query is read-only and runs only SELECT, WITH, VALUES, TABLE, EXPLAIN or SHOW, not {first.upper()}"
+        )
     if ";" in visible:
         raise UserError("refused: one statement at a time (remove the ';' between statements)")
 
@@ -95,7 +115,9 @@ def _run_sqlite(path: str, sql: str) -> QueryResult:
 
     file = Path(path).expanduser()
     if not path or path == ":memory:" or not file.is_file():
-        raise UserError(f"database {path or ':memory:'} does not exist; run `flywheel up` (or `flywheel db upgrade`) first")
+        raise UserError(
+            f"database {path or ':memory:'} does not exist; run `flywheel up` (or `flywheel db upgrade`) first"
+        )
     conn = sqlite3.connect(f"file:{quote(str(file.resolve()))}?mode=ro", uri=True, timeout=30)
     try:
         conn.execute("PRAGMA query_only = ON")
@@ -120,7 +142,9 @@ def _run_postgres(url: str, sql: str, *, role: str, timeout_s: float) -> QueryRe
     try:
         raw = engine.raw_connection()
     except Exception as e:
-        raise UserError(f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}") from None
+        raise UserError(
+            f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}"
+        ) from None
     try:
         pg = raw.driver_connection
         pg.rollback()  # READ ONLY must be the transaction's first statement
@@ -181,7 +205,9 @@ def to_csv(r: QueryResult) -> str:
     w = csv.writer(out, lineterminator="\n")
     w.writerow(r.columns)
     for row in r.rows:
-        w.writerow(["" if v is None else (json.dumps(_plain(v)) if isinstance(v, (dict, list)) else _plain(v)) for v in row])
+        w.writerow(
+            ["" if v is None else (json.dumps(_plain(v)) if isinstance(v, (dict, list)) else _plain(v)) for v in row]
+        )
     return out.getvalue()
 
 

@@ -41,14 +41,48 @@ from learner.summary import summarize_python, summary_example_ids
 from learner.tokenizer import EOS_ID, SUMMARY_END, SUMMARY_START
 
 LANGUAGES = {
-    ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript", ".jsx": "javascript",
-    ".ts": "typescript", ".tsx": "typescript", ".go": "go", ".rs": "rust", ".java": "java", ".kt": "kotlin",
-    ".scala": "scala", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp", ".hpp": "cpp",
-    ".cs": "csharp", ".rb": "ruby", ".php": "php", ".swift": "swift", ".lua": "lua", ".sh": "shell",
-    ".bash": "shell", ".sql": "sql", ".r": "r", ".jl": "julia", ".hs": "haskell", ".ml": "ocaml",
-    ".ex": "elixir", ".erl": "erlang", ".clj": "clojure", ".dart": "dart", ".m": "objective-c",
-    ".pl": "perl", ".zig": "zig", ".nim": "nim", ".vue": "vue", ".css": "css", ".html": "html",
-}  # fmt: skip
+    ".py": "python",
+    ".pyi": "python",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".jsx": "javascript",
+    ".ts": "typescript",
+    ".tsx": "typescript",
+    ".go": "go",
+    ".rs": "rust",
+    ".java": "java",
+    ".kt": "kotlin",
+    ".scala": "scala",
+    ".c": "c",
+    ".h": "c",
+    ".cc": "cpp",
+    ".cpp": "cpp",
+    ".cxx": "cpp",
+    ".hpp": "cpp",
+    ".cs": "csharp",
+    ".rb": "ruby",
+    ".php": "php",
+    ".swift": "swift",
+    ".lua": "lua",
+    ".sh": "shell",
+    ".bash": "shell",
+    ".sql": "sql",
+    ".r": "r",
+    ".jl": "julia",
+    ".hs": "haskell",
+    ".ml": "ocaml",
+    ".ex": "elixir",
+    ".erl": "erlang",
+    ".clj": "clojure",
+    ".dart": "dart",
+    ".m": "objective-c",
+    ".pl": "perl",
+    ".zig": "zig",
+    ".nim": "nim",
+    ".vue": "vue",
+    ".css": "css",
+    ".html": "html",
+}
 ALWAYS_SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages", "venv", "vendor"})
 STDLIB_SKIPPED_DIRS = ALWAYS_SKIPPED_DIRS | {"test", "tests", "idle_test"}
 
@@ -82,7 +116,9 @@ def is_heldout(rel_path: str, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
-def list_source_files(root: Path, *, suffixes: Sequence[str], skip_dirs: frozenset[str], max_file_bytes: int) -> list[Path]:
+def list_source_files(
+    root: Path, *, suffixes: Sequence[str], skip_dirs: frozenset[str], max_file_bytes: int
+) -> list[Path]:
     """Source files under root, sorted; hidden and `skip_dirs` folders and large files left out."""
     out = []
     for p in root.rglob("*"):
@@ -173,7 +209,9 @@ class TrainingData:
         self.summary_context_rate = summary_context_rate  # share of Python FIM rows with a summarized prefix
         self.stream = token_stream(tok, files) if stream is None else stream
         if len(self.stream) <= seq_len + 1:
-            raise ValueError(f"train split has {len(self.stream)} tokens; it needs more than seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"train split has {len(self.stream)} tokens; it needs more than seq_len + 1 = {seq_len + 1}"
+            )
         self._ends = list(_cumsum(len(f.text) for f in self.files))  # pick files in proportion to size
         self._python = [i for i, f in enumerate(self.files) if f.language == "python"]
 

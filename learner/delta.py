@@ -81,7 +81,13 @@ def layout(entry: Entry) -> dict:
     """What must match for two entries to be XORed: kind, format, shape, dtype of each part."""
     ps = [[str(p.dtype).removeprefix("torch."), list(p.shape)] for p in parts(entry)]
     if isinstance(entry, fp4.PackedTensor):
-        return {"kind": "fp4", "fmt": entry.fmt.name, "shape": list(entry.shape), "dtype": str(entry.dtype).removeprefix("torch."), "parts": ps}
+        return {
+            "kind": "fp4",
+            "fmt": entry.fmt.name,
+            "shape": list(entry.shape),
+            "dtype": str(entry.dtype).removeprefix("torch."),
+            "parts": ps,
+        }
     return {"kind": "dense", "shape": list(entry.shape), "dtype": ps[0][0], "parts": ps}
 
 
@@ -160,7 +166,9 @@ def diff(
     (else DeltaError: publish a full snapshot instead). Known hashes skip rehashing."""
     if set(old) != set(new):
         missing, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
-        raise DeltaError(f"checkpoints differ in tensors (removed {missing[:3]}, added {added[:3]}); publish a full snapshot instead")
+        raise DeltaError(
+            f"checkpoints differ in tensors (removed {missing[:3]}, added {added[:3]}); publish a full snapshot instead"
+        )
     old_hashes = dict(old_hashes) if old_hashes is not None else tensor_hashes(old)
     new_hashes = dict(new_hashes) if new_hashes is not None else tensor_hashes(new)
     changed = {}
@@ -170,7 +178,10 @@ def diff(
         lo, ln = layout(old[name]), layout(new[name])
         if lo != ln:
             raise DeltaError(f"{name}: layout changed ({lo} -> {ln}); publish a full snapshot instead")
-        xor = tuple(torch.from_numpy(np.bitwise_xor(_bytes(a), _bytes(b))) for a, b in zip(parts(old[name]), parts(new[name]), strict=True))
+        xor = tuple(
+            torch.from_numpy(np.bitwise_xor(_bytes(a), _bytes(b)))
+            for a, b in zip(parts(old[name]), parts(new[name]), strict=True)
+        )
         changed[name] = TensorDelta(ln, old_hashes[name], new_hashes[name], xor)
     return Delta(base_version, version, checkpoint_digest(old_hashes), checkpoint_digest(new_hashes), changed)
 
@@ -183,7 +194,9 @@ def apply(base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | No
     if set(hashes) != set(base):
         raise ValueError("base_hashes must name exactly the base's tensors")
     if not set(delta.changed) <= set(base):
-        raise DeltaError(f"wrong base: it lacks tensors the delta changes, e.g. {sorted(set(delta.changed) - set(base))[:3]}")
+        raise DeltaError(
+            f"wrong base: it lacks tensors the delta changes, e.g. {sorted(set(delta.changed) - set(base))[:3]}"
+        )
     if checkpoint_digest(hashes) != delta.base_digest:
         raise DeltaError(
             f"wrong base: the delta applies to version {delta.base_version} (digest {delta.base_digest[:12]}), "
@@ -193,7 +206,9 @@ def apply(base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | No
     for name, td in delta.changed.items():
         b = base[name]
         if tensor_sha256(b) != td.base_sha256:
-            raise DeltaError(f"{name}: the base tensor's sha256 is not the one the delta was made against (corrupt or modified base)")
+            raise DeltaError(
+                f"{name}: the base tensor's sha256 is not the one the delta was made against (corrupt or modified base)"
+            )
         if layout(b) != td.layout:
             raise DeltaError(f"{name}: the delta's layout {td.layout} does not match the base's {layout(b)}")
         new_parts = []
@@ -240,7 +255,9 @@ def encode(delta: Delta, *, level: int = 3, threads: int = -1) -> bytes:
             mask, values, k = _split(x.numpy(), w)
             chunks += [mask, values]
             part_meta.append({"w": w, "n": x.numel() // w, "k": k})
-        entries.append({"name": name, "layout": td.layout, "base_sha256": td.base_sha256, "sha256": td.sha256, "parts": part_meta})
+        entries.append(
+            {"name": name, "layout": td.layout, "base_sha256": td.base_sha256, "sha256": td.sha256, "parts": part_meta}
+        )
     payload = b"".join(c.tobytes() for c in chunks)
     header = {
         "format": "flywheel-xor-delta",
@@ -252,8 +269,12 @@ def encode(delta: Delta, *, level: int = 3, threads: int = -1) -> bytes:
         "changed": entries,
         "payload_nbytes": len(payload),
     }
-    hdr = zstandard.ZstdCompressor(level=max(level, 3), write_checksum=True).compress(json.dumps(header, separators=(",", ":")).encode())
-    frame = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True, write_content_size=True).compress(payload)
+    hdr = zstandard.ZstdCompressor(level=max(level, 3), write_checksum=True).compress(
+        json.dumps(header, separators=(",", ":")).encode()
+    )
+    frame = zstandard.ZstdCompressor(
+        level=level, threads=threads, write_checksum=True, write_content_size=True
+    ).compress(payload)
     return MAGIC + struct.pack("<I", len(hdr)) + hdr + frame
 
 
@@ -267,7 +288,11 @@ def read_header(data: bytes) -> dict:
         header = json.loads(zstandard.ZstdDecompressor().decompress(data[start : start + n]))
     except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DeltaError(f"corrupt delta header: {e}") from None
-    if not isinstance(header, dict) or header.get("format") != "flywheel-xor-delta" or header.get("wire_version") != WIRE_VERSION:
+    if (
+        not isinstance(header, dict)
+        or header.get("format") != "flywheel-xor-delta"
+        or header.get("wire_version") != WIRE_VERSION
+    ):
         raise DeltaError(f"unsupported delta format {header.get('format') if isinstance(header, dict) else header!r}")
     header["_payload_offset"] = start + n
     return header
@@ -277,7 +302,9 @@ def decode(data: bytes) -> Delta:
     """Inverse of encode. Corrupt bytes raise DeltaError (zstd's checksum, sizes, the header)."""
     h = read_header(data)
     try:
-        payload = zstandard.ZstdDecompressor().decompress(data[h["_payload_offset"] :], max_output_size=h["payload_nbytes"])
+        payload = zstandard.ZstdDecompressor().decompress(
+            data[h["_payload_offset"] :], max_output_size=h["payload_nbytes"]
+        )
     except zstandard.ZstdError as e:
         raise DeltaError(f"corrupt delta payload: {e}") from None
     if len(payload) != h["payload_nbytes"]:

@@ -190,7 +190,11 @@ def verify_packed_roundtrip(folder: str | Path, hf_folder: str | Path | None = N
         p = fp4.from_safetensors_dict(tensors, name)
         dense = fp4.dequantize(fp4.unpack(p), dtype=torch.bfloat16)
         again = fp4.pack(fp4.quantize(dense, p.fmt))
-        for a, b in ((p.weight_packed, again.weight_packed), (p.weight_scale, again.weight_scale), (p.weight_global_scale, again.weight_global_scale)):
+        for a, b in (
+            (p.weight_packed, again.weight_packed),
+            (p.weight_scale, again.weight_scale),
+            (p.weight_global_scale, again.weight_global_scale),
+        ):
             if (a is None) != (b is None) or (a is not None and not torch.equal(_bits(a), _bits(b))):
                 raise ValueError(f"{name}: packed -> bf16 -> packed is not bit-identical")
         if hf is not None and not torch.equal(_bits(hf[name]), _bits(dense)):

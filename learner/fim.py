@@ -19,7 +19,7 @@ from learner.tokenizer import EOS_ID, FIM_MIDDLE_ID, FIM_PREFIX_ID, FIM_SUFFIX_I
 
 
 def fim_header(*, language: str | None = None, path: str | None = None) -> str:
-    """"# {language}: {path}\\n", "# {language}\\n", "# {path}\\n", or "" when neither is known."""
+    """ "# {language}: {path}\\n", "# {language}\\n", "# {path}\\n", or "" when neither is known."""
     if language and path:
         return f"# {language}: {path}\n"
     if language or path:
@@ -31,7 +31,9 @@ def fim_prompt_ids(tok: Tokenizer, prefix: str, suffix: str, header: str = "") -
     """Token ids of a FIM prompt; the model continues with the middle, then EOS_ID."""
     if header and not header.endswith("\n"):
         header += "\n"
-    return [FIM_PREFIX_ID] + tok.encode(header + prefix).ids + [FIM_SUFFIX_ID] + tok.encode(suffix).ids + [FIM_MIDDLE_ID]
+    return (
+        [FIM_PREFIX_ID] + tok.encode(header + prefix).ids + [FIM_SUFFIX_ID] + tok.encode(suffix).ids + [FIM_MIDDLE_ID]
+    )
 
 
 def fim_example_ids(tok: Tokenizer, prefix: str, middle: str, suffix: str, header: str = "") -> list[int]:

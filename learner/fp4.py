@@ -67,9 +67,7 @@ from dataclasses import dataclass
 import torch
 
 # code -> value; index bits 0-2 are the magnitude, bit 3 the sign
-E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-)
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # Midpoints between consecutive magnitudes. Crossing midpoint i (from index i to i+1) needs
 # |x| > m when i is even (a tie stays on even i) and |x| >= m when i is odd (a tie moves to i+1).
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)

@@ -32,7 +32,7 @@ it a small MoE trained from scratch routes most tokens to a few experts.
 """
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -228,7 +228,13 @@ class MoE(nn.Module):
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_dim) for _ in range(args.n_experts))
 
-    def forward(self, x_TD: torch.Tensor, fp4: WeightHook | None, forced_TK: torch.Tensor | None = None, balance_losses: list | None = None):
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        fp4: WeightHook | None,
+        forced_TK: torch.Tensor | None = None,
+        balance_losses: list | None = None,
+    ):
         """Returns (out_TD, idx_TK): the mixed expert outputs and the experts chosen."""
         logits_TE = F.linear(x_TD, _w(self.gate, fp4))
         probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float)
@@ -312,7 +318,7 @@ class Transformer(nn.Module):
         when `return_routing` is set. `routing` forces the experts chosen in each layer;
         `balance_losses`, a list, receives each layer's load-balancing loss."""
         B, S = input_ids.shape
-        if S > self.args.max_seq_len:
+        if self.args.max_seq_len < S:
             raise ValueError(f"sequence of {S} tokens is longer than max_seq_len={self.args.max_seq_len}")
         self._check_routing(routing, B, S)
         x = F.embedding(input_ids, _w(self.model.embed_tokens, fp4))  # [B, S, D]

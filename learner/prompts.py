@@ -126,7 +126,9 @@ class PromptBuilder:
 
     async def build(self, prefix: str, suffix: str | None, header: str, summarize: Summarizer | None) -> Prompt:
         """A FIM prompt within `budget` tokens (plain left-to-right when `suffix` is None)."""
-        suffix_ids = self.encode(suffix)[: self.budget // 4] if suffix else []  # the code right after the cursor matters most
+        suffix_ids = (
+            self.encode(suffix)[: self.budget // 4] if suffix else []
+        )  # the code right after the cursor matters most
         if suffix is not None:
             kept_suffix = suffix if len(suffix_ids) == len(self.encode(suffix)) else self.tok.decode(suffix_ids)
             whole = fim_prompt_ids(self.tok, prefix, kept_suffix, header)  # exactly the trained format
@@ -186,4 +188,9 @@ class PromptBuilder:
             left -= len(ids)
         dropped = sum(len(ids) for _, ids in blocks[: len(blocks) - len(kept)])
         body = [t for _, ids in kept for t in ids] + recent
-        return body, dict(summary_ids=[h for h, _ in kept], summaries_cached=cached, summaries_generated=generated, truncated_tokens=dropped)
+        return body, dict(
+            summary_ids=[h for h, _ in kept],
+            summaries_cached=cached,
+            summaries_generated=generated,
+            truncated_tokens=dropped,
+        )

@@ -71,7 +71,9 @@ _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
 def pack_checkpoint(
-    state: Mapping[str, torch.Tensor], fmt: fp4.FP4Format | str = fp4.NVFP4, patterns: Sequence[str] = fp4.DEFAULT_FP4_TARGETS
+    state: Mapping[str, torch.Tensor],
+    fmt: fp4.FP4Format | str = fp4.NVFP4,
+    patterns: Sequence[str] = fp4.DEFAULT_FP4_TARGETS,
 ) -> dict[str, codec.Entry]:
     """A model's state dict (checkpoint names, e.g. fp32 master weights) in packed form: FP4
     targets quantized from fp32 and packed exactly as learner.export does, the rest bf16."""
@@ -93,7 +95,9 @@ def to_hf_tensors(packed: Mapping[str, codec.Entry], names: Sequence[str] | None
     out = {}
     for name in packed if names is None else names:
         e = packed[name]
-        out[name] = fp4.dequantize(fp4.unpack(e), torch.bfloat16) if isinstance(e, fp4.PackedTensor) else e.to(torch.bfloat16)
+        out[name] = (
+            fp4.dequantize(fp4.unpack(e), torch.bfloat16) if isinstance(e, fp4.PackedTensor) else e.to(torch.bfloat16)
+        )
     return out
 
 
@@ -105,7 +109,9 @@ def to_safetensors(packed: Mapping[str, codec.Entry]) -> dict[str, torch.Tensor]
     return out
 
 
-def from_safetensors(tensors: Mapping[str, torch.Tensor], fp4_names: Sequence[str], dense_names: Sequence[str]) -> dict[str, codec.Entry]:
+def from_safetensors(
+    tensors: Mapping[str, torch.Tensor], fp4_names: Sequence[str], dense_names: Sequence[str]
+) -> dict[str, codec.Entry]:
     """Inverse of to_safetensors, given which names are FP4 (a manifest lists them)."""
     out: dict[str, codec.Entry] = {name: fp4.from_safetensors_dict(tensors, name) for name in fp4_names}
     out.update({name: tensors[name] for name in dense_names})
@@ -219,7 +225,9 @@ class Store(ABC):
             raw, marker = self._read(version, MANIFEST), self._read(version, STABLE).decode().strip()
             sha = hashlib.sha256(raw).hexdigest()
             if sha != marker:
-                raise codec.DeltaError(f"version {version}: manifest.json sha256 {sha[:12]} is not the STABLE marker's {marker[:12]} (corrupt)")
+                raise codec.DeltaError(
+                    f"version {version}: manifest.json sha256 {sha[:12]} is not the STABLE marker's {marker[:12]} (corrupt)"
+                )
             self._manifests[version] = (json.loads(raw), sha)
         return self._manifests[version]
 
@@ -227,7 +235,9 @@ class Store(ABC):
         info = self.manifest(version)["files"][kind]
         data = self._read(version, info["name"])
         if hashlib.sha256(data).hexdigest() != info["sha256"]:
-            raise codec.DeltaError(f"version {version}: {info['name']} does not match the sha256 in its manifest (corrupt file)")
+            raise codec.DeltaError(
+                f"version {version}: {info['name']} does not match the sha256 in its manifest (corrupt file)"
+            )
         return data
 
     def plan(self, target: int, have: int | None = None) -> Plan:
@@ -240,7 +250,10 @@ class Store(ABC):
         v, after, cost, full_plan = target, [], 0, None
         while True:
             if v == have:
-                return min((p for p in (full_plan, Plan(target, have, None, tuple(reversed(after)), cost)) if p), key=lambda p: p.nbytes)
+                return min(
+                    (p for p in (full_plan, Plan(target, have, None, tuple(reversed(after)), cost)) if p),
+                    key=lambda p: p.nbytes,
+                )
             if v not in stable:
                 break
             m = self.manifest(v)
@@ -270,11 +283,17 @@ class Store(ABC):
         else:
             if base is None:
                 raise ValueError(f"the plan starts from version {plan.have}: pass its checkpoint as base")
-            ckpt, hashes, prev = dict(base), dict(base_hashes) if base_hashes is not None else codec.tensor_hashes(base), plan.have
+            ckpt, hashes, prev = (
+                dict(base),
+                dict(base_hashes) if base_hashes is not None else codec.tensor_hashes(base),
+                plan.have,
+            )
         for v in plan.deltas:
             d = codec.decode(self._payload(v, "delta"))
             if d.version != v or d.base_version != prev:
-                raise codec.DeltaError(f"version {v}: its delta goes from {d.base_version} to {d.version}, expected {prev} -> {v}")
+                raise codec.DeltaError(
+                    f"version {v}: its delta goes from {d.base_version} to {d.version}, expected {prev} -> {v}"
+                )
             ckpt = codec.apply(ckpt, d, base_hashes=hashes)
             hashes, prev = d.new_hashes(hashes), v
         expected = {n: t["sha256"] for n, t in self.manifest(plan.target)["tensors"].items()}
@@ -286,11 +305,15 @@ class Store(ABC):
         m = self.manifest(version)
         tensors = st_load(self._payload(version, "full"))
         kinds = {n: t["kind"] for n, t in m["tensors"].items()}
-        ckpt = from_safetensors(tensors, [n for n, k in kinds.items() if k == "fp4"], [n for n, k in kinds.items() if k == "dense"])
+        ckpt = from_safetensors(
+            tensors, [n for n, k in kinds.items() if k == "fp4"], [n for n, k in kinds.items() if k == "dense"]
+        )
         hashes = codec.tensor_hashes(ckpt)
         bad = [n for n in hashes if hashes[n] != m["tensors"][n]["sha256"]]
         if bad:
-            raise codec.DeltaError(f"version {version}: full snapshot tensors do not match their manifest checksums: {bad[:3]}")
+            raise codec.DeltaError(
+                f"version {version}: full snapshot tensors do not match their manifest checksums: {bad[:3]}"
+            )
         return ckpt, hashes
 
     def materialize(self, version: int) -> dict[str, codec.Entry]:
@@ -308,7 +331,9 @@ class Store(ABC):
         return {n: t["sha256"] for n, t in self.manifest(version)["tensors"].items()}
 
     # publishing ------------------------------------------------------------------------------
-    def publish(self, ckpt: Mapping[str, codec.Entry], parent: int | None, *, version: int | None = None) -> ModelVersion:
+    def publish(
+        self, ckpt: Mapping[str, codec.Entry], parent: int | None, *, version: int | None = None
+    ) -> ModelVersion:
         """Write `ckpt` as the next version (or `version`): a delta against `parent`, plus a
         full snapshot when there is no parent, the layout changed, or `full_every` versions
         have passed since the last one. Returns the ModelVersion to announce (gate fields at
@@ -328,9 +353,18 @@ class Store(ABC):
             chain_length = 0
             if parent is not None:
                 base = self.materialize(parent)
-                same_layout = set(base) == set(ckpt) and all(codec.layout(base[n]) == codec.layout(ckpt[n]) for n in ckpt)
+                same_layout = set(base) == set(ckpt) and all(
+                    codec.layout(base[n]) == codec.layout(ckpt[n]) for n in ckpt
+                )
                 if same_layout:
-                    d = codec.diff(base, ckpt, base_version=parent, version=version, old_hashes=self._cache.hashes, new_hashes=hashes)
+                    d = codec.diff(
+                        base,
+                        ckpt,
+                        base_version=parent,
+                        version=version,
+                        old_hashes=self._cache.hashes,
+                        new_hashes=hashes,
+                    )
                     files[DELTA_FILE] = codec.encode(d, level=self.zstd_level, threads=self.zstd_threads)
                     info["changed_tensors"], info["xor_nbytes"] = len(d.changed), d.xor_nbytes
                     chain_length = self.manifest(parent)["chain_length"] + 1
@@ -340,7 +374,9 @@ class Store(ABC):
                     full_reason = "the tensor layout changed"
             if full_reason is not None:
                 chain_length = 0
-                files[FULL_FILE] = st_save(to_safetensors(ckpt), metadata={"format": "pt", "fp4_format": _fp4_format(ckpt) or ""})
+                files[FULL_FILE] = st_save(
+                    to_safetensors(ckpt), metadata={"format": "pt", "fp4_format": _fp4_format(ckpt) or ""}
+                )
             manifest = self._manifest_for(version, parent, ckpt, hashes, files, full_reason, chain_length, info)
             raw = (json.dumps(manifest, indent=1) + "\n").encode()
             files[MANIFEST] = raw
@@ -348,7 +384,9 @@ class Store(ABC):
             self._write_version(version, files, (sha + "\n").encode())
             self._manifests[version] = (manifest, sha)
             self._cache = _Materialized(version, ckpt, hashes)
-            log.info("published v%d (%s, %s) to %s", version, manifest["kind"], full_reason or "delta", self.uri(version))
+            log.info(
+                "published v%d (%s, %s) to %s", version, manifest["kind"], full_reason or "delta", self.uri(version)
+            )
             return self.model_version(version)
 
     def _manifest_for(self, version, parent, ckpt, hashes, files, full_reason, chain_length, info) -> dict:
@@ -481,7 +519,9 @@ class LocalStore(Store):
     def _remove_debris(self) -> list[str]:
         gone = []
         for p in self.root.iterdir():
-            if p.is_dir() and (p.name.startswith(".tmp-v") or (_VERSION_DIR.match(p.name) and not (p / STABLE).is_file())):
+            if p.is_dir() and (
+                p.name.startswith(".tmp-v") or (_VERSION_DIR.match(p.name) and not (p / STABLE).is_file())
+            ):
                 shutil.rmtree(p, ignore_errors=True)
                 gone.append(p.name)
         return gone
@@ -510,7 +550,9 @@ def open_store(uri: str | Path, **opts) -> Store:
         return LocalStore(unquote(parsed.path), **opts)
     if parsed.scheme in ("", None) or re.match(r"^[A-Za-z]:[\\/]", s):
         return LocalStore(s, **opts)
-    raise ValueError(f"weight store URI {s!r}: only file:// (or a local path) is supported so far; object stores are not implemented yet")
+    raise ValueError(
+        f"weight store URI {s!r}: only file:// (or a local path) is supported so far; object stores are not implemented yet"
+    )
 
 
 def default_store_uri(settings) -> str:
@@ -538,7 +580,10 @@ def record(msg: ModelVersion, engine) -> None:
     stmt = db.upsert_insert(engine, db.model_versions).values(**row)
     stmt = stmt.on_conflict_do_update(
         index_elements=[db.model_versions.c.version],
-        set_={k: stmt.excluded[k] for k in ("gate_passed", "gate_reason", "metrics", "size_bytes", "full_size_bytes", "uri", "sha256")},
+        set_={
+            k: stmt.excluded[k]
+            for k in ("gate_passed", "gate_reason", "metrics", "size_bytes", "full_size_bytes", "uri", "sha256")
+        },
     )
     with engine.begin() as conn:
         conn.execute(stmt)

@@ -72,9 +72,11 @@ def _from_body(body: list[ast.stmt], *, top: bool) -> list[str]:
         if isinstance(node, ast.ClassDef):
             out.append(_format(node))
             out += _from_body(node.body, top=False)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            out.append(_format(node))
-        elif top and isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign)):
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            or top
+            and isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign))
+        ):
             out.append(_format(node))
     return out
 

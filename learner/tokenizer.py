@@ -89,9 +89,7 @@ def tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict:
     }
 
 
-def save_tokenizer(
-    tok: Tokenizer, folder: str | Path, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
-) -> None:
+def save_tokenizer(tok: Tokenizer, folder: str | Path, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
     """Write `tokenizer.json` and `tokenizer_config.json` into `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,9 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from feedback import db
-from serving.api import _state, require_ops
-from feedback.core.errors import first_line
 from feedback.core.clock import as_utc
+from feedback.core.errors import first_line
+from serving.api import _state, require_ops
 
 MAX_BUCKETS = 96
 NICE_BUCKETS_S = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400)
@@ -108,7 +108,9 @@ def _totals(conn: Connection) -> dict[str, int]:
 
 def _pools(conn: Connection) -> list[dict]:
     p = db.serving_pools.c
-    rows = conn.execute(select(p.pool, p.version, p.traffic_percent, p.rollout_id, p.updated_at).order_by(p.pool)).mappings()
+    rows = conn.execute(
+        select(p.pool, p.version, p.traffic_percent, p.rollout_id, p.updated_at).order_by(p.pool)
+    ).mappings()
     return [_plain_row(r) for r in rows]
 
 
@@ -118,67 +120,113 @@ def _versions(conn: Connection) -> list[dict]:
     registry = {
         r["version"]: _plain_row(r)
         for r in conn.execute(
-            select(mv.version, mv.parent, mv.kind, mv.size_bytes, mv.full_size_bytes, mv.gate_passed, mv.gate_reason, mv.created_at)
+            select(
+                mv.version,
+                mv.parent,
+                mv.kind,
+                mv.size_bytes,
+                mv.full_size_bytes,
+                mv.gate_passed,
+                mv.gate_reason,
+                mv.created_at,
+            )
         ).mappings()
     }
     served = {
         r.model_version: r
-        for r in conn.execute(text(
-            "SELECT model_version, COUNT(DISTINCT completion_id) AS completions, SUM(shown) AS shown, SUM(accepted) AS accepted "
-            "FROM v_choice_feedback GROUP BY model_version"
-        ))
-    }  # fmt: skip
-    rewarded = {r.model_version: r for r in conn.execute(text("SELECT model_version, rewarded, mean_reward FROM v_version_rewards"))}
+        for r in conn.execute(
+            text(
+                "SELECT model_version, COUNT(DISTINCT completion_id) AS completions, SUM(shown) AS shown, SUM(accepted) AS accepted "
+                "FROM v_choice_feedback GROUP BY model_version"
+            )
+        )
+    }
+    rewarded = {
+        r.model_version: r
+        for r in conn.execute(text("SELECT model_version, rewarded, mean_reward FROM v_version_rewards"))
+    }
     out = []
     for v in sorted(set(registry) | set(served) | set(rewarded)):
-        row = registry.get(v) or {"version": v, "parent": None, "kind": None, "size_bytes": None, "full_size_bytes": None,
-                                  "gate_passed": None, "gate_reason": None, "created_at": None}  # fmt: skip
+        row = registry.get(v) or {
+            "version": v,
+            "parent": None,
+            "kind": None,
+            "size_bytes": None,
+            "full_size_bytes": None,
+            "gate_passed": None,
+            "gate_reason": None,
+            "created_at": None,
+        }
         s, r = served.get(v), rewarded.get(v)
         shown, accepted = int(s.shown or 0) if s else 0, int(s.accepted or 0) if s else 0
-        out.append(row | {
-            "completions": int(s.completions) if s else 0,
-            "shown": shown,
-            "accepted": accepted,
-            "accept_rate": accepted / shown if shown else None,
-            "rewarded": int(r.rewarded) if r else 0,
-            "mean_reward": float(r.mean_reward) if r and r.mean_reward is not None else None,
-        })  # fmt: skip
+        out.append(
+            row
+            | {
+                "completions": int(s.completions) if s else 0,
+                "shown": shown,
+                "accepted": accepted,
+                "accept_rate": accepted / shown if shown else None,
+                "rewarded": int(r.rewarded) if r else 0,
+                "mean_reward": float(r.mean_reward) if r and r.mean_reward is not None else None,
+            }
+        )
     return out
 
 
 def _acceptance(conn: Connection, bucket) -> list[dict]:
     """Accept rate per version and time bucket: accepted choices over shown choices."""
-    rows = conn.execute(text(f"""
+    rows = conn.execute(
+        text(f"""
         SELECT ts, model_version, SUM(shown) AS shown, SUM(accepted) AS accepted
-        FROM (SELECT {bucket('created_at')} AS ts, model_version, shown, accepted FROM v_choice_feedback) b
+        FROM (SELECT {bucket("created_at")} AS ts, model_version, shown, accepted FROM v_choice_feedback) b
         GROUP BY ts, model_version ORDER BY ts, model_version
-    """))  # fmt: skip
+    """)
+    )
     return [
-        {"t": _iso_epoch(r.ts), "version": r.model_version, "shown": int(r.shown), "accepted": int(r.accepted),
-         "accept_rate": int(r.accepted) / int(r.shown) if r.shown else None}
+        {
+            "t": _iso_epoch(r.ts),
+            "version": r.model_version,
+            "shown": int(r.shown),
+            "accepted": int(r.accepted),
+            "accept_rate": int(r.accepted) / int(r.shown) if r.shown else None,
+        }
         for r in rows
-    ]  # fmt: skip
+    ]
 
 
 def _reward(conn: Connection, bucket) -> list[dict]:
     """Mean reward per version, bucketed by when the rewarded completion was served."""
-    rows = conn.execute(text(f"""
+    rows = conn.execute(
+        text(f"""
         SELECT ts, model_version, COUNT(*) AS rewarded, AVG(reward) AS mean_reward
-        FROM (SELECT {bucket('c.created_at')} AS ts, r.model_version, r.reward
+        FROM (SELECT {bucket("c.created_at")} AS ts, r.model_version, r.reward
               FROM rewards r JOIN completions c ON c.completion_id = r.completion_id) b
         GROUP BY ts, model_version ORDER BY ts, model_version
-    """))  # fmt: skip
-    return [{"t": _iso_epoch(r.ts), "version": r.model_version, "rewarded": int(r.rewarded), "mean_reward": float(r.mean_reward)} for r in rows]
+    """)
+    )
+    return [
+        {
+            "t": _iso_epoch(r.ts),
+            "version": r.model_version,
+            "rewarded": int(r.rewarded),
+            "mean_reward": float(r.mean_reward),
+        }
+        for r in rows
+    ]
 
 
 def _volume(conn: Connection, bucket) -> dict[str, list[dict]]:
-    completions = conn.execute(text(f"""
-        SELECT ts, COUNT(*) AS n FROM (SELECT {bucket('created_at')} AS ts FROM completions) b GROUP BY ts ORDER BY ts
-    """))  # fmt: skip
-    events = conn.execute(text(f"""
-        SELECT ts, type, COUNT(*) AS n FROM (SELECT {bucket('created_at')} AS ts, type FROM events) b
+    completions = conn.execute(
+        text(f"""
+        SELECT ts, COUNT(*) AS n FROM (SELECT {bucket("created_at")} AS ts FROM completions) b GROUP BY ts ORDER BY ts
+    """)
+    )
+    events = conn.execute(
+        text(f"""
+        SELECT ts, type, COUNT(*) AS n FROM (SELECT {bucket("created_at")} AS ts, type FROM events) b
         GROUP BY ts, type ORDER BY ts, type
-    """))  # fmt: skip
+    """)
+    )
     return {
         "completions": [{"t": _iso_epoch(r.ts), "n": int(r.n)} for r in completions],
         "events": [{"t": _iso_epoch(r.ts), "type": r.type, "n": int(r.n)} for r in events],
@@ -193,20 +241,43 @@ def _current_rollout(conn: Connection) -> dict | None:
     if row is None:
         return None
     steps = conn.execute(
-        select(st.step_index, st.weight, st.decision, st.evidence, st.decided_at).where(st.rollout_id == row["id"]).order_by(st.decided_at, st.id)
+        select(st.step_index, st.weight, st.decision, st.evidence, st.decided_at)
+        .where(st.rollout_id == row["id"])
+        .order_by(st.decided_at, st.id)
     ).mappings()
     return _plain_row(row) | {"active": row["state"] in ("running", "paused"), "steps": [_plain_row(s) for s in steps]}
 
 
 def _recent_rollouts(conn: Connection) -> list[dict]:
     ro = db.rollouts.c
-    cols = (ro.id, ro.candidate_version, ro.stable_version, ro.state, ro.step_index, ro.reason, ro.started_at, ro.finished_at)
+    cols = (
+        ro.id,
+        ro.candidate_version,
+        ro.stable_version,
+        ro.state,
+        ro.step_index,
+        ro.reason,
+        ro.started_at,
+        ro.finished_at,
+    )
     return [_plain_row(r) for r in conn.execute(select(*cols).order_by(desc(ro.id)).limit(RECENT_ROLLOUTS)).mappings()]
 
 
 def _swaps(conn: Connection) -> list[dict]:
     sw = db.swap_events.c
-    cols = (sw.at, sw.pool, sw.replica, sw.from_version, sw.to_version, sw.ok, sw.pause_s, sw.prepare_s, sw.tensors_reloaded, sw.fetched_bytes, sw.error)
+    cols = (
+        sw.at,
+        sw.pool,
+        sw.replica,
+        sw.from_version,
+        sw.to_version,
+        sw.ok,
+        sw.pause_s,
+        sw.prepare_s,
+        sw.tensors_reloaded,
+        sw.fetched_bytes,
+        sw.error,
+    )
     rows = conn.execute(select(*cols).order_by(desc(sw.at), desc(sw.id)).limit(MAX_SWAPS)).mappings()
     return [_plain_row(r) for r in reversed(list(rows))]
 
@@ -217,13 +288,15 @@ def summarise_swaps(swaps: list[dict]) -> list[dict]:
     for v in sorted({s["to_version"] for s in swaps}):
         mine = [s for s in swaps if s["to_version"] == v]
         pauses = sorted(s["pause_s"] for s in mine if s["ok"])
-        out.append({
-            "to_version": v,
-            "swaps": len(mine),
-            "failed": sum(not s["ok"] for s in mine),
-            "p50_pause_s": pauses[(len(pauses) - 1) // 2] if pauses else None,  # nearest rank, as the SQL views
-            "max_pause_s": pauses[-1] if pauses else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "to_version": v,
+                "swaps": len(mine),
+                "failed": sum(not s["ok"] for s in mine),
+                "p50_pause_s": pauses[(len(pauses) - 1) // 2] if pauses else None,  # nearest rank, as the SQL views
+                "max_pause_s": pauses[-1] if pauses else None,
+            }
+        )
     return out
 
 
@@ -281,7 +354,11 @@ def render_html(data: dict[str, Any], *, script_src: str | None = None, refresh_
         _section("Accept rate by version", _chart("accept", _accept_figure(data), figures)),
         _section("Mean reward by version", _chart("reward", _reward_figure(data), figures)),
         _section("Rollout", _rollout_html(data, figures), wide=True),
-        _section("Versions: delta vs full snapshot", _chart("sizes", _sizes_figure(data), figures) + _versions_table(data), wide=True),
+        _section(
+            "Versions: delta vs full snapshot",
+            _chart("sizes", _sizes_figure(data), figures) + _versions_table(data),
+            wide=True,
+        ),
         _section("Hot-swap pauses", _chart("swaps", _swaps_figure(data), figures) + _swap_table(data)),
         _section("Feedback volume", _chart("volume", _volume_figure(data), figures)),
     ]
@@ -292,8 +369,8 @@ def render_html(data: dict[str, Any], *, script_src: str | None = None, refresh_
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 {refresh}<title>Flywheel ops dashboard</title><style>{CSS}</style></head>
 <body><header><h1>Flywheel ops dashboard</h1>
-<span class="meta">generated {_e(_short(data['generated_at']))} UTC &middot; time buckets of {_e(_duration(data['bucket_s']))}</span></header>
-<main>{''.join(sections)}</main>
+<span class="meta">generated {_e(_short(data["generated_at"]))} UTC &middot; time buckets of {_e(_duration(data["bucket_s"]))}</span></header>
+<main>{"".join(sections)}</main>
 <script type="application/json" id="figures">{payload}</script>
 {script}
 </body></html>
@@ -327,7 +404,12 @@ def _section(title: str, body: str, *, wide: bool = False) -> str:
 
 
 def _layout(**kw) -> dict:
-    base = dict(template="plotly_white", margin=dict(l=50, r=20, t=10, b=40), legend=dict(orientation="h", y=-0.18), hovermode="closest")
+    base = dict(
+        template="plotly_white",
+        margin=dict(l=50, r=20, t=10, b=40),
+        legend=dict(orientation="h", y=-0.18),
+        hovermode="closest",
+    )
     return base | kw
 
 
@@ -354,9 +436,15 @@ def _accept_figure(data: dict):
     versions = [v["version"] for v in data["versions"]]
     fig = go.Figure(layout=_layout(yaxis=dict(tickformat=".0%", rangemode="tozero", title="accepted / shown")))
     for v, (xs, ys, rows) in series.items():
-        fig.add_scatter(x=xs, y=ys, name=f"v{v}", mode="lines+markers", line=dict(color=_color(v, versions)),
-                        customdata=[[r["accepted"], r["shown"]] for r in rows],
-                        hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.1%}} (%{{customdata[0]}} of %{{customdata[1]}})<extra></extra>")  # fmt: skip
+        fig.add_scatter(
+            x=xs,
+            y=ys,
+            name=f"v{v}",
+            mode="lines+markers",
+            line=dict(color=_color(v, versions)),
+            customdata=[[r["accepted"], r["shown"]] for r in rows],
+            hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.1%}} (%{{customdata[0]}} of %{{customdata[1]}})<extra></extra>",
+        )
     return fig
 
 
@@ -369,9 +457,15 @@ def _reward_figure(data: dict):
     versions = [v["version"] for v in data["versions"]]
     fig = go.Figure(layout=_layout(yaxis=dict(title="mean reward", zeroline=True)))
     for v, (xs, ys, rows) in series.items():
-        fig.add_scatter(x=xs, y=ys, name=f"v{v}", mode="lines+markers", line=dict(color=_color(v, versions)),
-                        customdata=[r["rewarded"] for r in rows],
-                        hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.3f}} over %{{customdata}} choices<extra></extra>")  # fmt: skip
+        fig.add_scatter(
+            x=xs,
+            y=ys,
+            name=f"v{v}",
+            mode="lines+markers",
+            line=dict(color=_color(v, versions)),
+            customdata=[r["rewarded"] for r in rows],
+            hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.3f}} over %{{customdata}} choices<extra></extra>",
+        )
     return fig
 
 
@@ -384,9 +478,20 @@ def _sizes_figure(data: dict):
     names = [f"v{v['version']}" for v in rows]
     ratio = [f"{v['size_bytes'] / v['full_size_bytes']:.1%}" if v["full_size_bytes"] else "" for v in rows]
     fig = go.Figure(layout=_layout(barmode="group", yaxis=dict(title="MB"), xaxis=dict(type="category")))
-    fig.add_bar(x=names, y=[v["size_bytes"] / 1e6 for v in rows], name="delta shipped", text=ratio, textposition="outside",
-                hovertemplate="%{x}: %{y:.2f} MB delta (%{text} of full)<extra></extra>")  # fmt: skip
-    fig.add_bar(x=names, y=[v["full_size_bytes"] / 1e6 for v in rows], name="full snapshot", hovertemplate="%{x}: %{y:.2f} MB full<extra></extra>")
+    fig.add_bar(
+        x=names,
+        y=[v["size_bytes"] / 1e6 for v in rows],
+        name="delta shipped",
+        text=ratio,
+        textposition="outside",
+        hovertemplate="%{x}: %{y:.2f} MB delta (%{text} of full)<extra></extra>",
+    )
+    fig.add_bar(
+        x=names,
+        y=[v["full_size_bytes"] / 1e6 for v in rows],
+        name="full snapshot",
+        hovertemplate="%{x}: %{y:.2f} MB full<extra></extra>",
+    )
     return fig
 
 
@@ -400,11 +505,16 @@ def _swaps_figure(data: dict):
     for pool in sorted({s["pool"] for s in swaps}):
         mine = [s for s in swaps if s["pool"] == pool]
         fig.add_scatter(
-            x=[_short(s["at"]) for s in mine], y=[s["pause_s"] * 1000 for s in mine], name=pool, mode="markers",
+            x=[_short(s["at"]) for s in mine],
+            y=[s["pause_s"] * 1000 for s in mine],
+            name=pool,
+            mode="markers",
             marker=dict(size=9, symbol=["circle" if s["ok"] else "x" for s in mine]),
-            customdata=[[s["replica"], s["from_version"], s["to_version"], "ok" if s["ok"] else "FAILED"] for s in mine],
+            customdata=[
+                [s["replica"], s["from_version"], s["to_version"], "ok" if s["ok"] else "FAILED"] for s in mine
+            ],
             hovertemplate="%{customdata[0]}: v%{customdata[1]} → v%{customdata[2]} %{customdata[3]}<br>pause %{y:.1f} ms<extra></extra>",
-        )  # fmt: skip
+        )
     return fig
 
 
@@ -418,8 +528,13 @@ def _volume_figure(data: dict):
     for kind in sorted({e["type"] for e in vol["events"]}):
         mine = [e for e in vol["events"] if e["type"] == kind]
         fig.add_bar(x=[_short(e["t"]) for e in mine], y=[e["n"] for e in mine], name=f"{kind} events", opacity=0.8)
-    fig.add_scatter(x=[_short(c["t"]) for c in vol["completions"]], y=[c["n"] for c in vol["completions"]], name="completions",
-                    mode="lines+markers", line=dict(color="#1d2330", width=2))  # fmt: skip
+    fig.add_scatter(
+        x=[_short(c["t"]) for c in vol["completions"]],
+        y=[c["n"] for c in vol["completions"]],
+        name="completions",
+        mode="lines+markers",
+        line=dict(color="#1d2330", width=2),
+    )
     return fig
 
 
@@ -430,28 +545,57 @@ def _rollout_figure(ro: dict):
     weights, steps = ro["weights"] or [], ro["steps"]
     if not weights and not steps:
         return None
-    fig = go.Figure(layout=_layout(yaxis=dict(title="canary traffic %", range=[0, 115]), xaxis=dict(title="step", dtick=1)))
-    fig.add_scatter(x=list(range(1, len(weights) + 1)), y=weights, name="plan", mode="lines+markers", line=dict(dash="dot", color="#9aa3b5", shape="hv"),
-                    hovertemplate="step %{x}: %{y}%<extra>plan</extra>")  # fmt: skip
+    fig = go.Figure(
+        layout=_layout(yaxis=dict(title="canary traffic %", range=[0, 115]), xaxis=dict(title="step", dtick=1))
+    )
     fig.add_scatter(
-        x=[s["step_index"] + 1 for s in steps], y=[s["weight"] for s in steps], name="decisions", mode="markers+text",
+        x=list(range(1, len(weights) + 1)),
+        y=weights,
+        name="plan",
+        mode="lines+markers",
+        line=dict(dash="dot", color="#9aa3b5", shape="hv"),
+        hovertemplate="step %{x}: %{y}%<extra>plan</extra>",
+    )
+    fig.add_scatter(
+        x=[s["step_index"] + 1 for s in steps],
+        y=[s["weight"] for s in steps],
+        name="decisions",
+        mode="markers+text",
         marker=dict(size=12, color=[_DECISION_COLORS.get(s["decision"], "#636efa") for s in steps]),
-        text=[s["decision"] for s in steps], textposition="top center",
+        text=[s["decision"] for s in steps],
+        textposition="top center",
         hovertemplate="step %{x} at %{y}%: %{text}<extra></extra>",
-    )  # fmt: skip
+    )
     return fig
 
 
-_DECISION_COLORS = {"advance": "#00a36c", "promote": "#1e7b34", "hold": "#ffa15a", "pause": "#ffa15a", "rollback": "#b3261e", "abort": "#b3261e"}
+_DECISION_COLORS = {
+    "advance": "#00a36c",
+    "promote": "#1e7b34",
+    "hold": "#ffa15a",
+    "pause": "#ffa15a",
+    "rollback": "#b3261e",
+    "abort": "#b3261e",
+}
 
 
 def _overview(data: dict) -> str:
     t = data["totals"]
-    kpis = [("completions", t["completions"]), ("events", t["events"]), ("rewards", t["rewards"]), ("model versions", t["versions"])]
-    kpis += [(f"{p['pool']} pool", f"v{p['version']} · {p['traffic_percent']:g}%" if p["version"] is not None else "idle") for p in data["pools"]]
+    kpis = [
+        ("completions", t["completions"]),
+        ("events", t["events"]),
+        ("rewards", t["rewards"]),
+        ("model versions", t["versions"]),
+    ]
+    kpis += [
+        (f"{p['pool']} pool", f"v{p['version']} · {p['traffic_percent']:g}%" if p["version"] is not None else "idle")
+        for p in data["pools"]
+    ]
     ro = data["rollout"]
     if ro is not None and ro["active"]:
-        kpis.append(("rollout", f"v{ro['candidate_version']} {ro['state']}, step {ro['step_index'] + 1}/{len(ro['weights'])}"))
+        kpis.append(
+            ("rollout", f"v{ro['candidate_version']} {ro['state']}, step {ro['step_index'] + 1}/{len(ro['weights'])}")
+        )
     cards = "".join(f'<div class="kpi"><span>{_e(k)}</span><b>{_e(v)}</b></div>' for k, v in kpis)
     return _section("Overview", f'<div class="kpis" id="overview">{cards}</div>', wide=True)
 
@@ -472,7 +616,7 @@ def _rollout_html(data: dict, figures: list) -> str:
         f"&middot; every {_e(_duration(ro['interval_s']))}, at least {ro['min_samples']} samples"
         + (f" &middot; {_e(ro['reason'])}" if ro.get("reason") else "")
         + "</p>"
-    )  # fmt: skip
+    )
     rows = "".join(
         f'<tr><td class="num">{s["step_index"] + 1}</td><td class="num">{s["weight"]:g}%</td><td><b>{_e(s["decision"])}</b></td>'
         f'<td class="evidence">{_evidence_html(s["evidence"])}</td><td>{_e(_short(s["decided_at"]))}</td></tr>'
@@ -481,7 +625,9 @@ def _rollout_html(data: dict, figures: list) -> str:
     table = f'<table id="rollout-steps"><tr><th>step</th><th>canary</th><th>decision</th><th>evidence</th><th>decided (UTC)</th></tr>{rows}</table>'
     if not ro["steps"]:
         table = '<div class="empty">no decision yet</div>'
-    thresholds = f'<p class="evidence">thresholds: {_evidence_html(ro["thresholds"])}</p>' if ro.get("thresholds") else ""
+    thresholds = (
+        f'<p class="evidence">thresholds: {_evidence_html(ro["thresholds"])}</p>' if ro.get("thresholds") else ""
+    )
     chart = _chart("rollout", _rollout_figure(ro), figures)
     return head + thresholds + chart + table + _rollout_history(data)
 
@@ -492,10 +638,10 @@ def _rollout_history(data: dict) -> str:
         return ""
     rows = "".join(
         f'<tr><td class="num">#{r["id"]}</td><td>v{r["candidate_version"]} vs v{r["stable_version"]}</td><td>{_e(r["state"])}</td>'
-        f'<td>{_e(r["reason"] or "")}</td><td>{_e(_short(r["started_at"]))}</td></tr>'
+        f"<td>{_e(r['reason'] or '')}</td><td>{_e(_short(r['started_at']))}</td></tr>"
         for r in past
     )
-    return f'<h2>Earlier rollouts</h2><table><tr><th>id</th><th>versions</th><th>state</th><th>reason</th><th>started (UTC)</th></tr>{rows}</table>'
+    return f"<h2>Earlier rollouts</h2><table><tr><th>id</th><th>versions</th><th>state</th><th>reason</th><th>started (UTC)</th></tr>{rows}</table>"
 
 
 def _evidence_html(evidence: Any) -> str:
@@ -521,17 +667,25 @@ def _versions_table(data: dict) -> str:
 
     rows = []
     for v in data["versions"]:
-        ratio = f"{v['size_bytes'] / v['full_size_bytes']:.1%}" if v["size_bytes"] is not None and v["full_size_bytes"] else ""
+        ratio = (
+            f"{v['size_bytes'] / v['full_size_bytes']:.1%}"
+            if v["size_bytes"] is not None and v["full_size_bytes"]
+            else ""
+        )
         parent = "" if v["parent"] is None else f"v{v['parent']}"
-        gate = "" if v["gate_passed"] is None else ("passed" if v["gate_passed"] else f"failed: {v['gate_reason'] or ''}")
+        gate = (
+            "" if v["gate_passed"] is None else ("passed" if v["gate_passed"] else f"failed: {v['gate_reason'] or ''}")
+        )
         rows.append(
-            f'<tr><td><b>v{v["version"]}</b></td><td>{_e(v["kind"] or "")}</td><td>{parent}</td>'
+            f"<tr><td><b>v{v['version']}</b></td><td>{_e(v['kind'] or '')}</td><td>{parent}</td>"
             f'<td class="num">{size(v["size_bytes"])}</td><td class="num">{size(v["full_size_bytes"])}</td><td class="num">{ratio}</td>'
-            f"<td>{_e(gate)}</td><td class=\"num\">{v['completions']:,}</td><td class=\"num\">{v['shown']:,}</td>"
+            f'<td>{_e(gate)}</td><td class="num">{v["completions"]:,}</td><td class="num">{v["shown"]:,}</td>'
             f'<td class="num">{_fmt_pct(v["accept_rate"])}</td><td class="num">{_fmt(v["mean_reward"])}</td></tr>'
-        )  # fmt: skip
-    head = ("<tr><th>version</th><th>kind</th><th>parent</th><th>delta</th><th>full</th><th>delta/full</th><th>gate</th>"
-            "<th>completions</th><th>shown</th><th>accept rate</th><th>mean reward</th></tr>")  # fmt: skip
+        )
+    head = (
+        "<tr><th>version</th><th>kind</th><th>parent</th><th>delta</th><th>full</th><th>delta/full</th><th>gate</th>"
+        "<th>completions</th><th>shown</th><th>accept rate</th><th>mean reward</th></tr>"
+    )
     return f'<table id="versions">{head}{"".join(rows)}</table>'
 
 
@@ -598,9 +752,16 @@ COOKIE = "flywheel_ops"
 SESSION_MAX_AGE_S = 12 * 3600
 REFRESH_S = 60
 # The served page runs only its own script (app.js); plotly adds inline styles as it draws.
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; font-src 'self' data:; "
-       "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'")  # fmt: skip
-PAGE_HEADERS = {"Content-Security-Policy": CSP, "Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; font-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+PAGE_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 def session_value(token: str) -> str:
@@ -640,7 +801,10 @@ def _data(request: Request) -> dict:
     try:
         return dashboard_data(_engine(request))
     except DBAPIError as e:
-        raise HTTPException(503, f"the dashboard cannot read the database: {first_line(e, with_type=False)} (is it migrated? `flywheel db upgrade`)") from None
+        raise HTTPException(
+            503,
+            f"the dashboard cannot read the database: {first_line(e, with_type=False)} (is it migrated? `flywheel db upgrade`)",
+        ) from None
 
 
 router = APIRouter(prefix="/ops", tags=["ops"])
@@ -681,8 +845,15 @@ async def login(request: Request) -> Response:
     st = _state(request)
     if token and any(hmac.compare_digest(token.encode(), t.encode()) for t in st.ops_tokens):
         resp = RedirectResponse("dashboard", status_code=303)
-        resp.set_cookie(COOKIE, session_value(token), max_age=SESSION_MAX_AGE_S, path="/ops", httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")  # fmt: skip
+        resp.set_cookie(
+            COOKIE,
+            session_value(token),
+            max_age=SESSION_MAX_AGE_S,
+            path="/ops",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
         return resp
     if token and any(hmac.compare_digest(token.encode(), t.encode()) for t in st.editor_tokens):
         return _login_page(403, "that is an editor token; the dashboard needs an ops token (serve.ops_tokens)")

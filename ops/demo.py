@@ -35,10 +35,10 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import text
 
+from feedback.core.config import Section
 from feedback.sink.loop import SinkSection, SinkSettings
 from learner.train.learn_settings import GateSection, LearnSection, LearnSettings
 from ops import stack
-from feedback.core.config import Section
 from ops.rollout import RolloutSection, RolloutSettings
 from ops.simulate import SimulateSection, SimulateSettings
 
@@ -64,7 +64,9 @@ class DemoSettings(SimulateSettings, SinkSettings, LearnSettings, RolloutSetting
     learn: LearnSection = LearnSection(
         publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
     )
-    rollout: RolloutSection = RolloutSection(auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0)
+    rollout: RolloutSection = RolloutSection(
+        auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0
+    )
 
 
 def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
@@ -74,11 +76,11 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
 
     from feedback import db
     from feedback.sink.loop import run_sink
+    from learner.judge import cursor_sites
     from learner.train.learn import Learner, describe
     from learner.train.pretrain import ensure_base_model
     from ops import rollout
     from ops.dashboard import write_static
-    from learner.judge import cursor_sites
     from ops.simulate import run_sessions
     from serving import app
 
@@ -103,9 +105,16 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     torch.set_num_threads(1)  # the learner shares two cores with two vLLM engines
     learner = Learner(s, progress=lambda p: p.event.startswith("published") and _say(console, events, describe(p)))
     learner.start()
-    console.print(f"learner at v{learner.state.version} (last good v{learner.state.last_good}), step {learner.state.step}; store {learner.store.uri()}")
-    editor, ops_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)  # this run's tokens; never written anywhere
-    serve = s.serve.model_copy(update={"auth_tokens": [SecretStr(editor)], "ops_tokens": [SecretStr(ops_token)], "model_dir": model_dir})
+    console.print(
+        f"learner at v{learner.state.version} (last good v{learner.state.last_good}), step {learner.state.step}; store {learner.store.uri()}"
+    )
+    editor, ops_token = (
+        secrets.token_urlsafe(24),
+        secrets.token_urlsafe(24),
+    )  # this run's tokens; never written anywhere
+    serve = s.serve.model_copy(
+        update={"auth_tokens": [SecretStr(editor)], "ops_tokens": [SecretStr(ops_token)], "model_dir": model_dir}
+    )
     serving = s.model_copy(update={"serve": serve})
     with console.status("starting Ray Serve and vLLM (stable and canary pools)") as status:
         url = app.start(serving, model_dir, 0, status.update)
@@ -116,9 +125,21 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     n = max(1, int(s.demo.minutes * 60 * sim.rate))
     sites = cursor_sites(learner.heldout, n, random.Random(sim.seed))
     threads.append(_background("learner", console, events, learner.run, stop))
-    threads.append(_background("rollout controller", console, events, rollout.run_controller, s, stop, progress=lambda m: _say(console, events, m)))
+    threads.append(
+        _background(
+            "rollout controller",
+            console,
+            events,
+            rollout.run_controller,
+            s,
+            stop,
+            progress=lambda m: _say(console, events, m),
+        )
+    )
     if s.demo.degraded_candidate:
-        threads.append(_background("fault injection", console, events, _inject_degraded, learner, engine, stop, console, events))
+        threads.append(
+            _background("fault injection", console, events, _inject_degraded, learner, engine, stop, console, events)
+        )
     for t in threads[1:]:
         t.start()
     stats = None
@@ -136,9 +157,21 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
 
             # The loop ends on time however slow requests get; a request slower than the editors'
             # timeout is counted as failed, with its reason, and the loop goes on.
-            stats = asyncio.run(run_sessions(url, editor, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s,
-                                             max_tokens=sim.max_tokens, seed=sim.seed, timeout_s=sim.timeout_s, progress=show,
-                                             deadline=t0 + s.demo.minutes * 60))  # fmt: skip
+            stats = asyncio.run(
+                run_sessions(
+                    url,
+                    editor,
+                    sites,
+                    users=sim.users,
+                    rate=sim.rate,
+                    edit_delay_s=sim.edit_delay_s,
+                    max_tokens=sim.max_tokens,
+                    seed=sim.seed,
+                    timeout_s=sim.timeout_s,
+                    progress=show,
+                    deadline=t0 + s.demo.minutes * 60,
+                )
+            )
             wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s
             status.update(f"waiting {wait:.0f} s for the last feedback windows to close")
             time.sleep(wait)
@@ -151,9 +184,15 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
 
     console.rule("5/6 summary")
     summary = summarize(engine, console)
-    summary["simulated"] = {"requests": stats.requests, "errors": stats.errors, "failed_completions": stats.failed_completions,
-                            "failures": dict(stats.failures), "shown": stats.shown, "accepted": stats.accepted,
-                            "latency": stats.latency_summary()}  # fmt: skip
+    summary["simulated"] = {
+        "requests": stats.requests,
+        "errors": stats.errors,
+        "failed_completions": stats.failed_completions,
+        "failures": dict(stats.failures),
+        "shown": stats.shown,
+        "accepted": stats.accepted,
+        "latency": stats.latency_summary(),
+    }
     summary["precision"] = {"serving": serving_dtype.dtype, "pretraining": trained_in}
     summary["events"] = events
     if result is not None:
@@ -162,8 +201,12 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
 
     console.rule("6/6 dashboard")
     path = write_static(engine, s.demo.dashboard or s.data_dir / "dashboard.html")
-    console.print(f"static dashboard: {path} (live: {url}/ops/dashboard with an ops token, while `flywheel serve` runs)")
-    console.print(f"[green]done[/] in {time.monotonic() - t_start:.0f} s. `flywheel query \"SELECT ...\"` reads the tables; `flywheel down` stops the broker.")
+    console.print(
+        f"static dashboard: {path} (live: {url}/ops/dashboard with an ops token, while `flywheel serve` runs)"
+    )
+    console.print(
+        f'[green]done[/] in {time.monotonic() - t_start:.0f} s. `flywheel query "SELECT ..."` reads the tables; `flywheel down` stops the broker.'
+    )
     answered = stats.requests - stats.failed_completions
     return 0 if answered > 0 else 1
 
@@ -171,7 +214,9 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
 def print_machine_report(console: Console, stats, serving_dtype, trained_in: str | None, *, timeout_s: float) -> None:
     """What the editors felt, per version (client-side latency), what failed and why, and the dtypes:
     the lines that say whether this machine kept up."""
-    t = Table("version", "answered", "p50 ms", "p99 ms", title="completion latency (as the simulated editors measured it)")
+    t = Table(
+        "version", "answered", "p50 ms", "p99 ms", title="completion latency (as the simulated editors measured it)"
+    )
     lat = stats.latency_summary()
     for v, row in lat.items():
         t.add_row(v, str(int(row["n"])), f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}")
@@ -191,8 +236,10 @@ def print_machine_report(console: Console, stats, serving_dtype, trained_in: str
     if worst > timeout_s * 1000 / 4:
         struggling.append(f"completion p99 reached {worst / 1000:.1f} s (editors give up after {timeout_s:g} s)")
     if struggling:
-        console.print(f"[yellow]this machine is struggling[/]: {'; '.join(struggling)}. Fewer simulated users (simulate.users, "
-                      "simulate.rate) or a longer simulate.timeout_s would ease it.")  # fmt: skip
+        console.print(
+            f"[yellow]this machine is struggling[/]: {'; '.join(struggling)}. Fewer simulated users (simulate.users, "
+            "simulate.rate) or a longer simulate.timeout_s would ease it."
+        )
 
 
 def _base_precision(model_dir: Path) -> str | None:
@@ -234,14 +281,20 @@ def _inject_degraded(learner, engine, stop: threading.Event, console: Console, e
     while not stop.wait(2.0):
         with engine.connect() as conn:
             promoted = conn.execute(
-                select(db.rollouts.c.candidate_version).where(db.rollouts.c.state == rollout.PROMOTED).order_by(db.rollouts.c.id.desc())
+                select(db.rollouts.c.candidate_version)
+                .where(db.rollouts.c.state == rollout.PROMOTED)
+                .order_by(db.rollouts.c.id.desc())
             ).first()
             busy = rollout.active(conn)
         if promoted is None or busy is not None:
             continue
         msg = publish_degraded(learner, engine, parent=promoted[0])
-        _say(console, events, f"fault injection: published v{msg.version} = v{promoted[0]} with its output layer negated (gate skipped on purpose); "
-                              "the canary should roll it back")  # fmt: skip
+        _say(
+            console,
+            events,
+            f"fault injection: published v{msg.version} = v{promoted[0]} with its output layer negated (gate skipped on purpose); "
+            "the canary should roll it back",
+        )
         return
 
 
@@ -254,7 +307,12 @@ def publish_degraded(learner, engine, *, parent: int):
     packed = learner.store.materialize(parent)
     packed["lm_head.weight"] = -packed["lm_head.weight"]
     v = learner.store.publish(packed, parent=parent).version
-    msg = learner.store.model_version(v, gate_passed=True, gate_reason="demo fault injection: lm_head negated, gate skipped", metrics={"injected_fault": 1.0})
+    msg = learner.store.model_version(
+        v,
+        gate_passed=True,
+        gate_reason="demo fault injection: lm_head negated, gate skipped",
+        metrics={"injected_fault": 1.0},
+    )
     S.record(msg, engine)
     learner._announce(msg)
     return msg
@@ -267,55 +325,135 @@ def summarize(engine, console: Console) -> dict:
     """Print the loop's outcome from SQL; return it as data (tests read it)."""
     out: dict = {}
     with engine.connect() as conn:
-        per_version = conn.execute(text(
-            "SELECT f.model_version AS v, COUNT(*) AS requests, SUM(f.suggested) AS suggested, SUM(f.shown) AS shown, "
-            "SUM(f.accepted) AS accepted, SUM(f.accepted_chars) AS chars FROM v_choice_feedback f GROUP BY f.model_version ORDER BY f.model_version"
-        )).all()  # fmt: skip
-        rewards = dict(conn.execute(text("SELECT model_version, AVG(reward) FROM rewards WHERE outcome <> 'unseen' GROUP BY model_version")).all())
-        versions = conn.execute(text(
-            "SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, gate_reason FROM model_versions ORDER BY version"
-        )).all()  # fmt: skip
-        swaps = conn.execute(text(
-            "SELECT pool, from_version, to_version, ok, pause_s, tensors_reloaded, fetched_bytes, error FROM swap_events ORDER BY id"
-        )).all()  # fmt: skip
-        rollouts = conn.execute(text("SELECT id, candidate_version, stable_version, state, reason FROM rollouts ORDER BY id")).all()
-        steps = conn.execute(text("SELECT rollout_id, step_index, weight, decision, evidence FROM rollout_steps ORDER BY id")).all()
+        per_version = conn.execute(
+            text(
+                "SELECT f.model_version AS v, COUNT(*) AS requests, SUM(f.suggested) AS suggested, SUM(f.shown) AS shown, "
+                "SUM(f.accepted) AS accepted, SUM(f.accepted_chars) AS chars FROM v_choice_feedback f GROUP BY f.model_version ORDER BY f.model_version"
+            )
+        ).all()
+        rewards = dict(
+            conn.execute(
+                text("SELECT model_version, AVG(reward) FROM rewards WHERE outcome <> 'unseen' GROUP BY model_version")
+            ).all()
+        )
+        versions = conn.execute(
+            text(
+                "SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, gate_reason FROM model_versions ORDER BY version"
+            )
+        ).all()
+        swaps = conn.execute(
+            text(
+                "SELECT pool, from_version, to_version, ok, pause_s, tensors_reloaded, fetched_bytes, error FROM swap_events ORDER BY id"
+            )
+        ).all()
+        rollouts = conn.execute(
+            text("SELECT id, candidate_version, stable_version, state, reason FROM rollouts ORDER BY id")
+        ).all()
+        steps = conn.execute(
+            text("SELECT rollout_id, step_index, weight, decision, evidence FROM rollout_steps ORDER BY id")
+        ).all()
 
-    t = Table("version", "requests", "suggestion rate", "accept rate", "mean reward", "accepted chars / request", title="per version (what users saw)")
+    t = Table(
+        "version",
+        "requests",
+        "suggestion rate",
+        "accept rate",
+        "mean reward",
+        "accepted chars / request",
+        title="per version (what users saw)",
+    )
     out["versions"] = {}
     for r in per_version:
-        row = {"requests": r.requests, "suggestion_rate": (r.suggested or 0) / r.requests, "accept_rate": (r.accepted or 0) / max(r.shown or 0, 1),
-               "reward": rewards.get(r.v), "accepted_chars_per_request": (r.chars or 0) / r.requests}  # fmt: skip
+        row = {
+            "requests": r.requests,
+            "suggestion_rate": (r.suggested or 0) / r.requests,
+            "accept_rate": (r.accepted or 0) / max(r.shown or 0, 1),
+            "reward": rewards.get(r.v),
+            "accepted_chars_per_request": (r.chars or 0) / r.requests,
+        }
         out["versions"][r.v] = row
-        t.add_row(f"v{r.v}", str(r.requests), f"{row['suggestion_rate']:.0%}", f"{row['accept_rate']:.0%}",
-                  "-" if row["reward"] is None else f"{row['reward']:+.3f}", f"{row['accepted_chars_per_request']:.1f}")  # fmt: skip
+        t.add_row(
+            f"v{r.v}",
+            str(r.requests),
+            f"{row['suggestion_rate']:.0%}",
+            f"{row['accept_rate']:.0%}",
+            "-" if row["reward"] is None else f"{row['reward']:+.3f}",
+            f"{row['accepted_chars_per_request']:.1f}",
+        )
     console.print(t)
 
-    t = Table("version", "parent", "kind", "published bytes", "full bytes", "delta / full", "gate", title="published versions (the weight store)")
+    t = Table(
+        "version",
+        "parent",
+        "kind",
+        "published bytes",
+        "full bytes",
+        "delta / full",
+        "gate",
+        title="published versions (the weight store)",
+    )
     out["published"] = []
     for v in versions:
         ratio = v.size_bytes / v.full_size_bytes if v.full_size_bytes else 0.0
-        out["published"].append({"version": v.version, "kind": v.kind, "size_bytes": v.size_bytes, "ratio": ratio, "gate_passed": v.gate_passed})
-        t.add_row(f"v{v.version}", "-" if v.parent is None else f"v{v.parent}", v.kind, f"{v.size_bytes:,}", f"{v.full_size_bytes:,}",
-                  f"1/{1 / ratio:.0f}" if ratio and v.kind == "delta" else "full", ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason and v.version else ""))  # fmt: skip
+        out["published"].append(
+            {
+                "version": v.version,
+                "kind": v.kind,
+                "size_bytes": v.size_bytes,
+                "ratio": ratio,
+                "gate_passed": v.gate_passed,
+            }
+        )
+        t.add_row(
+            f"v{v.version}",
+            "-" if v.parent is None else f"v{v.parent}",
+            v.kind,
+            f"{v.size_bytes:,}",
+            f"{v.full_size_bytes:,}",
+            f"1/{1 / ratio:.0f}" if ratio and v.kind == "delta" else "full",
+            ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason and v.version else ""),
+        )
     console.print(t)
 
     t = Table("pool", "swap", "ok", "pause ms", "tensors", "fetched bytes", title="hot swaps (in place, no restart)")
     out["swaps"] = []
     for w in swaps:
-        out["swaps"].append({"pool": w.pool, "from": w.from_version, "to": w.to_version, "ok": bool(w.ok), "pause_s": w.pause_s})
-        t.add_row(w.pool, f"v{w.from_version} -> v{w.to_version}", "yes" if w.ok else f"NO: {w.error}", f"{w.pause_s * 1e3:.0f}", str(w.tensors_reloaded), f"{w.fetched_bytes:,}")
+        out["swaps"].append(
+            {"pool": w.pool, "from": w.from_version, "to": w.to_version, "ok": bool(w.ok), "pause_s": w.pause_s}
+        )
+        t.add_row(
+            w.pool,
+            f"v{w.from_version} -> v{w.to_version}",
+            "yes" if w.ok else f"NO: {w.error}",
+            f"{w.pause_s * 1e3:.0f}",
+            str(w.tensors_reloaded),
+            f"{w.fetched_bytes:,}",
+        )
     console.print(t)
 
-    t = Table("rollout", "step", "canary %", "decision", "evidence", title="rollout decisions (rollouts, rollout_steps)")
-    out["rollouts"] = [{"id": r.id, "candidate": r.candidate_version, "stable": r.stable_version, "state": r.state, "reason": r.reason} for r in rollouts]
+    t = Table(
+        "rollout", "step", "canary %", "decision", "evidence", title="rollout decisions (rollouts, rollout_steps)"
+    )
+    out["rollouts"] = [
+        {"id": r.id, "candidate": r.candidate_version, "stable": r.stable_version, "state": r.state, "reason": r.reason}
+        for r in rollouts
+    ]
     cand = {r.id: (r.candidate_version, r.stable_version) for r in rollouts}
     for st in steps:
         c, s_ = cand.get(st.rollout_id, ("?", "?"))
-        t.add_row(f"#{st.rollout_id} v{c} vs v{s_}", str(st.step_index), f"{st.weight:g}", st.decision, _evidence_line(st.evidence))
+        t.add_row(
+            f"#{st.rollout_id} v{c} vs v{s_}",
+            str(st.step_index),
+            f"{st.weight:g}",
+            st.decision,
+            _evidence_line(st.evidence),
+        )
     console.print(t)
     for r in rollouts:
-        console.print(f"rollout #{r.id}: v{r.candidate_version} -> {r.state}" + (f" ({r.reason})" if r.reason else ""), markup=False)
+        console.print(
+            f"rollout #{r.id}: v{r.candidate_version} -> {r.state}" + (f" ({r.reason})" if r.reason else ""),
+            markup=False,
+        )
     return out
 
 

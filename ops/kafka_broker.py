@@ -184,7 +184,10 @@ def _format_storage(java: str, paths: BrokerPaths, heap: str) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         lines = [ln.strip() for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
-        reason = next((ln for ln in reversed(lines) if "Exception" in ln or "Error" in ln or "error" in ln), lines[-1] if lines else "no output")
+        reason = next(
+            (ln for ln in reversed(lines) if "Exception" in ln or "Error" in ln or "error" in ln),
+            lines[-1] if lines else "no output",
+        )
         raise UserError(f"formatting Kafka storage in {paths.data} failed (exit {out.returncode}): {reason[:300]}")
 
 

@@ -56,14 +56,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from feedback import db
-from feedback.schemas import ModelVersion
-from feedback.core.config import FlywheelSettings, Section, Seconds
-from feedback.core.errors import UserError
-from ops.rollout_stats import ADVANCE, HOLD, PROMOTE, ROLLBACK, Arm, Decision, Policy, decide, json_safe
-from feedback import pools
-from feedback.core.errors import first_line
+from feedback import db, pools
 from feedback.core.clock import as_utc
+from feedback.core.config import FlywheelSettings, Seconds, Section
+from feedback.core.errors import UserError, first_line
+from feedback.schemas import ModelVersion
+from ops.rollout_stats import ADVANCE, HOLD, PROMOTE, ROLLBACK, Arm, Decision, Policy, decide, json_safe
 
 log = logging.getLogger("flywheel.rollout")
 
@@ -122,12 +120,18 @@ class RolloutSection(Section):
     def _weights_increase(self) -> Self:
         w = self.weights
         if not w or any(not 0 < x <= 100 for x in w) or any(b <= a for a, b in zip(w, w[1:])):
-            raise ValueError(f"rollout.weights must be increasing percentages in (0, 100], e.g. [5, 25, 50, 100]; got {w}")
+            raise ValueError(
+                f"rollout.weights must be increasing percentages in (0, 100], e.g. [5, 25, 50, 100]; got {w}"
+            )
         return self
 
     def policy(self) -> Policy:
         return Policy(
-            min_samples=self.min_samples, alpha=self.alpha, max_holds=self.max_holds, require_reward=self.require_reward, **self.thresholds.model_dump()
+            min_samples=self.min_samples,
+            alpha=self.alpha,
+            max_holds=self.max_holds,
+            require_reward=self.require_reward,
+            **self.thresholds.model_dump(),
         )
 
 
@@ -194,7 +198,9 @@ class Rollout:
         return self.state in ACTIVE
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in self.__dict__.items()} | {"weight": self.weight}
+        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in self.__dict__.items()} | {
+            "weight": self.weight
+        }
 
 
 @dataclass(frozen=True)
@@ -225,7 +231,11 @@ class Status:
             "rollout": self.rollout.as_dict() if self.rollout else None,
             "steps": [s.as_dict() for s in self.steps],
             "recent": [r.as_dict() for r in self.recent],
-            "pools": {"stable": self.routes.stable, "canary": self.routes.canary, "canary_percent": self.routes.canary_percent},
+            "pools": {
+                "stable": self.routes.stable,
+                "canary": self.routes.canary,
+                "canary_percent": self.routes.canary_percent,
+            },
         }
 
 
@@ -274,7 +284,9 @@ def status(engine: Engine, rollout_id: int | None = None, *, limit: int = 20) ->
         else:
             r = active(conn) or latest(conn)
         recent = [Rollout.from_row(x) for x in conn.execute(select(R).order_by(R.c.id.desc()).limit(limit))]
-        return Status(rollout=r, steps=steps(conn, r.id, limit=limit) if r else [], recent=recent, routes=pools.read(engine))
+        return Status(
+            rollout=r, steps=steps(conn, r.id, limit=limit) if r else [], recent=recent, routes=pools.read(engine)
+        )
 
 
 # --- starting ---------------------------------------------------------------------------------
@@ -303,27 +315,37 @@ def start_rollout(
         mv = conn.execute(select(db.model_versions).where(db.model_versions.c.version == version)).first()
         if mv is None:
             raise RolloutError(
-                f"unknown version {version}: it is not in model_versions (the learner records each version it publishes)", status=400, code="unknown_version"
+                f"unknown version {version}: it is not in model_versions (the learner records each version it publishes)",
+                status=400,
+                code="unknown_version",
             )
         if not mv.gate_passed and not force:
             why = f" ({mv.gate_reason})" if mv.gate_reason else ""
-            raise RolloutError(f"version {version} failed the learner's evaluation gate{why}; use --force to roll it out anyway", code="gate_failed")
+            raise RolloutError(
+                f"version {version} failed the learner's evaluation gate{why}; use --force to roll it out anyway",
+                code="gate_failed",
+            )
         busy = active(conn)
         if busy is not None:
             raise RolloutError(
                 f"rollout {busy.id} of version {busy.candidate_version} is {busy.state}; finish it first (flywheel rollout promote|abort {busy.id})",
                 code="busy",
             )
-        before = conn.execute(select(R.c.id, R.c.state).where(R.c.candidate_version == version).order_by(R.c.id.desc()).limit(1)).first()
+        before = conn.execute(
+            select(R.c.id, R.c.state).where(R.c.candidate_version == version).order_by(R.c.id.desc()).limit(1)
+        ).first()
         if before is not None and not force:
             raise RolloutError(
-                f"version {version} was rolled out before (rollout {before.id}: {before.state}); use --force to roll it out again", code="already_rolled_out"
+                f"version {version} was rolled out before (rollout {before.id}: {before.state}); use --force to roll it out again",
+                code="already_rolled_out",
             )
         stable = stable if stable is not None else current_stable(conn, candidate=version)
         if section.mode == "canary":
             if stable is None:
                 raise RolloutError(
-                    "no stable version is known (no serving_pools row, rollout or completion names one); pass --stable VERSION", status=400, code="no_stable"
+                    "no stable version is known (no serving_pools row, rollout or completion names one); pass --stable VERSION",
+                    status=400,
+                    code="no_stable",
                 )
             if stable == version:
                 raise RolloutError(f"version {version} is already the stable version", code="already_stable")
@@ -343,7 +365,9 @@ def start_rollout(
         )
         rollout_id = conn.execute(R.insert().values(**row).returning(R.c.id)).scalar_one()
         if section.mode == "all":
-            _insert_step(conn, rollout_id, 0, 100.0, PROMOTE, {"by": by, "rule": "mode_all", "reason": row["reason"]}, now)
+            _insert_step(
+                conn, rollout_id, 0, 100.0, PROMOTE, {"by": by, "rule": "mode_all", "reason": row["reason"]}, now
+            )
         r = get(conn, rollout_id)
     assert r is not None
     log.info("rollout %d: version %d against stable %d, weights %s", r.id, version, r.stable_version, r.weights)
@@ -402,18 +426,37 @@ def abort(engine: Engine, rollout_id: int | None = None, *, by: str, reason: str
     return _operator(engine, rollout_id, "abort", ACTIVE, ABORTED, by=by, reason=reason)
 
 
-def _operator(engine: Engine, rollout_id: int | None, decision: str, allowed: tuple[str, ...], to: str, *, by: str, reason: str | None) -> Rollout:
+def _operator(
+    engine: Engine,
+    rollout_id: int | None,
+    decision: str,
+    allowed: tuple[str, ...],
+    to: str,
+    *,
+    by: str,
+    reason: str | None,
+) -> Rollout:
     now = _now()
     with engine.begin() as conn:
         r = get(conn, rollout_id) if rollout_id is not None else active(conn)
         if r is None:
-            raise RolloutError(f"no rollout {rollout_id}" if rollout_id is not None else "no active rollout", status=404, code="not_found")
+            raise RolloutError(
+                f"no rollout {rollout_id}" if rollout_id is not None else "no active rollout",
+                status=404,
+                code="not_found",
+            )
         if r.state not in allowed:
-            raise RolloutError(f"rollout {r.id} is {r.state}; only a {' or '.join(allowed)} rollout can {decision}", code="bad_state")
+            raise RolloutError(
+                f"rollout {r.id} is {r.state}; only a {' or '.join(allowed)} rollout can {decision}", code="bad_state"
+            )
         said = reason or f"{decision} by {by}"
         evidence = {"by": by, "rule": "operator", "reason": said, "from_state": r.state}
-        if not _compare_and_set(conn, r, state=to, reason=said, updated_at=now, finished_at=now if to not in ACTIVE else None):
-            raise RolloutError(f"rollout {r.id} changed meanwhile; look again (flywheel rollout status) and retry", code="changed")
+        if not _compare_and_set(
+            conn, r, state=to, reason=said, updated_at=now, finished_at=now if to not in ACTIVE else None
+        ):
+            raise RolloutError(
+                f"rollout {r.id} changed meanwhile; look again (flywheel rollout status) and retry", code="changed"
+            )
         _insert_step(conn, r.id, r.step_index, r.weight, decision, evidence, now)
         r = get(conn, r.id)
     assert r is not None
@@ -424,12 +467,23 @@ def _operator(engine: Engine, rollout_id: int | None, decision: str, allowed: tu
 
 def _compare_and_set(conn: Connection, r: Rollout, **values) -> bool:
     """Update the rollout only if nobody changed it since `r` was read."""
-    q = R.update().where(R.c.id == r.id, R.c.state == r.state, R.c.step_index == r.step_index, R.c.updated_at == r.updated_at)
+    q = R.update().where(
+        R.c.id == r.id, R.c.state == r.state, R.c.step_index == r.step_index, R.c.updated_at == r.updated_at
+    )
     return conn.execute(q.values(**values)).rowcount == 1
 
 
-def _insert_step(conn: Connection, rollout_id: int, step_index: int, weight: float, decision: str, evidence: dict, now: datetime) -> None:
-    row = dict(rollout_id=rollout_id, step_index=step_index, weight=weight, decision=decision, evidence=json_safe(evidence), decided_at=now)
+def _insert_step(
+    conn: Connection, rollout_id: int, step_index: int, weight: float, decision: str, evidence: dict, now: datetime
+) -> None:
+    row = dict(
+        rollout_id=rollout_id,
+        step_index=step_index,
+        weight=weight,
+        decision=decision,
+        evidence=json_safe(evidence),
+        decided_at=now,
+    )
     conn.execute(S.insert().values(**row))
 
 
@@ -465,7 +519,11 @@ def reconcile(engine: Engine, r: Rollout) -> bool:
         rows = {row.pool: row for row in conn.execute(select(db.serving_pools))}
     stable, canary = rows.get(pools.STABLE), rows.get(pools.CANARY)
     if r.active:
-        ok = canary is not None and canary.version == r.candidate_version and math.isclose(canary.traffic_percent, r.weight)
+        ok = (
+            canary is not None
+            and canary.version == r.candidate_version
+            and math.isclose(canary.traffic_percent, r.weight)
+        )
     else:
         owned = not rows or any(row.rollout_id == r.id for row in rows.values())
         if not owned:
@@ -493,7 +551,9 @@ class Outcome:
 
     def line(self) -> str:
         r = self.rollout
-        where = f"rollout {r.id} (v{r.candidate_version} vs v{r.stable_version}) step {self.step_index} at {self.weight:g}%"
+        where = (
+            f"rollout {r.id} (v{r.candidate_version} vs v{r.stable_version}) step {self.step_index} at {self.weight:g}%"
+        )
         return f"{where}: {self.decision.action}: {self.decision.reason}"
 
 
@@ -510,7 +570,9 @@ class StepClock:
 def step_clock(conn: Connection, r: Rollout) -> StepClock:
     window_start = last = r.started_at
     holds = 0
-    for row in conn.execute(select(S.c.decision, S.c.step_index, S.c.decided_at).where(S.c.rollout_id == r.id).order_by(S.c.id)):
+    for row in conn.execute(
+        select(S.c.decision, S.c.step_index, S.c.decided_at).where(S.c.rollout_id == r.id).order_by(S.c.id)
+    ):
         at = _utc(row.decided_at)
         last = max(last, at)
         if row.decision == ADVANCE:
@@ -525,10 +587,16 @@ def read_arm(conn: Connection, version: int, since: datetime, until: datetime) -
     c, ch, ev, rw = db.completions, db.completion_choices, db.events, db.rewards
     window = and_(c.c.model_version == version, c.c.created_at >= since, c.c.created_at < until)
 
-    ranked = select(
-        c.c.latency_ms, func.row_number().over(order_by=c.c.latency_ms).label("rn"), func.count().over().label("n")
-    ).where(window).subquery()
-    n_completions, p99 = conn.execute(select(func.max(ranked.c.n), func.min(case((ranked.c.rn >= 0.99 * ranked.c.n, ranked.c.latency_ms))))).one()
+    ranked = (
+        select(
+            c.c.latency_ms, func.row_number().over(order_by=c.c.latency_ms).label("rn"), func.count().over().label("n")
+        )
+        .where(window)
+        .subquery()
+    )
+    n_completions, p99 = conn.execute(
+        select(func.max(ranked.c.n), func.min(case((ranked.c.rn >= 0.99 * ranked.c.n, ranked.c.latency_ms))))
+    ).one()
     # ln() is not portable SQL (SQLite may lack it): the log moments come from the values.
     logs = [math.log(max(float(x), 1e-3)) for x in conn.execute(select(c.c.latency_ms).where(window)).scalars()]
     log_mean = sum(logs) / len(logs) if logs else None
@@ -613,7 +681,10 @@ def tick(engine: Engine, *, now: datetime | None = None) -> Outcome | None:
         "by": "controller",
         "reason": d.reason,
         "weight": r.weight,
-        "window": {"canary": [clock.window_start.isoformat(), now.isoformat()], "stable": [stable_since.isoformat(), now.isoformat()]},
+        "window": {
+            "canary": [clock.window_start.isoformat(), now.isoformat()],
+            "stable": [stable_since.isoformat(), now.isoformat()],
+        },
     }
     values: dict[str, Any] = {"reason": d.reason, "updated_at": now}
     if d.action == ADVANCE:
@@ -631,7 +702,9 @@ def tick(engine: Engine, *, now: datetime | None = None) -> Outcome | None:
             apply_pools(engine, after)
         except RolloutError as e:
             log.warning("%s", e)
-    return Outcome(rollout=after, step_index=r.step_index, weight=r.weight, decision=Decision(d.action, d.rule, d.reason, evidence))
+    return Outcome(
+        rollout=after, step_index=r.step_index, weight=r.weight, decision=Decision(d.action, d.rule, d.reason, evidence)
+    )
 
 
 def run_controller(
@@ -651,6 +724,7 @@ def run_controller(
     starter = AutoStarter(settings, engine) if cfg.auto else None
     restore = _install_signal_handlers(stop) if handle_signals else None
     progress(f"rollout controller: every {cfg.poll_s:g}s{', auto mode (' + cfg.mode + ')' if cfg.auto else ''}")
+
     def evaluate() -> list[str]:
         out = tick(engine)
         return [out.line()] if out is not None else []
@@ -671,8 +745,13 @@ def run_controller(
                 except Exception as e:  # a database or broker hiccup, or a bug: log it, never die of it
                     what = first_line(e)
                     if failing.get(name) != what:  # once per distinct failure, not every poll
-                        bug = not isinstance(e, (SQLAlchemyError, UserError)) and type(e).__module__.split(".")[0] != "kafka"
-                        log.warning("rollout controller (%s): %s; retrying every %gs", name, what, cfg.poll_s, exc_info=bug)
+                        bug = (
+                            not isinstance(e, (SQLAlchemyError, UserError))
+                            and type(e).__module__.split(".")[0] != "kafka"
+                        )
+                        log.warning(
+                            "rollout controller (%s): %s; retrying every %gs", name, what, cfg.poll_s, exc_info=bug
+                        )
                     failing[name] = what
             stop.wait(cfg.poll_s)
     finally:
@@ -744,16 +823,19 @@ class AutoStarter:
         self.store = None  # the weight store announced versions must be in (opened on first use)
 
     def poll(self) -> list[str]:
+        from kafka import TopicPartition
+
         from feedback import bus
         from feedback.schemas import MalformedMessage, decode
-        from kafka import TopicPartition
 
         if self.consumer is None:
             self.consumer = bus.consumer(self.settings.kafka, bus.VERSIONS, group_id=self.settings.rollout.group_id)
         for tp, records in self.consumer.poll(timeout_ms=200, max_records=500).items():
             for rec in records:
                 try:
-                    self.queue.append((decode(ModelVersion, rec.value), TopicPartition(rec.topic, rec.partition), rec.offset))
+                    self.queue.append(
+                        (decode(ModelVersion, rec.value), TopicPartition(rec.topic, rec.partition), rec.offset)
+                    )
                 except MalformedMessage as e:
                     log.warning("flywheel.versions offset %d: %s; skipped", rec.offset, e)
                     self.offsets[tp] = rec.offset + 1
@@ -761,7 +843,9 @@ class AutoStarter:
         while self.queue:  # the newest gate-passed announcement supersedes older pending ones
             msg, tp, offset = self.queue[0]
             if not self._in_store(msg):
-                lines.append(f"rollout auto: version {msg.version} ({msg.uri}) is not in this weight store with that sha256; ignored")
+                lines.append(
+                    f"rollout auto: version {msg.version} ({msg.uri}) is not in this weight store with that sha256; ignored"
+                )
                 self.queue.pop(0)
                 self.offsets[tp] = offset + 1
                 continue
@@ -769,7 +853,9 @@ class AutoStarter:
             if msg.gate_passed and (self.pending is None or msg.version > self.pending.version):
                 self.pending = msg
             elif not msg.gate_passed:
-                lines.append(f"rollout auto: version {msg.version} failed the gate ({msg.gate_reason or 'no reason'}); not rolled out")
+                lines.append(
+                    f"rollout auto: version {msg.version} failed the gate ({msg.gate_reason or 'no reason'}); not rolled out"
+                )
             self.queue.pop(0)
             self.offsets[tp] = offset + 1
         if self.pending is not None:

@@ -57,7 +57,9 @@ class RolloutCreate(BaseModel):
     require_reward: bool | None = None
     thresholds: dict[str, float] | None = None
     mode: str | None = None
-    stable: int | None = Field(default=None, ge=0, description="the version to compare with (default: the current stable)")
+    stable: int | None = Field(
+        default=None, ge=0, description="the version to compare with (default: the current stable)"
+    )
     force: bool = Field(default=False, description="roll out a version that failed the gate, or was rolled out before")
 
 
@@ -71,7 +73,8 @@ def who(token: str) -> str:
 
 
 def router(
-    engine_for: Callable[..., Engine] = state_engine, defaults: Callable[[], rollout.RolloutSection] = rollout.RolloutSection
+    engine_for: Callable[..., Engine] = state_engine,
+    defaults: Callable[[], rollout.RolloutSection] = rollout.RolloutSection,
 ) -> APIRouter:
     """The /ops/rollouts routes. `engine_for` is a FastAPI dependency returning the database engine;
     `defaults()` gives the policy a started rollout gets where the request leaves it unset."""
@@ -93,15 +96,26 @@ def router(
         """Start a rollout of `version` (refused for unknown or gate-failed versions, or while another runs)."""
         section = _section(defaults(), body)
         by = who(token)
-        return _call(lambda: rollout.start_rollout(engine, body.version, section=section, force=body.force, stable=body.stable, by=by).as_dict())
+        return _call(
+            lambda: rollout.start_rollout(
+                engine, body.version, section=section, force=body.force, stable=body.stable, by=by
+            ).as_dict()
+        )
 
-    for name, fn in (("pause", rollout.pause), ("resume", rollout.resume), ("promote", rollout.promote), ("abort", rollout.abort)):
+    for name, fn in (
+        ("pause", rollout.pause),
+        ("resume", rollout.resume),
+        ("promote", rollout.promote),
+        ("abort", rollout.abort),
+    ):
         _operator_route(api, name, fn, EngineDep)
     return api
 
 
 def _operator_route(api: APIRouter, name: str, fn, EngineDep) -> None:
-    def action(rollout_id: int, token: OpsToken, engine: EngineDep, body: OperatorAction | None = None) -> dict[str, Any]:
+    def action(
+        rollout_id: int, token: OpsToken, engine: EngineDep, body: OperatorAction | None = None
+    ) -> dict[str, Any]:
         return _call(lambda: fn(engine, rollout_id, by=who(token), reason=body.reason if body else None).as_dict())
 
     action.__name__ = f"rollout_{name}"

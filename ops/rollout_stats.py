@@ -82,7 +82,10 @@ def _beta_fraction(a: float, b: float, x: float, eps: float = 1e-15, max_iter: i
     h = d
     for m in range(1, max_iter + 1):
         m2 = 2 * m
-        for num in (m * (b - m) * x / ((a + m2 - 1.0) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1.0))):
+        for num in (
+            m * (b - m) * x / ((a + m2 - 1.0) * (a + m2)),
+            -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1.0)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -113,7 +116,9 @@ class TestResult:
     df: float | None = None
 
 
-def two_proportion_ztest(x_c: int, n_c: int, x_s: int, n_s: int, *, margin: float = 0.0, higher_is_better: bool = True) -> TestResult:
+def two_proportion_ztest(
+    x_c: int, n_c: int, x_s: int, n_s: int, *, margin: float = 0.0, higher_is_better: bool = True
+) -> TestResult:
     """Is the canary's rate `x_c / n_c` worse than stable's `x_s / n_s` by more than `margin`?"""
     assert n_c > 0 and n_s > 0, "each arm needs observations"
     p_c, p_s = x_c / n_c, x_s / n_s
@@ -128,7 +133,15 @@ def two_proportion_ztest(x_c: int, n_c: int, x_s: int, n_s: int, *, margin: floa
 
 
 def welch_ttest(
-    mean_c: float, var_c: float, n_c: int, mean_s: float, var_s: float, n_s: int, *, margin: float = 0.0, higher_is_better: bool = True
+    mean_c: float,
+    var_c: float,
+    n_c: int,
+    mean_s: float,
+    var_s: float,
+    n_s: int,
+    *,
+    margin: float = 0.0,
+    higher_is_better: bool = True,
 ) -> TestResult:
     """Is the canary's mean worse than stable's by more than `margin`? (sample variances, n >= 2 each)"""
     assert n_c >= 2 and n_s >= 2, "Welch's test needs two observations per arm"
@@ -229,7 +242,12 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
     3. Otherwise the canary advances to the next weight, or is promoted after the last one.
     """
     tests = metric_tests(canary, stable, policy)
-    evidence = {"arms": {"canary": asdict(canary), "stable": asdict(stable)}, "tests": tests, "policy": asdict(policy), "holds": holds}
+    evidence = {
+        "arms": {"canary": asdict(canary), "stable": asdict(stable)},
+        "tests": tests,
+        "policy": asdict(policy),
+        "holds": holds,
+    }
     harmful = [name for name, t in tests.items() if t.get("worse")]
     if harmful:
         reason = "; ".join(_describe(name, tests[name], policy) for name in harmful)
@@ -238,10 +256,17 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
     required = ["accept_rate"] + (["reward"] if policy.require_reward else [])
     short = [name for name in required if not tests[name]["tested"]]
     if short:
-        need = ", ".join(f"{_SAMPLE_NAMES[n]}: canary {tests[n]['n'][0]}, stable {tests[n]['n'][1]} of {policy.min_samples}" for n in short)
+        need = ", ".join(
+            f"{_SAMPLE_NAMES[n]}: canary {tests[n]['n'][0]}, stable {tests[n]['n'][1]} of {policy.min_samples}"
+            for n in short
+        )
         if holds >= policy.max_holds:
-            return _decision(ROLLBACK, "insufficient_traffic", f"insufficient traffic after {holds} holds ({need})", evidence)
-        return _decision(HOLD, "min_samples", f"waiting for samples ({need}); hold {holds + 1} of {policy.max_holds}", evidence)
+            return _decision(
+                ROLLBACK, "insufficient_traffic", f"insufficient traffic after {holds} holds ({need})", evidence
+            )
+        return _decision(
+            HOLD, "min_samples", f"waiting for samples ({need}); hold {holds + 1} of {policy.max_holds}", evidence
+        )
 
     passed = ", ".join(_describe(name, t, policy) for name, t in tests.items() if t["tested"])
     if last_step:
@@ -259,14 +284,21 @@ def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str
 
     n = (canary.shown, stable.shown)
     if min(n) >= k:
-        t = two_proportion_ztest(canary.accepted, canary.shown, stable.accepted, stable.shown, margin=policy.accept_rate_drop)
+        t = two_proportion_ztest(
+            canary.accepted, canary.shown, stable.accepted, stable.shown, margin=policy.accept_rate_drop
+        )
         out["accept_rate"] = _tested(t, n, policy.alpha)
     else:
-        out["accept_rate"] = _untested(n, _rate(canary.accepted, canary.shown), _rate(stable.accepted, stable.shown), policy.accept_rate_drop)
+        out["accept_rate"] = _untested(
+            n, _rate(canary.accepted, canary.shown), _rate(stable.accepted, stable.shown), policy.accept_rate_drop
+        )
 
     n = (canary.rewards, stable.rewards)
     if min(n) >= max(k, 2) and canary.reward_mean is not None and stable.reward_mean is not None:
-        c, s = (canary.reward_mean, canary.reward_var or 0.0, canary.rewards), (stable.reward_mean, stable.reward_var or 0.0, stable.rewards)
+        c, s = (
+            (canary.reward_mean, canary.reward_var or 0.0, canary.rewards),
+            (stable.reward_mean, stable.reward_var or 0.0, stable.rewards),
+        )
         t = welch_ttest(*c, *s, margin=policy.reward_drop)
         out["reward"] = _tested(t, n, policy.alpha)
     else:
@@ -275,21 +307,40 @@ def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str
     n = (canary.choices, stable.choices)
     if min(n) >= k:
         margin = policy.error_rate_increase
-        t = two_proportion_ztest(canary.errors, canary.choices, stable.errors, stable.choices, margin=margin, higher_is_better=False)
+        t = two_proportion_ztest(
+            canary.errors, canary.choices, stable.errors, stable.choices, margin=margin, higher_is_better=False
+        )
         out["error_rate"] = _tested(t, n, policy.alpha)
     else:
-        out["error_rate"] = _untested(n, _rate(canary.errors, canary.choices), _rate(stable.errors, stable.choices), policy.error_rate_increase)
+        out["error_rate"] = _untested(
+            n, _rate(canary.errors, canary.choices), _rate(stable.errors, stable.choices), policy.error_rate_increase
+        )
 
     n = (canary.completions, stable.completions)
     c99, s99 = canary.p99_latency_ms, stable.p99_latency_ms
     limit = policy.p99_latency_ratio
     quantiles = {"canary_p99_ms": c99, "stable_p99_ms": s99, "threshold": limit}
     if min(n) >= max(k, 2) and canary.log_latency_mean is not None and stable.log_latency_mean is not None:
-        t = welch_ttest(canary.log_latency_mean, canary.log_latency_var or 0.0, n[0], stable.log_latency_mean, stable.log_latency_var or 0.0, n[1],
-                        margin=math.log(limit), higher_is_better=False)  # fmt: skip
+        t = welch_ttest(
+            canary.log_latency_mean,
+            canary.log_latency_var or 0.0,
+            n[0],
+            stable.log_latency_mean,
+            stable.log_latency_var or 0.0,
+            n[1],
+            margin=math.log(limit),
+            higher_is_better=False,
+        )
         out["latency"] = _tested(t, n, policy.alpha) | quantiles | {"ratio": math.exp(t.diff)}
     else:
-        out["latency"] = {"tested": False, "n": list(n), "ratio": None, "stat": None, "p": None, "worse": False} | quantiles
+        out["latency"] = {
+            "tested": False,
+            "n": list(n),
+            "ratio": None,
+            "stat": None,
+            "p": None,
+            "worse": False,
+        } | quantiles
     return out
 
 
@@ -299,8 +350,17 @@ def _tested(t: TestResult, n: tuple[int, int], alpha: float) -> dict[str, Any]:
 
 def _untested(n: tuple[int, int], canary: float | None, stable: float | None, margin: float) -> dict[str, Any]:
     diff = canary - stable if canary is not None and stable is not None else None
-    return {"tested": False, "n": list(n), "canary": canary, "stable": stable, "diff": diff, "margin": margin, "stat": None, "p": None,
-            "worse": False}  # fmt: skip
+    return {
+        "tested": False,
+        "n": list(n),
+        "canary": canary,
+        "stable": stable,
+        "diff": diff,
+        "margin": margin,
+        "stat": None,
+        "p": None,
+        "worse": False,
+    }
 
 
 def _rate(x: int, n: int) -> float | None:
@@ -310,8 +370,10 @@ def _rate(x: int, n: int) -> float | None:
 def _describe(name: str, t: dict[str, Any], policy: Policy) -> str:
     if name == "latency":
         cmp = " < " if t["p"] < policy.alpha else " >= "
-        return (f"latency x{t['ratio']:.2f} of stable's (geometric mean; limit x{t['threshold']:.2f}, p={t['p']:.2g}{cmp}{policy.alpha:g}; "
-                f"p99 {t['canary_p99_ms']:.0f} vs {t['stable_p99_ms']:.0f} ms)")  # fmt: skip
+        return (
+            f"latency x{t['ratio']:.2f} of stable's (geometric mean; limit x{t['threshold']:.2f}, p={t['p']:.2g}{cmp}{policy.alpha:g}; "
+            f"p99 {t['canary_p99_ms']:.0f} vs {t['stable_p99_ms']:.0f} ms)"
+        )
     label = {"accept_rate": "accept rate", "reward": "mean reward", "error_rate": "error rate"}[name]
     if name == "reward":
         values = f"{t['canary']:.3f} vs {t['stable']:.3f}"
@@ -322,7 +384,9 @@ def _describe(name: str, t: dict[str, Any], policy: Policy) -> str:
 
 
 def _decision(action: str, rule: str, reason: str, evidence: dict[str, Any]) -> Decision:
-    return Decision(action=action, rule=rule, reason=reason, evidence=json_safe({**evidence, "rule": rule, "decision": action}))
+    return Decision(
+        action=action, rule=rule, reason=reason, evidence=json_safe({**evidence, "rule": rule, "decision": action})
+    )
 
 
 def json_safe(value: Any) -> Any:

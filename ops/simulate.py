@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import re
 import time
 import uuid
 from collections import Counter
@@ -24,9 +23,10 @@ from dataclasses import dataclass, field
 
 from pydantic import Field, SecretStr
 
-from learner.judge import Site, cursor_sites, judge
 from feedback.core.config import Section
+from learner.judge import Site, judge
 from serving.settings import ServingSettings
+
 
 class SimulateSection(Section):
     url: str = ""
@@ -92,12 +92,16 @@ class SimStats:
         return self.shown / answered if answered > 0 else 0.0
 
     def failure_line(self) -> str:
-        """"3 completion: timeout, 1 event: HTTP 503", most frequent first; "none" when nothing failed."""
+        """ "3 completion: timeout, 1 event: HTTP 503", most frequent first; "none" when nothing failed."""
         return ", ".join(f"{n} {k}" for k, n in self.failures.most_common()) or "none"
 
     def latency_summary(self) -> dict[str, dict[str, float]]:
         """Per version: answered requests, p50 and p99 completion latency in ms (nearest rank)."""
-        return {v: {"n": len(xs), "p50_ms": percentile(xs, 50), "p99_ms": percentile(xs, 99)} for v, xs in sorted(self.latency_ms.items()) if xs}
+        return {
+            v: {"n": len(xs), "p50_ms": percentile(xs, 50), "p99_ms": percentile(xs, 99)}
+            for v, xs in sorted(self.latency_ms.items())
+            if xs
+        }
 
 
 def percentile(xs: Sequence[float], p: float) -> float:
@@ -147,7 +151,9 @@ async def run_sessions(
     stats = SimStats()
     rng = random.Random(seed)
     pending_edits: list[asyncio.Task] = []
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+    ) as client:
 
         async def post(kind: str, path: str, body: dict) -> httpx.Response | None:
             """The response when it is a 200; else None, with the failure counted."""
@@ -195,14 +201,34 @@ async def run_sessions(
                 return
             stats.shown += 1
             per["shown"] += 1
-            await event({"type": "view", "completion_id": cid, "choice_index": 0, "view_id": uuid.uuid4().hex, "elapsed": int(elapsed_ms)})
+            await event(
+                {
+                    "type": "view",
+                    "completion_id": cid,
+                    "choice_index": 0,
+                    "view_id": uuid.uuid4().hex,
+                    "elapsed": int(elapsed_ms),
+                }
+            )
             if verdict.type == "select":
                 stats.accepted += 1
                 stats.accepted_chars += verdict.accepted_chars
                 per["accepted"] += 1
                 per["accepted_chars"] += verdict.accepted_chars
-                await event({"type": "select", "completion_id": cid, "choice_index": 0, "accepted_chars": verdict.accepted_chars}, f"?select_kind={verdict.select_kind}")
-                pending_edits.append(asyncio.create_task(later_edit({"type": "edit", "completion_id": cid, "kept_text": verdict.kept_text})))
+                await event(
+                    {
+                        "type": "select",
+                        "completion_id": cid,
+                        "choice_index": 0,
+                        "accepted_chars": verdict.accepted_chars,
+                    },
+                    f"?select_kind={verdict.select_kind}",
+                )
+                pending_edits.append(
+                    asyncio.create_task(
+                        later_edit({"type": "edit", "completion_id": cid, "kept_text": verdict.kept_text})
+                    )
+                )
             else:
                 await event({"type": "dismiss", "completion_id": cid, "choice_index": 0})
             progress(stats)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from feedback import bus, db
-from ops import kafka_broker
 from feedback.core.config import FlywheelSettings
 from feedback.core.errors import UserError
+from ops import kafka_broker
 
 
 @dataclass

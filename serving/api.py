@@ -33,13 +33,14 @@ from pydantic import Discriminator, Tag
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from feedback import bus
+from feedback.core.errors import first_line
+from feedback.pools import CANARY, POOLS, STABLE, Routes
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
 from learner.fim import fim_header
 from learner.prompts import EDITOR_STOP
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.replica import GenerateRequest, GenerateResult
-from feedback.pools import CANARY, POOLS, STABLE, Routes
 from serving.routing import bucket, user_hash
 from serving.schemas import (
     Choice,
@@ -52,7 +53,6 @@ from serving.schemas import (
     Usage,
 )
 from serving.settings import ServeSettings
-from feedback.core.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,9 @@ def require_editor(request: Request) -> str:
         return "anonymous"
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise HTTPException(401, "missing bearer token: send `Authorization: Bearer <token>`", headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401, "missing bearer token: send `Authorization: Bearer <token>`", headers={"WWW-Authenticate": "Bearer"}
+        )
     if not any(hmac.compare_digest(token.encode(), t.encode()) for t in st.editor_tokens):
         raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
     return token
@@ -193,7 +195,9 @@ def require_ops(request: Request) -> str:
     st = _state(request)
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise HTTPException(401, "missing ops token: send `Authorization: Bearer <ops token>`", headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401, "missing ops token: send `Authorization: Bearer <ops token>`", headers={"WWW-Authenticate": "Bearer"}
+        )
     if any(hmac.compare_digest(token.encode(), t.encode()) for t in st.ops_tokens):
         return token
     if any(hmac.compare_digest(token.encode(), t.encode()) for t in st.editor_tokens):
@@ -209,7 +213,11 @@ StateDep = Annotated[ApiState, Depends(_state)]
 
 
 def _shape(body: Any) -> str:
-    return "tabby" if isinstance(body, dict) and ("segments" in body or ("language" in body and "prompt" not in body)) else "openai"
+    return (
+        "tabby"
+        if isinstance(body, dict) and ("segments" in body or ("language" in body and "prompt" not in body))
+        else "openai"
+    )
 
 
 CompletionBody = Annotated[
@@ -221,14 +229,18 @@ CompletionBody = Annotated[
 # --- request translation -----------------------------------------------------------------------
 
 
-def _to_generate(st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRequest, completion_id: str) -> GenerateRequest:
+def _to_generate(
+    st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRequest, completion_id: str
+) -> GenerateRequest:
     cfg = st.cfg
     if isinstance(body, TabbyCompletionRequest):
         seg = body.segments
         prefix, suffix = seg.prefix, seg.suffix or ""
         header = fim_header(language=body.language, path=seg.filepath)
         temperature = body.temperature if body.temperature is not None else 0.2
-        spec = SamplingSpec(n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=(EDITOR_STOP,))
+        spec = SamplingSpec(
+            n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=(EDITOR_STOP,)
+        )
     else:
         prefix, suffix, header = body.prompt_text, body.suffix, ""
         if body.n > cfg.max_n:
@@ -246,7 +258,9 @@ def _to_generate(st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRe
             top_logprobs=body.logprobs or 0,
         )
     if len(prefix) + len(suffix or "") > cfg.max_prompt_chars:
-        raise HTTPException(413, f"prompt of {len(prefix) + len(suffix or '')} characters exceeds the limit of {cfg.max_prompt_chars}")
+        raise HTTPException(
+            413, f"prompt of {len(prefix) + len(suffix or '')} characters exceeds the limit of {cfg.max_prompt_chars}"
+        )
     return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
 
 
@@ -289,7 +303,11 @@ def _response(st: ApiState, r: GenerateResult, body, created: int) -> Completion
         created=created,
         model=f"{st.cfg.model_name}@v{r.model_version}",
         choices=choices,
-        usage=Usage(prompt_tokens=len(r.prompt_token_ids), completion_tokens=completion_tokens, total_tokens=len(r.prompt_token_ids) + completion_tokens),
+        usage=Usage(
+            prompt_tokens=len(r.prompt_token_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(r.prompt_token_ids) + completion_tokens,
+        ),
         system_fingerprint=f"v{r.model_version}",
     )
 
@@ -360,14 +378,35 @@ def build_app() -> FastAPI:
         first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
         where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "openai", "tabby"))
         message = f"{where}: {first['msg']}" if where else first["msg"]
-        return JSONResponse(status_code=422, content={"error": {"message": message, "type": "invalid_request_error", "details": json.loads(json.dumps(errors, default=str))}})
+        return JSONResponse(
+            status_code=422,
+            content={
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "details": json.loads(json.dumps(errors, default=str)),
+                }
+            },
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(status_code=exc.status_code, content={"error": {"message": exc.detail, "type": kind}}, headers=getattr(exc, "headers", None))
+        kind = (
+            "authentication_error"
+            if exc.status_code == 401
+            else "invalid_request_error"
+            if exc.status_code < 500
+            else "server_error"
+        )
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"error": {"message": exc.detail, "type": kind}},
+            headers=getattr(exc, "headers", None),
+        )
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses={401: {}, 404: {}, 413: {}, 422: {}, 503: {}})
+    @app.post(
+        "/v1/completions", response_model=CompletionResponse, responses={401: {}, 404: {}, 413: {}, 422: {}, 503: {}}
+    )
     async def completions(body: CompletionBody, st: StateDep, token: EditorToken, request: Request):
         """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
         shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
@@ -428,7 +467,9 @@ def build_app() -> FastAPI:
             "webserver": True,
             "flywheel": {
                 "versions": rt.versions,
-                "pools": {p: {"serving": rt.serving.get(p), "target": rt.routes.target(p)} for p in POOLS if p in st.replicas},
+                "pools": {
+                    p: {"serving": rt.serving.get(p), "target": rt.routes.target(p)} for p in POOLS if p in st.replicas
+                },
                 "canary_percent": rt.routes.canary_percent,
                 "canary_live": rt.canary_live,
                 "routing_checked_s_ago": round(time.time() - rt.checked_at, 1) if rt.checked_at else None,
@@ -442,7 +483,9 @@ def build_app() -> FastAPI:
     async def models(st: StateDep, _token: EditorToken) -> dict:
         """The served model and its live versions (OpenAI shape)."""
         data = [{"id": st.cfg.model_name, "object": "model", "owned_by": "flywheel"}]
-        data += [{"id": f"{st.cfg.model_name}@v{v}", "object": "model", "owned_by": "flywheel"} for v in st.routing.versions]
+        data += [
+            {"id": f"{st.cfg.model_name}@v{v}", "object": "model", "owned_by": "flywheel"} for v in st.routing.versions
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -25,10 +25,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from feedback import pools
+from feedback.core.errors import first_line
 from serving.api import ApiState, RoutingState, build_app, install, poll_routing
 from serving.replica import GenerateRequest, GenerateResult
 from serving.settings import ServeSettings, ServingSettings
-from feedback.core.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,17 @@ class PoolReconciler:
     Database errors are logged (once per distinct error) and leave the replica serving what
     it serves. Plain asyncio, no Ray: `ModelReplica` runs `run()` on its event loop."""
 
-    def __init__(self, engine, *, pool: str, replica: str, swapper, retry_s: float = 30.0, max_retry_s: float = 900.0, clock=time.monotonic):
+    def __init__(
+        self,
+        engine,
+        *,
+        pool: str,
+        replica: str,
+        swapper,
+        retry_s: float = 30.0,
+        max_retry_s: float = 900.0,
+        clock=time.monotonic,
+    ):
         assert pool in pools.POOLS, pool
         self.engine, self.pool, self.replica, self.swapper = engine, pool, replica, swapper
         self.retry_s, self.max_retry_s, self.clock = retry_s, max_retry_s, clock
@@ -103,7 +113,9 @@ class PoolReconciler:
             self.failed_target = target
             wait = min(self.retry_s * 2 ** (self.failures - 1), self.max_retry_s)
             self.retry_at = self.clock() + wait
-            log.warning("%s pool replica %s: %s; retrying v%d in %.0f s", self.pool, self.replica, report["error"], target, wait)
+            log.warning(
+                "%s pool replica %s: %s; retrying v%d in %.0f s", self.pool, self.replica, report["error"], target, wait
+            )
         try:
             await asyncio.to_thread(pools.record_swap, self.engine, pool=self.pool, replica=self.replica, report=report)
         except Exception as e:
@@ -122,7 +134,9 @@ class PoolReconciler:
     def _db_failed(self, what: str, e: Exception) -> None:
         msg = f"{what} failed: {first_line(e)}"
         if msg != self.db_error:  # once per distinct error, not once per poll
-            log.error("%s pool replica %s: %s (is the database migrated? `flywheel db upgrade`)", self.pool, self.replica, msg)
+            log.error(
+                "%s pool replica %s: %s (is the database migrated? `flywheel db upgrade`)", self.pool, self.replica, msg
+            )
         self.db_error = msg
 
     def _db_ok(self) -> None:
@@ -153,8 +167,12 @@ class ModelReplica:
 
         self.pool = pool
         self.service = load_service(Path(model_dir), settings.serve, version)
-        self.swapper = HotSwapper(self.service, default_store_uri(settings), loaded_from=model_dir)  # gates admission from now on
-        self.reconciler = PoolReconciler(make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper)
+        self.swapper = HotSwapper(
+            self.service, default_store_uri(settings), loaded_from=model_dir
+        )  # gates admission from now on
+        self.reconciler = PoolReconciler(
+            make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper
+        )
         self._poll_s = settings.serve.pool_poll_s
         self._reconciling: asyncio.Task | None = None
         self._ensure_reconciling()
@@ -238,7 +256,9 @@ class Ingress:
         install(self.state)
         engine = make_engine(settings.database_url)
         # Ray Serve runs __init__ on the replica's event loop, where the routes run too.
-        self._poller = asyncio.get_running_loop().create_task(poll_routing(self.state, lambda: pools.read(engine), cfg.pool_poll_s))
+        self._poller = asyncio.get_running_loop().create_task(
+            poll_routing(self.state, lambda: pools.read(engine), cfg.pool_poll_s)
+        )
 
     def __del__(self):
         producer = getattr(self, "producer", None)
@@ -273,7 +293,9 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
             num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}},
+            runtime_env={
+                "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}
+            },
         )
     if not cfg.ray_address:
         progress(f"vLLM dtype: {engine_precision(cfg)}")
@@ -308,9 +330,8 @@ def migrate(settings: ServingSettings, version: int | None = None, progress=lamb
     With no stable target recorded yet, record the deployed `version` as stable, so the rollout
     controller knows what a candidate is compared with. Serving does not need the database to
     answer, so an unreachable one is only reported."""
-    from feedback import db
+    from feedback import db, pools
     from feedback.core.errors import UserError
-    from feedback import pools
 
     try:
         engine = db.make_engine(settings.database_url)
@@ -334,7 +355,9 @@ def warm_up(sizes: dict[str, int]) -> None:
         for pool, n in sizes.items():
             handle = serve.get_deployment_handle(deployment_name(pool), APP_NAME)
             for i in range(n):  # request ids unique per engine, as vLLM expects
-                calls.append(handle.complete.remote(GenerateRequest(f"warmup-{pool}-{i}", "def main():\n    ", "\n", "", spec)))
+                calls.append(
+                    handle.complete.remote(GenerateRequest(f"warmup-{pool}-{i}", "def main():\n    ", "\n", "", spec))
+                )
         await asyncio.gather(*calls)
 
     asyncio.run(all_replicas())

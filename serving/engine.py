@@ -128,7 +128,9 @@ def _sample(c, top: int) -> Sample:
     for tok, pos in zip(c.token_ids, c.logprobs or [], strict=False):
         logprobs.append(float(pos[tok].logprob))
         if top:
-            alternatives.append({t: float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top})
+            alternatives.append(
+                {t: float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top}
+            )
     return Sample(
         index=c.index,
         token_ids=list(c.token_ids),

@@ -179,7 +179,9 @@ class GatedEngine:
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
             except TimeoutError:
-                raise SwapError(f"{self.inflight} in-flight request(s) did not finish within {drain_timeout_s:g} s") from None
+                raise SwapError(
+                    f"{self.inflight} in-flight request(s) did not finish within {drain_timeout_s:g} s"
+                ) from None
             yield
         finally:
             self._open.set()
@@ -285,7 +287,11 @@ class HotSwapper:
             try:
                 t0 = time.perf_counter()
                 prepared = await asyncio.to_thread(self._prepare, version)
-                report.plan, report.tensors_reloaded, report.reload_bytes = prepared.plan, len(prepared.changed), prepared.nbytes
+                report.plan, report.tensors_reloaded, report.reload_bytes = (
+                    prepared.plan,
+                    len(prepared.changed),
+                    prepared.nbytes,
+                )
                 report.prepare_s = time.perf_counter() - t0
                 await self._switch(prepared, report)
             except Exception as e:
@@ -302,8 +308,15 @@ class HotSwapper:
             self.swaps += 1
             SWAPS.inc()
             self.last_swap_error, self.last_report = None, report
-            log.info("swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s)",
-                     frm, version, report.tensors_reloaded, report.pause_s, report.drain_s, report.reload_s)  # fmt: skip
+            log.info(
+                "swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s)",
+                frm,
+                version,
+                report.tensors_reloaded,
+                report.pause_s,
+                report.drain_s,
+                report.reload_s,
+            )
             return report
 
     async def swap_report(self, version: int) -> dict:
@@ -324,8 +337,12 @@ class HotSwapper:
         base = served if served is not None and plan.have is not None else None
         ckpt, hashes = self.store.fetch(plan, base.ckpt if base else None, base.hashes if base else None)
         changed = reload_set([n for n in hashes if served is None or served.hashes.get(n) != hashes[n]], hashes)
-        p = _Prepared(version, {"have": plan.have, "full": plan.full, "deltas": list(plan.deltas), "nbytes": plan.nbytes},
-                      _Served(version, ckpt, hashes), changed)  # fmt: skip
+        p = _Prepared(
+            version,
+            {"have": plan.have, "full": plan.full, "deltas": list(plan.deltas), "nbytes": plan.nbytes},
+            _Served(version, ckpt, hashes),
+            changed,
+        )
         if changed:
             p.folder, p.path, p.sha256, p.nbytes = self._write(to_hf_tensors(ckpt, changed), save)
         return p
@@ -348,9 +365,17 @@ class HotSwapper:
         ckpt = self.store.materialize(self.service.version)
         stored = to_hf_tensors(ckpt)
         if stored.keys() != loaded.keys() or any(not torch_equal(stored[k], loaded[k]) for k in stored):
-            log.info("%s differs from v%d in the store; the first swap reloads every tensor", self.loaded_from, self.service.version)
+            log.info(
+                "%s differs from v%d in the store; the first swap reloads every tensor",
+                self.loaded_from,
+                self.service.version,
+            )
             return None
-        log.info("%s holds exactly v%d of the store: swaps send only changed tensors from the start", self.loaded_from, self.service.version)
+        log.info(
+            "%s holds exactly v%d of the store: swaps send only changed tensors from the start",
+            self.loaded_from,
+            self.service.version,
+        )
         return _Served(self.service.version, ckpt, self.store.hashes(self.service.version))
 
     @staticmethod
@@ -392,7 +417,9 @@ class HotSwapper:
                 try:
                     await self.gate.inner.update_weights(path, sha, old.version)
                 except Exception:
-                    log.exception("restoring v%d's tensors failed too: this replica's weights may be mixed", old.version)
+                    log.exception(
+                        "restoring v%d's tensors failed too: this replica's weights may be mixed", old.version
+                    )
                     self._served = None  # unknown: the next swap reloads every tensor
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)

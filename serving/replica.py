@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from learner.prompts import PromptBuilder, SummaryCache
 from learner.tokenizer import EOS_ID, SUMMARY_END
 from serving.engine import Engine, Sample, SamplingSpec
-from learner.prompts import PromptBuilder, SummaryCache
 from serving.settings import ServeSettings
 
 
@@ -53,13 +53,17 @@ class CompletionService:
         self.tok = tok
         self.cfg = cfg
         self.version = version
-        self.prompts = PromptBuilder(tok, cfg.context_budget, cfg.summary_chunk_tokens, SummaryCache(cfg.summary_cache_size), version)
+        self.prompts = PromptBuilder(
+            tok, cfg.context_budget, cfg.summary_chunk_tokens, SummaryCache(cfg.summary_cache_size), version
+        )
         self._summary_end = tok.token_to_id(SUMMARY_END)
 
     async def summarize(self, chunk: str) -> list[int]:
         """The model's own summary of `chunk` (greedy), as it was taught in pretraining."""
         ids = self.prompts.encode(chunk)[-(self.cfg.engine.max_model_len - self.cfg.summary_max_tokens - 2) :]
-        spec = SamplingSpec(max_tokens=self.cfg.summary_max_tokens, temperature=0.0, stop_token_ids=(self._summary_end, EOS_ID))
+        spec = SamplingSpec(
+            max_tokens=self.cfg.summary_max_tokens, temperature=0.0, stop_token_ids=(self._summary_end, EOS_ID)
+        )
         final: list[Sample] = []
         async for final in self.engine.generate([*ids, self.prompts.sp.summary_start], spec, f"sum-{uuid.uuid4().hex}"):
             pass

@@ -9,7 +9,7 @@ Tabby needs.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -130,7 +130,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage | None = None
-    system_fingerprint: str | None = Field(default=None, description="the model version that produced the completion, as `v<N>`")
+    system_fingerprint: str | None = Field(
+        default=None, description="the model version that produced the completion, as `v<N>`"
+    )
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -155,5 +157,3 @@ class EventRequest(Strict):
 class EventAccepted(BaseModel):
     event_id: uuid.UUID
     status: Literal["accepted"] = "accepted"
-
-

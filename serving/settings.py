@@ -93,7 +93,9 @@ class ServeSettings(Section):
     @model_validator(mode="after")
     def _budget_fits(self) -> Self:
         if self.context_budget + 8 > self.engine.max_model_len:
-            raise ValueError(f"serve.context_budget ({self.context_budget}) must leave room in engine.max_model_len ({self.engine.max_model_len})")
+            raise ValueError(
+                f"serve.context_budget ({self.context_budget}) must leave room in engine.max_model_len ({self.engine.max_model_len})"
+            )
         return self
 
     def fitted_to(self, model_max_len: int) -> ServeSettings:
@@ -104,7 +106,11 @@ class ServeSettings(Section):
         budget = min(self.context_budget, max_len * 3 // 4)
         chunk = min(self.summary_chunk_tokens, max(16, budget // 2))
         return self.model_copy(
-            update={"engine": self.engine.model_copy(update={"max_model_len": max_len}), "context_budget": budget, "summary_chunk_tokens": chunk}
+            update={
+                "engine": self.engine.model_copy(update={"max_model_len": max_len}),
+                "context_budget": budget,
+                "summary_chunk_tokens": chunk,
+            }
         )
 
     def editor_tokens(self) -> set[str]:

@@ -23,7 +23,10 @@ SUITE_TIMEOUT_S = 600  # per test, before the timeout factor
 
 
 def pytest_report_header(config) -> list[str]:
-    return [cpu_report(), f"timeout factor {timeout_factor():g} (FLYWHEEL_TEST_TIMEOUT_FACTOR): every wait and the per-test limit scale with it"]
+    return [
+        cpu_report(),
+        f"timeout factor {timeout_factor():g} (FLYWHEEL_TEST_TIMEOUT_FACTOR): every wait and the per-test limit scale with it",
+    ]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -79,11 +82,17 @@ def postgres_url(postgres_admin_url):
     from sqlalchemy.engine import make_url
 
     name = f"flywheel_test_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(make_url(postgres_admin_url).set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT")
+    admin = create_engine(
+        make_url(postgres_admin_url).set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT"
+    )
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
-        yield make_url(postgres_admin_url).set(drivername="postgresql+psycopg", database=name).render_as_string(hide_password=False)
+        yield (
+            make_url(postgres_admin_url)
+            .set(drivername="postgresql+psycopg", database=name)
+            .render_as_string(hide_password=False)
+        )
     finally:
         # FORCE ends the test's own sessions, but a non-superuser may not end an autovacuum
         # worker that happens to be in the database: wait for it and try again.

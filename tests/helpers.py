@@ -28,7 +28,9 @@ def make_settings(tmp: Path, **overrides) -> StackSettings:
     return StackSettings(**(base | overrides))
 
 
-def flywheel(*args: str, env: dict | None = None, tmp_path: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def flywheel(
+    *args: str, env: dict | None = None, tmp_path: Path | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
     """Run the `flywheel` CLI as a user would, isolated in `tmp_path`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     if tmp_path is not None:
@@ -37,7 +39,12 @@ def flywheel(*args: str, env: dict | None = None, tmp_path: Path | None = None, 
         full_env["FLYWHEEL_CACHE_DIR"] = os.environ["FLYWHEEL_CACHE_DIR"]
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "ops.cli", *args], capture_output=True, text=True, env=full_env, timeout=scaled(timeout), cwd=tmp_path
+        [sys.executable, "-m", "ops.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=scaled(timeout),
+        cwd=tmp_path,
     )
 
 
@@ -105,9 +112,9 @@ def served_logprob_tolerance(model, sequences, served_dtype: str) -> float:
 
 def cpu_report() -> str:
     """One line on this machine's CPU and the dtype Flywheel computes in here (the session header)."""
-    from feedback.core.precision import cpu_bf16_flags, resolve
-
     import torch
+
+    from feedback.core.precision import cpu_bf16_flags, resolve
 
     flags = ", ".join(cpu_bf16_flags()) or "no native bf16"
     return f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()} ({flags}); compute dtype {resolve('auto')}"

@@ -29,7 +29,6 @@ from feedback.core.errors import UserError
 _TOML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("flywheel_toml_file", default=None)
 
 
-
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 
@@ -58,6 +57,7 @@ def parse_duration(v: object) -> float:
 
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
 """A settings field in seconds that also accepts "3h", "90s", "1h30m"."""
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)

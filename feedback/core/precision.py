@@ -28,7 +28,14 @@ from pathlib import Path
 
 ENV_OVERRIDE = "FLYWHEEL_PRECISION"
 _SLOWER_OK = 2.0  # bf16 is "fast" when it is at most this many times slower than fp32
-_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
+_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+}
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 
 
@@ -51,7 +58,7 @@ class Precision:
 
 
 def normalize(name: str) -> str:
-    """"bf16" -> "bfloat16", "fp32" -> "float32", "auto" stays; ValueError otherwise."""
+    """ "bf16" -> "bfloat16", "fp32" -> "float32", "auto" stays; ValueError otherwise."""
     key = name.strip().lower()
     if key == "auto":
         return key
@@ -87,7 +94,9 @@ def _cuda_choice() -> Precision:
 def _cpu_choice() -> Precision:
     probe = measure_matmul()
     flags = cpu_bf16_flags()
-    isa = f"{probe['capability']}" + (f" with {', '.join(flags)}" if flags else ", no native bf16 (avx512_bf16 / amx_bf16)")
+    isa = f"{probe['capability']}" + (
+        f" with {', '.join(flags)}" if flags else ", no native bf16 (avx512_bf16 / amx_bf16)"
+    )
     speeds = f"bf16 matmul {probe['bfloat16']:.1f} GFLOP/s vs fp32 {probe['float32']:.1f} on this CPU ({isa})"
     if probe["bfloat16"] * _SLOWER_OK >= probe["float32"]:
         return Precision("bfloat16", speeds)

@@ -7,8 +7,8 @@ from feedback.db import metadata
 config = context.config
 connection = config.attributes.get("connection")
 if connection is None:  # `alembic` run by hand: build the engine from the configured URL
-    from feedback.db import make_engine
     from feedback.core.config import StackSettings
+    from feedback.db import make_engine
 
     connection = make_engine(StackSettings.load().database_url).connect()
 

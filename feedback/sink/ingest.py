@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import Table, delete, select
 from sqlalchemy.engine import Connection
 
 from feedback import db
+from feedback.core.clock import as_utc
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
 from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode, encode
-from feedback.core.clock import as_utc
 
 CHUNK = 500  # ids per IN (...) list: far below SQLite's bound-parameter limit
 
@@ -169,7 +169,9 @@ def pending_row(ev: FeedbackEvent, origin: Origin, now: datetime) -> dict[str, A
     )
 
 
-def dead_letter_row(origin: Origin, reason: str, error: str, now: datetime, *, completion_id=None, event_id=None) -> dict[str, Any]:
+def dead_letter_row(
+    origin: Origin, reason: str, error: str, now: datetime, *, completion_id=None, event_id=None
+) -> dict[str, Any]:
     return dict(
         reason=reason,
         error=error[:2000],
@@ -231,7 +233,11 @@ def write_batch(conn: Connection, batch: Batch, *, now: datetime, feedback_windo
     inserted = insert_new(conn, db.events, [event_row(ev, now) for ev, _ in ready], returning=db.events.c.completion_id)
     counts.events = len(inserted)
     _requeue_rewarded(conn, inserted, now=now)
-    counts.held = len(insert_new(conn, db.pending_events, [pending_row(ev, o, now) for ev, o in held], returning=db.pending_events.c.event_id))
+    counts.held = len(
+        insert_new(
+            conn, db.pending_events, [pending_row(ev, o, now) for ev, o in held], returning=db.pending_events.c.event_id
+        )
+    )
     counts.promoted = promote_pending(conn, completion_ids=new_ids, now=now)
 
     dead = [dead_letter_row(o, "malformed", err, now) for o, err in batch.malformed]
@@ -250,7 +256,9 @@ def _write_completions(conn: Connection, items, *, now: datetime, feedback_windo
         row, ch = completion_rows(rec, now)
         rows.append(row)
         choices += ch
-        due.append(dict(completion_id=rec.completion_id, due_at=row["created_at"] + timedelta(seconds=feedback_window_s)))
+        due.append(
+            dict(completion_id=rec.completion_id, due_at=row["created_at"] + timedelta(seconds=feedback_window_s))
+        )
     new_ids = insert_new(conn, db.completions, rows, returning=db.completions.c.completion_id)
     # A duplicate record's choices are already there; ON CONFLICT keeps the first copy.
     insert_new(conn, db.completion_choices, choices)
@@ -274,7 +282,11 @@ def promote_pending(conn: Connection, *, now: datetime, completion_ids: Sequence
     if completion_ids is not None and not completion_ids:
         return 0
     query = select(p.c.id, p.c.payload).join(c, c.c.completion_id == p.c.completion_id)
-    batches = [query.where(p.c.completion_id.in_(part)) for part in _chunks(list(completion_ids))] if completion_ids else [query]
+    batches = (
+        [query.where(p.c.completion_id.in_(part)) for part in _chunks(list(completion_ids))]
+        if completion_ids
+        else [query]
+    )
     moved = 0
     for q in batches:
         found = conn.execute(q).all()
@@ -293,7 +305,9 @@ def expire_pending(conn: Connection, *, now: datetime, grace_s: float) -> int:
     """Held events older than the grace period, still without a completion, become dead letters."""
     p = db.pending_events
     promote_pending(conn, now=now)  # a completion another sink member wrote meanwhile
-    expired = conn.execute(select(p).where(p.c.held_at < now - timedelta(seconds=grace_s)).order_by(p.c.id).limit(5000)).all()
+    expired = conn.execute(
+        select(p).where(p.c.held_at < now - timedelta(seconds=grace_s)).order_by(p.c.id).limit(5000)
+    ).all()
     if not expired:
         return 0
     rows = [
@@ -313,29 +327,54 @@ def expire_pending(conn: Connection, *, now: datetime, grace_s: float) -> int:
     return n
 
 
-def compute_due_rewards(conn: Connection, *, now: datetime, feedback_window_s: float, weights: RewardWeights, limit: int = 1000) -> int:
+def compute_due_rewards(
+    conn: Connection, *, now: datetime, feedback_window_s: float, weights: RewardWeights, limit: int = 1000
+) -> int:
     """Compute and upsert the reward of every choice whose completion's feedback window has closed."""
     due_t, comp_t, ch_t, ev_t = db.reward_due, db.completions, db.completion_choices, db.events
-    due = list(conn.execute(select(due_t.c.completion_id).where(due_t.c.due_at <= now).order_by(due_t.c.due_at).limit(limit)).scalars())
+    due = list(
+        conn.execute(
+            select(due_t.c.completion_id).where(due_t.c.due_at <= now).order_by(due_t.c.due_at).limit(limit)
+        ).scalars()
+    )
     if not due:
         return 0
     window = timedelta(seconds=feedback_window_s)
-    comps = {r.completion_id: r for r in conn.execute(select(comp_t.c.completion_id, comp_t.c.model_version, comp_t.c.created_at).where(comp_t.c.completion_id.in_(due)))}
+    comps = {
+        r.completion_id: r
+        for r in conn.execute(
+            select(comp_t.c.completion_id, comp_t.c.model_version, comp_t.c.created_at).where(
+                comp_t.c.completion_id.in_(due)
+            )
+        )
+    }
     choices = conn.execute(
-        select(ch_t.c.completion_id, ch_t.c.choice_index, ch_t.c.text, ch_t.c.n_chars).where(ch_t.c.completion_id.in_(due))
+        select(ch_t.c.completion_id, ch_t.c.choice_index, ch_t.c.text, ch_t.c.n_chars).where(
+            ch_t.c.completion_id.in_(due)
+        )
     ).all()
     events: dict[tuple[str, int], list[Event]] = {}
     for e in conn.execute(
-        select(ev_t.c.completion_id, ev_t.c.choice_index, ev_t.c.type, ev_t.c.select_kind, ev_t.c.accepted_chars, ev_t.c.kept_text, ev_t.c.created_at).where(
-            ev_t.c.completion_id.in_(due)
-        )
+        select(
+            ev_t.c.completion_id,
+            ev_t.c.choice_index,
+            ev_t.c.type,
+            ev_t.c.select_kind,
+            ev_t.c.accepted_chars,
+            ev_t.c.kept_text,
+            ev_t.c.created_at,
+        ).where(ev_t.c.completion_id.in_(due))
     ):
         comp = comps.get(e.completion_id)
         if comp is not None and as_utc(e.created_at) <= as_utc(comp.created_at) + window:
-            events.setdefault((e.completion_id, e.choice_index), []).append(Event(e.type, e.select_kind, e.accepted_chars, e.kept_text, as_utc(e.created_at)))
+            events.setdefault((e.completion_id, e.choice_index), []).append(
+                Event(e.type, e.select_kind, e.accepted_chars, e.kept_text, as_utc(e.created_at))
+            )
     rows = []
     for ch in choices:
-        value, parts = reward(ChoiceFeedback(ch.n_chars, ch.text, events.get((ch.completion_id, ch.choice_index), ())), weights)
+        value, parts = reward(
+            ChoiceFeedback(ch.n_chars, ch.text, events.get((ch.completion_id, ch.choice_index), ())), weights
+        )
         rows.append(
             dict(
                 completion_id=ch.completion_id,

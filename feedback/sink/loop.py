@@ -28,13 +28,11 @@ from pydantic import Field
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from feedback import db
-
+from feedback.core.config import FlywheelSettings, Section
+from feedback.core.errors import UserError, first_line
+from feedback.reward import RewardWeights
 from feedback.sink import ingest
 from feedback.sink.ingest import Batch, Counts
-from feedback.reward import RewardWeights
-from feedback.core.config import FlywheelSettings, Section
-from feedback.core.errors import UserError
-from feedback.core.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +119,9 @@ def run_sink(
             from prometheus_client import start_http_server
 
             start_http_server(cfg.metrics_port)
-        progress(f"sink: group {cfg.group_id!r} reading {cfg.completions_topic}, {cfg.events_topic} from {settings.kafka.bootstrap}")
+        progress(
+            f"sink: group {cfg.group_id!r} reading {cfg.completions_topic}, {cfg.events_topic} from {settings.kafka.bootstrap}"
+        )
         _loop(settings, engine, consumer, stop, stats, progress)
     finally:
         if consumer is not None:
@@ -141,11 +141,17 @@ def _consumer(settings: SinkSettings):
     cfg = settings.sink
     try:
         return bus.consumer(
-            settings.kafka, cfg.completions_topic, cfg.events_topic, group_id=cfg.group_id, max_poll_records=cfg.batch_size,
+            settings.kafka,
+            cfg.completions_topic,
+            cfg.events_topic,
+            group_id=cfg.group_id,
+            max_poll_records=cfg.batch_size,
             session_timeout_ms=cfg.session_timeout_ms,
         )
     except KafkaError as e:
-        raise UserError(f"Kafka at {settings.kafka.bootstrap} is unreachable ({type(e).__name__}); is `flywheel up` running?") from None
+        raise UserError(
+            f"Kafka at {settings.kafka.bootstrap} is unreachable ({type(e).__name__}); is `flywheel up` running?"
+        ) from None
 
 
 def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats: SinkStats, progress) -> None:
@@ -177,7 +183,10 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
         if now_m - last_report >= cfg.progress_interval_s:
             stats.lag = _lag(consumer)
             progress(_progress_line(stats, reported, now_m - last_report))
-            last_report, reported = now_m, SinkStats(stats.messages, stats.batches, Counts().add(stats.counts), stats.lag)
+            last_report, reported = (
+                now_m,
+                SinkStats(stats.messages, stats.batches, Counts().add(stats.counts), stats.lag),
+            )
 
 
 def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event) -> list:
@@ -208,7 +217,11 @@ def _write_until_done(engine, batch: Batch, settings: SinkSettings, stop: thread
             return _write(engine, batch, settings)
         except OperationalError as e:
             DB_ERRORS.inc()
-            log.warning("database unavailable (%s); retrying the batch in %gs", first_line(e, with_type=False), settings.sink.db_retry_s)
+            log.warning(
+                "database unavailable (%s); retrying the batch in %gs",
+                first_line(e, with_type=False),
+                settings.sink.db_retry_s,
+            )
             if stop.wait(settings.sink.db_retry_s):
                 return None
 
@@ -252,7 +265,9 @@ def _reject(engine, one: Batch, error: str, now: datetime) -> Counts:
         origin, _ = one.malformed[0]
     cid = getattr(msg, "completion_id", None)
     eid = str(msg.event_id) if hasattr(msg, "event_id") else None
-    row = ingest.dead_letter_row(origin, "rejected", f"database refused it: {error}", now, completion_id=cid, event_id=eid)
+    row = ingest.dead_letter_row(
+        origin, "rejected", f"database refused it: {error}", now, completion_id=cid, event_id=eid
+    )
     with engine.begin() as conn:
         n = len(ingest.insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id))
     return Counts(dead_letters={"rejected": n} if n else {})
@@ -285,7 +300,9 @@ def _sweep(engine, settings: SinkSettings) -> Counts:
             if n := ingest.expire_pending(conn, now=now, grace_s=cfg.grace_period_s):
                 counts.dead_letters["unknown_completion"] = n
         with engine.begin() as conn:
-            counts.rewards = ingest.compute_due_rewards(conn, now=now, feedback_window_s=cfg.feedback_window_s, weights=cfg.reward)
+            counts.rewards = ingest.compute_due_rewards(
+                conn, now=now, feedback_window_s=cfg.feedback_window_s, weights=cfg.reward
+            )
     except OperationalError as e:
         DB_ERRORS.inc()
         log.warning("sweep skipped: database unavailable (%s)", first_line(e, with_type=False))
@@ -306,7 +323,12 @@ def _retention(engine, days: int, progress) -> None:
 
 def _record(stats: SinkStats, counts: Counts) -> None:
     stats.counts.add(counts)
-    for table, n in [("completions", counts.completions), ("events", counts.events), ("pending_events", counts.held), ("rewards", counts.rewards)]:
+    for table, n in [
+        ("completions", counts.completions),
+        ("events", counts.events),
+        ("pending_events", counts.held),
+        ("rewards", counts.rewards),
+    ]:
         if n:
             ROWS.labels(table).inc(n)
     if counts.promoted:

@@ -44,17 +44,15 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
+from feedback.core.config import Section
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
 from learner.corpus import SourceFile
 from learner.fim import fim_header
-from learner.model import Transformer, WeightHook, _w, apply_rope, rope_cos_sin
-from learner.tokenizer import EOS_ID
-from feedback.core.config import Section
 from learner.judge import Site, Verdict, cursor_sites, judge
+from learner.model import Transformer, WeightHook, _w, apply_rope, rope_cos_sin
 from learner.prompts import EDITOR_STOP, PromptBuilder, SummaryCache
+from learner.tokenizer import EOS_ID
 from serving.settings import ServeSettings
-
-
 
 # --- replay -----------------------------------------------------------------------------------------
 
@@ -196,11 +194,15 @@ def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
 
 
 @torch.no_grad()
-def greedy_middle(model: Transformer, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, fp4: WeightHook | None = None) -> tuple[list[int], str, str]:
+def greedy_middle(
+    model: Transformer, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, fp4: WeightHook | None = None
+) -> tuple[list[int], str, str]:
     """(token ids, text, finish) of a greedy completion that ends at <|endoftext|> or the editor
     stop string; the text is cut before the stop string, as vLLM returns it."""
     if len(prompt_ids) + max_tokens > model.args.max_seq_len:
-        raise ValueError(f"{len(prompt_ids)} prompt tokens + {max_tokens} new ones exceed the window of {model.args.max_seq_len}")
+        raise ValueError(
+            f"{len(prompt_ids)} prompt tokens + {max_tokens} new ones exceed the window of {model.args.max_seq_len}"
+        )
     device = next(model.parameters()).device
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     logits_V = cached_forward(model, torch.tensor([prompt_ids], device=device), kv, fp4)[0]
@@ -219,7 +221,9 @@ def greedy_middle(model: Transformer, tok: Tokenizer, prompt_ids: list[int], max
 
 
 @torch.no_grad()
-def cached_forward(model: Transformer, ids_BS: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], fp4: WeightHook | None = None) -> torch.Tensor:
+def cached_forward(
+    model: Transformer, ids_BS: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], fp4: WeightHook | None = None
+) -> torch.Tensor:
     """`model(ids)[:, -1]` for tokens that follow those already in the KV cache `kv` (one
     (k, v) [B, Hkv, S, Hd] pair per layer, filled by the first call and extended by each next
     one): logits [B, V] of the last position.
@@ -291,8 +295,21 @@ def heldout_replay(
             out, text, finish = greedy_middle(model, tok, prompt, max(1, budget), hook)
             verdict = judge(text, site.truth)
             r, parts = reward(editor_feedback(text, verdict), weights)
-            results.append(SiteResult(site.path, text, len(out), finish, verdict.type, verdict.select_kind,
-                                      verdict.accepted_chars, parts["outcome"], r, len(prompt), truncated))  # fmt: skip
+            results.append(
+                SiteResult(
+                    site.path,
+                    text,
+                    len(out),
+                    finish,
+                    verdict.type,
+                    verdict.select_kind,
+                    verdict.accepted_chars,
+                    parts["outcome"],
+                    r,
+                    len(prompt),
+                    truncated,
+                )
+            )
     finally:
         model.train(was_training)
         torch.set_num_threads(was_threads)
@@ -345,7 +362,9 @@ class GateThresholds(Section):
     @model_validator(mode="after")
     def _ordered(self) -> Self:
         if self.min_length_ratio > self.max_length_ratio:
-            raise ValueError(f"min_length_ratio ({self.min_length_ratio}) must not exceed max_length_ratio ({self.max_length_ratio})")
+            raise ValueError(
+                f"min_length_ratio ({self.min_length_ratio}) must not exceed max_length_ratio ({self.max_length_ratio})"
+            )
         return self
 
 
@@ -374,30 +393,44 @@ def check(
     failed: dict[str, str] = {}
 
     if candidate.n != stable.n:
-        failed["sites"] = f"candidate replayed {candidate.n} sites and stable {stable.n}: compare them on the same sites"
+        failed["sites"] = (
+            f"candidate replayed {candidate.n} sites and stable {stable.n}: compare them on the same sites"
+        )
     elif candidate.n < t.min_sites:
         failed["sites"] = f"only {candidate.n} held-out sites replayed; the gate needs at least {t.min_sites}"
 
     delta = candidate.mean_reward - stable.mean_reward
     if delta < -t.reward_tolerance:
-        failed["heldout_reward"] = (f"held-out reward {candidate.mean_reward:.3f} is {-delta:.3f} below stable's "
-                                    f"{stable.mean_reward:.3f} (tolerance {t.reward_tolerance})")  # fmt: skip
+        failed["heldout_reward"] = (
+            f"held-out reward {candidate.mean_reward:.3f} is {-delta:.3f} below stable's "
+            f"{stable.mean_reward:.3f} (tolerance {t.reward_tolerance})"
+        )
     if trend is not None and trend > 0 and delta < -t.divergence_tolerance:
-        failed["reward_divergence"] = (f"online reward rose by {trend:+.3f} while held-out reward fell by {-delta:.3f} "
-                                       f"(tolerance {t.divergence_tolerance}): reward hacking, not better completions")  # fmt: skip
+        failed["reward_divergence"] = (
+            f"online reward rose by {trend:+.3f} while held-out reward fell by {-delta:.3f} "
+            f"(tolerance {t.divergence_tolerance}): reward hacking, not better completions"
+        )
 
     suggestion_ratio = _ratio(candidate.suggestion_rate, stable.suggestion_rate)
     if (suggestion_ratio is not None and suggestion_ratio < t.min_suggestion_ratio) or (
         candidate.suggestion_rate < t.min_suggestion_rate and candidate.suggestion_rate < stable.suggestion_rate
     ):
-        failed["suggestion_rate"] = (f"candidate suggests on {candidate.suggestion_rate:.0%} of requests vs {stable.suggestion_rate:.0%} "
-                                     f"for stable (floor: {t.min_suggestion_ratio:.0%} of stable, and {t.min_suggestion_rate:.0%}): "
-                                     "it learned to abstain")  # fmt: skip
+        failed["suggestion_rate"] = (
+            f"candidate suggests on {candidate.suggestion_rate:.0%} of requests vs {stable.suggestion_rate:.0%} "
+            f"for stable (floor: {t.min_suggestion_ratio:.0%} of stable, and {t.min_suggestion_rate:.0%}): "
+            "it learned to abstain"
+        )
 
-    length_ratio = _ratio(candidate.mean_completion_tokens, stable.mean_completion_tokens) if candidate.shown and stable.shown else None
+    length_ratio = (
+        _ratio(candidate.mean_completion_tokens, stable.mean_completion_tokens)
+        if candidate.shown and stable.shown
+        else None
+    )
     if length_ratio is not None and not t.min_length_ratio <= length_ratio <= t.max_length_ratio:
-        failed["completion_length"] = (f"mean suggestion length {candidate.mean_completion_tokens:.1f} tokens is {length_ratio:.2f}x "
-                                       f"stable's {stable.mean_completion_tokens:.1f} (allowed {t.min_length_ratio}x to {t.max_length_ratio}x)")  # fmt: skip
+        failed["completion_length"] = (
+            f"mean suggestion length {candidate.mean_completion_tokens:.1f} tokens is {length_ratio:.2f}x "
+            f"stable's {stable.mean_completion_tokens:.1f} (allowed {t.min_length_ratio}x to {t.max_length_ratio}x)"
+        )
 
     if not math.isfinite(kl):
         failed["kl"] = f"KL to the reference is {kl}: the update diverged"

@@ -58,10 +58,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from feedback import db
-from learner.train.learn_settings import LearnSection, LearnSettings
 from learner.model import ModelArgs, Transformer, WeightHook
-from learner.train.rl_loss import RLConfig, RLInputs, rl_loss
 from learner.tokenizer import EOS_ID
+from learner.train.learn_settings import LearnSection, LearnSettings
+from learner.train.rl_loss import RLConfig, RLInputs, rl_loss
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,18 @@ def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample
         if not ids:
             return [], after_id
         q = (
-            select(r.c.id, r.c.completion_id, r.c.choice_index, r.c.model_version, r.c.reward, r.c.outcome,
-                   c.c.prompt_token_ids, ch.c.token_ids, ch.c.logprobs, ch.c.routing)  # fmt: skip
+            select(
+                r.c.id,
+                r.c.completion_id,
+                r.c.choice_index,
+                r.c.model_version,
+                r.c.reward,
+                r.c.outcome,
+                c.c.prompt_token_ids,
+                ch.c.token_ids,
+                ch.c.logprobs,
+                ch.c.routing,
+            )
             .select_from(
                 r.join(c, c.c.completion_id == r.c.completion_id).join(
                     ch, (ch.c.completion_id == r.c.completion_id) & (ch.c.choice_index == r.c.choice_index)
@@ -108,8 +118,18 @@ def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample
         )
         rows = conn.execute(q).all()  # a reward without its completion (none in practice) is passed over
     samples = [
-        Sample(row.id, row.completion_id, row.choice_index, row.model_version, list(row.prompt_token_ids), list(row.token_ids),
-               [float(x) for x in row.logprobs], float(row.reward), row.outcome, row.routing)  # fmt: skip
+        Sample(
+            row.id,
+            row.completion_id,
+            row.choice_index,
+            row.model_version,
+            list(row.prompt_token_ids),
+            list(row.token_ids),
+            [float(x) for x in row.logprobs],
+            float(row.reward),
+            row.outcome,
+            row.routing,
+        )
         for row in rows
     ]
     return samples, ids[-1]
@@ -145,7 +165,11 @@ class ReplayBuffer:
         return [self.items.popleft() for _ in range(min(n, len(self.items)))]
 
     def state_dict(self) -> dict:
-        return {"items": [asdict(s) for s in self.items], "dropped_stale": self.dropped_stale, "dropped_overflow": self.dropped_overflow}
+        return {
+            "items": [asdict(s) for s in self.items],
+            "dropped_stale": self.dropped_stale,
+            "dropped_overflow": self.dropped_overflow,
+        }
 
     def load_state_dict(self, d: dict) -> None:
         self.items = deque(Sample(**s) for s in d["items"])
@@ -222,7 +246,13 @@ def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
 
 
 def rl_update(
-    model: Transformer, ref: Transformer, opt: torch.optim.Optimizer, batch: Batch, *, hook: WeightHook | None, cfg: LearnSection
+    model: Transformer,
+    ref: Transformer,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    *,
+    hook: WeightHook | None,
+    cfg: LearnSection,
 ) -> dict[str, float]:
     """One AdamW step on `batch`: FP4 forward (with router replay unless disabled), rl_loss."""
     x = batch.input_BS
@@ -307,7 +337,12 @@ class LearnerState:
 
 
 def save_state(path: Path, model, opt, state: LearnerState, buffer: ReplayBuffer) -> None:
-    blob = {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": asdict(state), "buffer": buffer.state_dict()}
+    blob = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "state": asdict(state),
+        "buffer": buffer.state_dict(),
+    }
     _atomic_save(blob, path)
 
 
@@ -368,10 +403,16 @@ class Learner:
 
     # set-up ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from learner import store as S
-        from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, load_training_corpus, pretrain_section
-        from learner.tokenizer import load_tokenizer
         from feedback.core.errors import UserError
+        from learner import store as S
+        from learner.tokenizer import load_tokenizer
+        from learner.train.pretrain import (
+            find_base_model,
+            fp4_hook,
+            load_master_weights,
+            load_training_corpus,
+            pretrain_section,
+        )
 
         base = find_base_model(self.s)
         if base is None:
@@ -385,16 +426,24 @@ class Learner:
         self.tok = load_tokenizer(base / "hf")
         corpus = load_training_corpus(pretrain_section(self.s))
         self.heldout, self.train_files = corpus.heldout, corpus.train
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+        )
         self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
-        self.store = S.open_store(S.default_store_uri(self.s), full_every=self.cfg.full_every,
-                                  zstd_level=self.cfg.zstd_level, zstd_threads=self.cfg.zstd_threads)  # fmt: skip
+        self.store = S.open_store(
+            S.default_store_uri(self.s),
+            full_every=self.cfg.full_every,
+            zstd_level=self.cfg.zstd_level,
+            zstd_threads=self.cfg.zstd_threads,
+        )
         self._stable_cache: tuple[int, Transformer, object] | None = None
         db.upgrade(self.engine)
         state_path = self.dir / STATE_FILE
         if state_path.is_file():
             self.state = load_state(state_path, self.model, self.opt, self.buffer)
-            log.info("resumed the learner at step %d, cursor %d, v%d", self.state.step, self.state.cursor, self.state.version)
+            log.info(
+                "resumed the learner at step %d, cursor %d, v%d", self.state.step, self.state.cursor, self.state.version
+            )
         else:
             self.state = LearnerState(last_publish_at=time.time())
             self._publish_base()
@@ -406,11 +455,15 @@ class Learner:
         """Version 0: the pretrained base's packed FP4 artifact, exactly what serving loaded. A
         v0 already in the store with exactly these tensors (the learner died before its first
         save) is recorded and announced again, not published twice."""
+        from feedback.core.errors import UserError
         from learner import delta as codec
         from learner import store as S
-        from feedback.core.errors import UserError
 
-        packed = S.load_packed_artifact(self.base_dir / "fp4") if self.fmt else S.pack_checkpoint(self.model.state_dict(), "nvfp4", ())
+        packed = (
+            S.load_packed_artifact(self.base_dir / "fp4")
+            if self.fmt
+            else S.pack_checkpoint(self.model.state_dict(), "nvfp4", ())
+        )
         stable = self.store.versions()
         if stable and not (stable == [0] and self.store.hashes(0) == codec.tensor_hashes(packed)):
             raise UserError(
@@ -419,7 +472,9 @@ class Learner:
             )
         if not stable:
             self.store.publish(packed, parent=None, version=0)
-        msg = self.store.model_version(0, gate_passed=True, gate_reason=f"the pretrained base model ({self.base_dir.name})")
+        msg = self.store.model_version(
+            0, gate_passed=True, gate_reason=f"the pretrained base model ({self.base_dir.name})"
+        )
         S.record(msg, self.engine)
         self._announce(msg)
 
@@ -434,14 +489,22 @@ class Learner:
                 passed, reason, metrics = row.gate_passed, row.gate_reason, row.metrics
             else:  # died between STABLE and recording it: same weights (saved before publishing), same gate
                 passed, reason, metrics = self._gate(self.store.materialize(v))
-            log.warning("v%d was published before the learner stopped; recording it now (gate %s)", v, "passed" if passed else "blocked")
+            log.warning(
+                "v%d was published before the learner stopped; recording it now (gate %s)",
+                v,
+                "passed" if passed else "blocked",
+            )
             self._finish_publish(v, passed, reason, metrics)
 
     # steps -------------------------------------------------------------------------------------------
     def poll(self) -> int:
         """Read new rewarded samples into the buffer; returns how many were added."""
         samples, last = read_samples(self.engine, self.state.cursor, limit=max(512, 4 * self.cfg.batch_size))
-        usable = [s for s in samples if s.outcome in self.cfg.outcomes and s.token_ids and len(s.behaviour) >= len(s.token_ids)]
+        usable = [
+            s
+            for s in samples
+            if s.outcome in self.cfg.outcomes and s.token_ids and len(s.behaviour) >= len(s.token_ids)
+        ]
         self.state.samples_skipped += len(samples) - len(usable)
         self.state.samples_read += len(samples)
         self.state.cursor = last
@@ -467,14 +530,19 @@ class Learner:
 
     def publish_due(self, now: float | None = None) -> bool:
         st = self.state
-        return st.trained_since_publish >= self.cfg.min_samples and (now or time.time()) - st.last_publish_at >= self.cfg.publish_every
+        return (
+            st.trained_since_publish >= self.cfg.min_samples
+            and (now or time.time()) - st.last_publish_at >= self.cfg.publish_every
+        )
 
     def publish(self) -> dict:
         """Gate, then store the candidate as the next version (delta against the last good one)."""
         from learner import store as S
 
         self._save()  # the published weights are a saved state (see the module docstring)
-        packed = S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ())
+        packed = S.pack_checkpoint(
+            self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
+        )
         passed, reason, metrics = self._gate(packed)
         msg = self.store.publish(packed, parent=self.state.last_good)
         return self._finish_publish(msg.version, passed, reason, metrics)
@@ -484,7 +552,12 @@ class Learner:
 
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
-        metrics = {**metrics, "online_reward": online, "samples_trained": st.trained_since_publish, "learner_step": st.step}
+        metrics = {
+            **metrics,
+            "online_reward": online,
+            "samples_trained": st.trained_since_publish,
+            "learner_step": st.step,
+        }
         msg = self.store.model_version(v, gate_passed=passed, gate_reason=reason, metrics=flat_metrics(metrics))
         S.record(msg, self.engine)
         self._announce(msg)
@@ -498,13 +571,21 @@ class Learner:
             self._revert_to_last_good()
         self._save()
         self.store.cleanup(self.cfg.keep_versions)
-        return {"version": v, "parent": msg.parent, "kind": msg.kind, "size_bytes": msg.size_bytes, "full_size_bytes": msg.full_size_bytes,
-                "gate_passed": passed, "gate_reason": reason, "metrics": metrics}  # fmt: skip
+        return {
+            "version": v,
+            "parent": msg.parent,
+            "kind": msg.kind,
+            "size_bytes": msg.size_bytes,
+            "full_size_bytes": msg.full_size_bytes,
+            "gate_passed": passed,
+            "gate_reason": reason,
+            "metrics": metrics,
+        }
 
     def _gate(self, packed) -> tuple[bool, str | None, dict]:
         """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""
-        from learner.train import gate as G
         from feedback import pools
+        from learner.train import gate as G
 
         g = self.cfg.gate
         t0 = time.perf_counter()
@@ -514,7 +595,11 @@ class Learner:
         sites = G.heldout_sites(self.heldout, g.sites, seed=g.seed)
         if self._stable_cache is None or self._stable_cache[0] != stable_v:
             stable_model = model_from_packed(self.store.materialize(stable_v), self.args)
-            self._stable_cache = (stable_v, stable_model, G.heldout_replay(stable_model, self.tok, sites, max_tokens=g.max_tokens))
+            self._stable_cache = (
+                stable_v,
+                stable_model,
+                G.heldout_replay(stable_model, self.tok, sites, max_tokens=g.max_tokens),
+            )
         _, stable_model, stable_stats = self._stable_cache
         candidate = model_from_packed(packed, self.args)
         cand_stats = G.heldout_replay(candidate, self.tok, sites, max_tokens=g.max_tokens)
@@ -524,9 +609,14 @@ class Learner:
         trend = online - st.online_reward_history[-1] if online is not None and st.online_reward_history else None
         result = G.check(cand_stats, stable_stats, online_reward_trend=trend, kl=kl, thresholds=g)
         metrics = {
-            **result.metrics, "stable_version": stable_v, "kl_to_stable": kl, "online_reward_trend": trend,
-            "heldout": cand_stats.summary(), "stable_heldout": stable_stats.summary(), "gate_seconds": round(time.perf_counter() - t0, 2),
-        }  # fmt: skip
+            **result.metrics,
+            "stable_version": stable_v,
+            "kl_to_stable": kl,
+            "online_reward_trend": trend,
+            "heldout": cand_stats.summary(),
+            "stable_heldout": stable_stats.summary(),
+            "gate_seconds": round(time.perf_counter() - t0, 2),
+        }
         return result.passed, "; ".join(result.reasons) or None, metrics
 
     def _kl_windows(self) -> torch.Tensor:
@@ -541,7 +631,10 @@ class Learner:
         save_state(self.dir / STATE_FILE, self.model, self.opt, self.state, self.buffer)
 
     def _save_last_good(self) -> None:
-        _atomic_save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.state.last_good}, self.dir / LAST_GOOD_FILE)
+        _atomic_save(
+            {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.state.last_good},
+            self.dir / LAST_GOOD_FILE,
+        )
 
     def _revert_to_last_good(self) -> None:
         blob = torch.load(self.dir / LAST_GOOD_FILE, map_location="cpu", weights_only=False)
@@ -558,7 +651,11 @@ class Learner:
             self._producer = BufferedProducer(self.s.kafka)
         S.announce(msg, self._producer)
         if not self._producer.flush(timeout_s=30):
-            log.warning("v%d is recorded in SQL but not yet on %s (Kafka unreachable); it stays buffered", msg.version, "flywheel.versions")
+            log.warning(
+                "v%d is recorded in SQL but not yet on %s (Kafka unreachable); it stays buffered",
+                msg.version,
+                "flywheel.versions",
+            )
 
     def close(self) -> None:
         if self._producer is not None:
@@ -567,11 +664,20 @@ class Learner:
     def snapshot(self, event: str = "") -> Progress:
         st = self.state
         return Progress(
-            version=st.version, last_good=st.last_good, step=st.step, samples_read=st.samples_read, samples_trained=st.samples_trained,
-            buffered=len(self.buffer), dropped_stale=self.buffer.dropped_stale, skipped=st.samples_skipped,
-            trained_since_publish=st.trained_since_publish, min_samples=self.cfg.min_samples,
-            next_publish_in_s=max(0.0, st.last_publish_at + self.cfg.publish_every - time.time()), metrics=st.last_metrics, event=event,
-        )  # fmt: skip
+            version=st.version,
+            last_good=st.last_good,
+            step=st.step,
+            samples_read=st.samples_read,
+            samples_trained=st.samples_trained,
+            buffered=len(self.buffer),
+            dropped_stale=self.buffer.dropped_stale,
+            skipped=st.samples_skipped,
+            trained_since_publish=st.trained_since_publish,
+            min_samples=self.cfg.min_samples,
+            next_publish_in_s=max(0.0, st.last_publish_at + self.cfg.publish_every - time.time()),
+            metrics=st.last_metrics,
+            event=event,
+        )
 
     # the loop ------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, *, max_versions: int | None = None, until_idle: bool = False) -> None:
@@ -589,7 +695,9 @@ class Learner:
                 info = self.publish()
                 published += 1
                 verdict = "passed the gate" if info["gate_passed"] else f"BLOCKED by the gate: {info['gate_reason']}"
-                self.progress(self.snapshot(f"published v{info['version']} ({info['size_bytes']} B {info['kind']}), {verdict}"))
+                self.progress(
+                    self.snapshot(f"published v{info['version']} ({info['size_bytes']} B {info['kind']}), {verdict}")
+                )
                 if max_versions is not None and published >= max_versions:
                     return
             if m is None:
@@ -600,8 +708,18 @@ class Learner:
 def describe(p: Progress) -> str:
     """One line for the progress display."""
     m = p.metrics
-    train = f"loss {m['loss']:.3f} reward {m['reward_mean']:+.2f} mismatch {m['mismatch_kl_replay']:.4f}/{m['mismatch_kl_no_replay']:.4f} (replay/none)" if m else "no update yet"
-    wait = f"next publish in {p.next_publish_in_s:.0f} s" if p.trained_since_publish >= p.min_samples else f"{p.trained_since_publish}/{p.min_samples} samples for the next version"
-    line = (f"v{p.version} (last good v{p.last_good}) · step {p.step} · read {p.samples_read}, trained {p.samples_trained}, "
-            f"buffer {p.buffered}, stale {p.dropped_stale}, skipped {p.skipped} · {train} · {wait}")  # fmt: skip
+    train = (
+        f"loss {m['loss']:.3f} reward {m['reward_mean']:+.2f} mismatch {m['mismatch_kl_replay']:.4f}/{m['mismatch_kl_no_replay']:.4f} (replay/none)"
+        if m
+        else "no update yet"
+    )
+    wait = (
+        f"next publish in {p.next_publish_in_s:.0f} s"
+        if p.trained_since_publish >= p.min_samples
+        else f"{p.trained_since_publish}/{p.min_samples} samples for the next version"
+    )
+    line = (
+        f"v{p.version} (last good v{p.last_good}) · step {p.step} · read {p.samples_read}, trained {p.samples_trained}, "
+        f"buffer {p.buffered}, stale {p.dropped_stale}, skipped {p.skipped} · {train} · {wait}"
+    )
     return f"{p.event}: {line}" if p.event else line

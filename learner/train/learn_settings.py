@@ -7,9 +7,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from feedback.core.config import Seconds, Section
 from learner.train.gate import GateThresholds
 from learner.train.pretrain_settings import PretrainSettings
-from feedback.core.config import Section, Seconds
+
 
 class GateSection(GateThresholds):
     """The gate before publish (learner/train/gate.py): held-out replay against the stable version,

@@ -51,15 +51,15 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
+from feedback.core.config import FlywheelSettings
+from feedback.core.errors import UserError
+from feedback.core.precision import resolve as resolve_precision
 from learner import fp4 as fp4_codec
 from learner.corpus import Corpus, SourceFile, TrainingData, heldout_windows, load_corpus, token_stream
 from learner.export import export_hf, export_packed_fp4, fp4_dequantized, load_hf, verify_packed_roundtrip
 from learner.model import ModelArgs, Transformer, WeightHook
-from learner.train.pretrain_settings import PretrainSection
 from learner.tokenizer import EOS_ID, load_tokenizer, save_tokenizer, train_tokenizer
-from feedback.core.config import FlywheelSettings
-from feedback.core.errors import UserError
-from feedback.core.precision import resolve as resolve_precision
+from learner.train.pretrain_settings import PretrainSection
 
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
 # Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
@@ -109,7 +109,9 @@ def lr_at(step: int, progress: float, cfg: PretrainSection) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
-def bigram_baseline(train_stream: torch.Tensor, windows: torch.Tensor, vocab_size: int, smoothing: float = 0.1) -> dict[str, float]:
+def bigram_baseline(
+    train_stream: torch.Tensor, windows: torch.Tensor, vocab_size: int, smoothing: float = 0.1
+) -> dict[str, float]:
     """Count-based bigram model on the train stream, scored on the same held-out targets as the model.
 
     Accuracy: predict the most frequent successor of the previous token. Loss: add-`smoothing`
@@ -142,8 +144,10 @@ def quality_problem(metrics: dict, steps: int, cfg: PretrainSection) -> str | No
     if prec := metrics.get("precision"):
         how += f" in {prec}"
     if acc <= bacc or loss >= bloss:
-        return (f"the base model is worse than its bigram baseline (held-out accuracy {acc:.1%} vs {bacc:.1%}, loss {loss:.2f} vs "
-                f"{bloss:.2f}) after {how}")
+        return (
+            f"the base model is worse than its bigram baseline (held-out accuracy {acc:.1%} vs {bacc:.1%}, loss {loss:.2f} vs "
+            f"{bloss:.2f}) after {how}"
+        )
     if steps < cfg.min_steps:
         return f"the base model trained only {how}, fewer than pretrain.min_steps={cfg.min_steps}"
     return None
@@ -160,7 +164,12 @@ def check_quality(folder: Path, done: dict, cfg: PretrainSection) -> None:
 
 
 def train_step(
-    model: Transformer, opt: torch.optim.Optimizer, batch_BS1: torch.Tensor, *, hook: WeightHook | None, cfg: PretrainSection
+    model: Transformer,
+    opt: torch.optim.Optimizer,
+    batch_BS1: torch.Tensor,
+    *,
+    hook: WeightHook | None,
+    cfg: PretrainSection,
 ) -> dict[str, float]:
     """One optimizer step of FP4 QAT with high-precision router replay (see the module docstring)."""
     x, y = batch_BS1[:, :-1], batch_BS1[:, 1:]
@@ -182,7 +191,9 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, windows_NS1: torch.Tensor, *, hook: WeightHook | None = None, batch_size: int = 16) -> dict[str, float]:
+def evaluate(
+    model: Transformer, windows_NS1: torch.Tensor, *, hook: WeightHook | None = None, batch_size: int = 16
+) -> dict[str, float]:
     """Held-out loss and next-token accuracy in fp32, the model routing itself (as served)."""
     was_training = model.training
     model.eval()
@@ -221,7 +232,12 @@ def model_args(cfg: PretrainSection) -> ModelArgs:
 
 
 def cache_key(cfg: PretrainSection, corpus_fingerprint: str) -> str:
-    blob = {"settings": cfg.cache_key_fields(), "model": model_args(cfg).to_dict(), "corpus": corpus_fingerprint, "recipe": RECIPE_VERSION}
+    blob = {
+        "settings": cfg.cache_key_fields(),
+        "model": model_args(cfg).to_dict(),
+        "corpus": corpus_fingerprint,
+        "recipe": RECIPE_VERSION,
+    }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
@@ -308,13 +324,28 @@ def train(
     t_start = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / COMPLETE).unlink(missing_ok=True)  # continuing a finished base re-exports it
-    _write_json(folder / RUN_INFO, {"settings": cfg.model_dump(mode="json"), "corpus": str(corpus.root), "corpus_sha256": corpus.fingerprint,
-                                    "train_files": len(corpus.train), "heldout_files": len(corpus.heldout)})  # fmt: skip
+    _write_json(
+        folder / RUN_INFO,
+        {
+            "settings": cfg.model_dump(mode="json"),
+            "corpus": str(corpus.root),
+            "corpus_sha256": corpus.fingerprint,
+            "train_files": len(corpus.train),
+            "heldout_files": len(corpus.heldout),
+        },
+    )
     device = torch.device(cfg.device)
     tok = _tokenizer(folder, corpus.train, cfg, console)
     args = model_args(cfg)
-    data = TrainingData(tok, corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                        fim_rate=cfg.fim_rate, summary_rate=cfg.summary_rate, seed=cfg.seed)  # fmt: skip
+    data = TrainingData(
+        tok,
+        corpus.train,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        fim_rate=cfg.fim_rate,
+        summary_rate=cfg.summary_rate,
+        seed=cfg.seed,
+    )
     windows = heldout_windows(token_stream(tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
 
@@ -326,8 +357,10 @@ def train(
         state = _load_checkpoint(folder / CHECKPOINT, model, opt)
         console.print(f"resuming from step {state.step} ({state.elapsed_s / 60:.1f} min trained) in {folder}")
     else:
-        console.print(f"training {cfg.size} ({model.num_params() / 1e6:.1f}M parameters, {model.num_params(active=True) / 1e6:.1f}M active) "
-                      f"on {len(corpus.train)} files ({len(data.stream) / 1e6:.2f}M tokens), {len(corpus.heldout)} held out; run folder {folder}")  # fmt: skip
+        console.print(
+            f"training {cfg.size} ({model.num_params() / 1e6:.1f}M parameters, {model.num_params(active=True) / 1e6:.1f}M active) "
+            f"on {len(corpus.train)} files ({len(data.stream) / 1e6:.2f}M tokens), {len(corpus.heldout)} held out; run folder {folder}"
+        )
 
     precision = resolve_precision(cfg.precision, device=device.type, setting="pretrain.precision")
     console.print(f"precision: {precision}")
@@ -355,9 +388,18 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
             state.tokens += tokens_per_step
             if state.step % cfg.eval_every == 0:
                 ev = evaluate(model, periodic, hook=hook)
-                state.history.append({"step": state.step, "train_loss": m["loss"], "heldout_loss": ev["loss"], "heldout_accuracy": ev["accuracy"]})
-                progress.console.print(f"step {state.step}: train loss {m['loss']:.3f}, held-out loss {ev['loss']:.3f}, "
-                                       f"accuracy {ev['accuracy']:.1%}, {state.elapsed_s / 60:.1f} min")  # fmt: skip
+                state.history.append(
+                    {
+                        "step": state.step,
+                        "train_loss": m["loss"],
+                        "heldout_loss": ev["loss"],
+                        "heldout_accuracy": ev["accuracy"],
+                    }
+                )
+                progress.console.print(
+                    f"step {state.step}: train loss {m['loss']:.3f}, held-out loss {ev['loss']:.3f}, "
+                    f"accuracy {ev['accuracy']:.1%}, {state.elapsed_s / 60:.1f} min"
+                )
             state.elapsed_s += time.perf_counter() - t0
             ema_loss = m["loss"] if ema_loss is None else 0.95 * ema_loss + 0.05 * m["loss"]
             frac = min(1.0, max(progress_of(state.step, state.elapsed_s, cfg), state.elapsed_s / (cfg.minutes * 60)))
@@ -366,7 +408,9 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
                 on_step(state.step, m)
             if stop.requested:
                 _save_checkpoint(folder / CHECKPOINT, model, opt, state)
-                progress.console.print(f"interrupted at step {state.step}; checkpoint saved, rerun the same command to resume")
+                progress.console.print(
+                    f"interrupted at step {state.step}; checkpoint saved, rerun the same command to resume"
+                )
                 raise KeyboardInterrupt
             if time.perf_counter() - last_ckpt >= cfg.checkpoint_minutes * 60:
                 _save_checkpoint(folder / CHECKPOINT, model, opt, state)
@@ -375,7 +419,9 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
     _save_checkpoint(folder / CHECKPOINT, model, opt, state)
 
 
-def _finish(model, args, tok, data, windows, held_prompts, cfg, state: _State, folder: Path, console: Console, wall_s: float) -> dict:
+def _finish(
+    model, args, tok, data, windows, held_prompts, cfg, state: _State, folder: Path, console: Console, wall_s: float
+) -> dict:
     """Export, verify, evaluate the exported model against the bigram baseline, mark COMPLETE."""
     t0 = time.perf_counter()
     model = model.to("cpu")
@@ -388,19 +434,35 @@ def _finish(model, args, tok, data, windows, held_prompts, cfg, state: _State, f
     ev = evaluate(served, windows)
     bigram = bigram_baseline(data.stream, windows, args.vocab_size)
     metrics = {
-        "heldout_loss": ev["loss"], "heldout_accuracy": ev["accuracy"],
-        "bigram_loss": bigram["loss"], "bigram_accuracy": bigram["accuracy"],
-        "heldout_tokens": int(windows[:, 1:].numel()), "steps": state.step, "train_tokens": state.tokens,
-        "train_minutes": state.elapsed_s / 60, "this_run_wall_minutes": (wall_s + time.perf_counter() - t0) / 60,
-        "tokens_per_s": state.tokens / state.elapsed_s if state.elapsed_s else 0.0, "precision": cfg.precision,
-        "fp4": cfg.fp4, "router_replay": cfg.router_replay, "fp4_tensors_roundtrip_checked": checked,
+        "heldout_loss": ev["loss"],
+        "heldout_accuracy": ev["accuracy"],
+        "bigram_loss": bigram["loss"],
+        "bigram_accuracy": bigram["accuracy"],
+        "heldout_tokens": int(windows[:, 1:].numel()),
+        "steps": state.step,
+        "train_tokens": state.tokens,
+        "train_minutes": state.elapsed_s / 60,
+        "this_run_wall_minutes": (wall_s + time.perf_counter() - t0) / 60,
+        "tokens_per_s": state.tokens / state.elapsed_s if state.elapsed_s else 0.0,
+        "precision": cfg.precision,
+        "fp4": cfg.fp4,
+        "router_replay": cfg.router_replay,
+        "fp4_tensors_roundtrip_checked": checked,
         "history": state.history,
-    }  # fmt: skip
+    }
     _write_json(folder / METRICS, metrics)
-    _write_json(folder / COMPLETE, {"step": state.step, "elapsed_s": state.elapsed_s, "metrics": metrics})  # last: the base is finished
+    _write_json(
+        folder / COMPLETE, {"step": state.step, "elapsed_s": state.elapsed_s, "metrics": metrics}
+    )  # last: the base is finished
 
-    t = Table("held-out (exported model)", "loss", "next-token accuracy", title=f"base model {cfg.size}: {folder / 'hf'}")
-    t.add_row(f"{args.n_layers}-layer MoE, {state.step} steps, {state.tokens / 1e6:.1f}M tokens", f"{ev['loss']:.3f}", f"{ev['accuracy']:.1%}")
+    t = Table(
+        "held-out (exported model)", "loss", "next-token accuracy", title=f"base model {cfg.size}: {folder / 'hf'}"
+    )
+    t.add_row(
+        f"{args.n_layers}-layer MoE, {state.step} steps, {state.tokens / 1e6:.1f}M tokens",
+        f"{ev['loss']:.3f}",
+        f"{ev['accuracy']:.1%}",
+    )
     t.add_row("bigram baseline (train split counts)", f"{bigram['loss']:.3f}", f"{bigram['accuracy']:.1%}")
     console.print(t)
     extra = f"; packed FP4 in {folder / 'fp4'} (round trip bit-identical on {checked} tensors)" if checked else ""
@@ -419,7 +481,14 @@ def completion_prompts(files: list[SourceFile], n: int, context_lines: int = 8) 
     out = []
     for f in files:
         lines = f.text.splitlines(keepends=True)
-        i = next((i for i in range(context_lines, len(lines) - 1) if lines[i].lstrip().startswith("def ") and lines[i].rstrip().endswith(":")), None)
+        i = next(
+            (
+                i
+                for i in range(context_lines, len(lines) - 1)
+                if lines[i].lstrip().startswith("def ") and lines[i].rstrip().endswith(":")
+            ),
+            None,
+        )
         if i is not None:
             out.append("".join(lines[i - context_lines : i + 1]))
         if len(out) == n:

@@ -16,8 +16,20 @@ from feedback.core.config import FlywheelSettings, Section
 # out of the cache key, so `--minutes 30` continues a 20-minute base instead of starting over.
 # The precision changes speed and rounding, not the recipe: a base is valid on any machine.
 NOT_IN_CACHE_KEY = frozenset(
-    {"corpus", "steps", "minutes", "threads", "device", "precision", "eval_every", "eval_windows", "final_eval_windows",
-     "checkpoint_minutes", "quality_check", "min_steps"}
+    {
+        "corpus",
+        "steps",
+        "minutes",
+        "threads",
+        "device",
+        "precision",
+        "eval_every",
+        "eval_windows",
+        "final_eval_windows",
+        "checkpoint_minutes",
+        "quality_check",
+        "min_steps",
+    }
 )
 
 

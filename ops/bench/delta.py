@@ -32,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import tempfile
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,15 +44,15 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
+from feedback.core.config import FlywheelSettings
 from learner import delta as codec
 from learner import fp4
 from learner.corpus import TrainingData, load_corpus
 from learner.model import ModelArgs, Transformer
-from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, train_step
-from learner.train.pretrain_settings import PretrainSection
 from learner.store import pack_checkpoint, to_hf_tensors, to_safetensors
 from learner.tokenizer import load_tokenizer, train_tokenizer
-from feedback.core.config import FlywheelSettings
+from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, train_step
+from learner.train.pretrain_settings import PretrainSection
 
 SEQ_LEN, BATCH = 128, 4  # RL-sized batches: short completions, few per update
 METHODS = ("flywheel", "xor+zstd", "zstd (full)", "arc_v2", "arc_v3", "zipnn")
@@ -84,7 +84,9 @@ def run_flywheel(old: dict, new: dict, level: int, threads: int, repeats: int) -
     old_h = codec.tensor_hashes(old)  # the publisher and the replica already hold their base's table
 
     def enc():
-        return codec.encode(codec.diff(old, new, old_hashes=old_h, new_hashes=codec.tensor_hashes(new)), level=level, threads=threads)
+        return codec.encode(
+            codec.diff(old, new, old_hashes=old_h, new_hashes=codec.tensor_hashes(new)), level=level, threads=threads
+        )
 
     blob, t_enc = timed(enc, repeats)
     out, t_dec = timed(lambda: codec.apply(old, codec.decode(blob), base_hashes=old_h), repeats)
@@ -131,12 +133,17 @@ def run_fireworks(fmt: str) -> Callable:
 
         from fireworks_delta_compression import delta_compress_dicts, delta_decompress
 
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # arc2 wraps read-only bytes; harmless here
+        warnings.filterwarnings(
+            "ignore", message="The given buffer is not writable"
+        )  # arc2 wraps read-only bytes; harmless here
         a, b = flat_tensors(old), flat_tensors(new)
         (diffs, sums), t_enc = timed(lambda: delta_compress_dicts(a, b, fmt), repeats)
 
         def dec():
-            return {k: delta_decompress(src=a[k], compressed_diff=diffs[k], checksum=sums[k], compression_format=fmt) for k in diffs}
+            return {
+                k: delta_decompress(src=a[k], compressed_diff=diffs[k], checksum=sums[k], compression_format=fmt)
+                for k in diffs
+            }
 
         out, t_dec = timed(dec, repeats)
         assert all(torch.equal(out[k].view(torch.uint8), b[k].view(torch.uint8)) for k in b)
@@ -146,17 +153,30 @@ def run_fireworks(fmt: str) -> Callable:
 
 
 # zipnn's byte mode rejects uint8; a 1-byte float type gives the same byte handling
-_ZIPNN_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "float8_e4m3fn"}
+_ZIPNN_DTYPE = {
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.uint8: "float8_e4m3fn",
+}
 
 
 def run_zipnn(old: dict, new: dict, level: int, threads: int, repeats: int) -> dict:
     from zipnn import ZipNN
 
     a, b = flat_tensors(old), flat_tensors(new)
-    z = {dt: ZipNN(input_format="byte", bytearray_dtype=name, delta_compressed_type="byte", threads=max(1, threads)) for dt, name in _ZIPNN_DTYPE.items()}
+    z = {
+        dt: ZipNN(input_format="byte", bytearray_dtype=name, delta_compressed_type="byte", threads=max(1, threads))
+        for dt, name in _ZIPNN_DTYPE.items()
+    }
     raw_a = {k: _raw(t).tobytes() for k, t in a.items()}
-    blobs, t_enc = timed(lambda: {k: bytes(z[t.dtype].compress(_raw(t).tobytes(), delta_second_data=raw_a[k])) for k, t in b.items()}, repeats)
-    out, t_dec = timed(lambda: {k: bytes(z[b[k].dtype].decompress(c, delta_second_data=raw_a[k])) for k, c in blobs.items()}, repeats)
+    blobs, t_enc = timed(
+        lambda: {k: bytes(z[t.dtype].compress(_raw(t).tobytes(), delta_second_data=raw_a[k])) for k, t in b.items()},
+        repeats,
+    )
+    out, t_dec = timed(
+        lambda: {k: bytes(z[b[k].dtype].decompress(c, delta_second_data=raw_a[k])) for k, c in blobs.items()}, repeats
+    )
     assert all(out[k] == _raw(b[k]).tobytes() for k in b)
     return {"bytes": sum(len(c) for c in blobs.values()), "encode_s": t_enc, "decode_apply_s": t_dec}
 
@@ -176,11 +196,21 @@ def part_ratios(old: dict, new: dict, level: int) -> dict:
     against its share of the full checkpoint: what a model with another mix would see."""
     d = codec.diff(old, new)
     out = {}
-    for part, keep in (("fp4", lambda e: isinstance(e, fp4.PackedTensor)), ("dense", lambda e: not isinstance(e, fp4.PackedTensor))):
+    for part, keep in (
+        ("fp4", lambda e: isinstance(e, fp4.PackedTensor)),
+        ("dense", lambda e: not isinstance(e, fp4.PackedTensor)),
+    ):
         names = {n for n, e in new.items() if keep(e)}
-        sub = codec.Delta(d.base_version, d.version, d.base_digest, d.digest, {n: td for n, td in d.changed.items() if n in names})
+        sub = codec.Delta(
+            d.base_version, d.version, d.base_digest, d.digest, {n: td for n, td in d.changed.items() if n in names}
+        )
         full = codec.checkpoint_nbytes({n: new[n] for n in names})
-        out[part] = {"full_bytes": full, "delta_bytes": len(codec.encode(sub, level=level)), "changed_tensors": len(sub.changed), "tensors": len(names)}
+        out[part] = {
+            "full_bytes": full,
+            "delta_bytes": len(codec.encode(sub, level=level)),
+            "changed_tensors": len(sub.changed),
+            "tensors": len(names),
+        }
     return out
 
 
@@ -200,12 +230,18 @@ def changed_fraction(old: dict, new: dict) -> dict:
 # --- checkpoint pairs ------------------------------------------------------------------------------
 
 
-def checkpoint_series(model: Transformer, data: TrainingData, cfg, lr: float, steps: int, versions: int) -> list[dict[str, torch.Tensor]]:
+def checkpoint_series(
+    model: Transformer, data: TrainingData, cfg, lr: float, steps: int, versions: int
+) -> list[dict[str, torch.Tensor]]:
     """State dicts after 0, steps, 2*steps, ... AdamW steps of FP4 QAT at a constant `lr`."""
     model = copy.deepcopy(model).train()
     c = cfg.model_copy(update={"lr": lr})
     decay, no_decay = [p for p in model.parameters() if p.ndim >= 2], [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     hook = fp4_hook(cfg.fp4 if cfg.fp4 != "off" else "nvfp4")
     out = [{k: v.detach().clone() for k, v in model.state_dict().items()}]
     step = 0
@@ -229,7 +265,15 @@ def _base(settings: FlywheelSettings, cfg, console: Console):
         model = Transformer(ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=SEQ_LEN))
         what = "random tiny model (no trained base cached: run `flywheel pretrain` first)"
     console.print(f"weights: {what}")
-    data = TrainingData(tok, corpus.train, seq_len=SEQ_LEN, batch_size=BATCH, fim_rate=cfg.fim_rate, summary_rate=cfg.summary_rate, seed=cfg.seed + 1)
+    data = TrainingData(
+        tok,
+        corpus.train,
+        seq_len=SEQ_LEN,
+        batch_size=BATCH,
+        fim_rate=cfg.fim_rate,
+        summary_rate=cfg.summary_rate,
+        seed=cfg.seed + 1,
+    )
     return model, data, what, tok, corpus
 
 
@@ -256,9 +300,16 @@ def run_bench(
     t0 = time.perf_counter()
     model, data, what, tok, corpus = _base(settings, cfg, console)
     results: dict = {
-        "command": command, "weights": what, "steps_per_version": steps, "versions": versions, "zstd_level": level,
-        "zstd_threads": threads, "torch_threads": torch.get_num_threads(), "batch": [BATCH, SEQ_LEN], "runs": [],
-    }  # fmt: skip
+        "command": command,
+        "weights": what,
+        "steps_per_version": steps,
+        "versions": versions,
+        "zstd_level": level,
+        "zstd_threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "batch": [BATCH, SEQ_LEN],
+        "runs": [],
+    }
     series = []
     for lr in lrs:
         with console.status(f"lr {lr:g}: {steps * versions} training steps"):
@@ -267,7 +318,10 @@ def run_bench(
         series.append(packed)
         for v in range(1, len(states)):
             pair = {"lr": lr, "pair": [v - 1, v], "forms": {}}
-            forms = {"packed fp4": (packed[v - 1], packed[v]), "bf16": (to_hf_tensors(packed[v - 1]), to_hf_tensors(packed[v]))}
+            forms = {
+                "packed fp4": (packed[v - 1], packed[v]),
+                "bf16": (to_hf_tensors(packed[v - 1]), to_hf_tensors(packed[v])),
+            }
             for form, (old, new) in forms.items():
                 full = codec.checkpoint_nbytes(new)
                 row = {"full_bytes": full, "methods": {}}
@@ -284,14 +338,18 @@ def run_bench(
             results["runs"].append(pair)
     if swap:
         with console.status("swap: starting vLLM, then swaps under load"):
-            results["swap"] = asyncio.run(bench_swap(model.args, tok, series[0], [f.text for f in corpus.heldout], settings, lr=lrs[0]))
+            results["swap"] = asyncio.run(
+                bench_swap(model.args, tok, series[0], [f.text for f in corpus.heldout], settings, lr=lrs[0])
+            )
     results["wall_s"] = time.perf_counter() - t0
     console.print(_table(results))
     for line in _notes(results):
         console.print(line)
     if swap:
         console.print(_swap_table(results["swap"]))
-    console.print(f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, zstd threads {threads})")
+    console.print(
+        f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, zstd threads {threads})"
+    )
     if out:
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {out}")
@@ -299,16 +357,39 @@ def run_bench(
 
 
 def _table(r: dict) -> Table:
-    t = Table(title=f"flywheel bench delta: full / delta ({r['steps_per_version']} AdamW steps per version, zstd level {r['zstd_level']})")
-    for i, name in enumerate(("lr", "pair", "method", "packed\n1/x", "bf16\n1/x", "packed\nenc MB/s", "packed\ndec+apply", "bf16\nenc MB/s", "bf16\ndec+apply")):
+    t = Table(
+        title=f"flywheel bench delta: full / delta ({r['steps_per_version']} AdamW steps per version, zstd level {r['zstd_level']})"
+    )
+    for i, name in enumerate(
+        (
+            "lr",
+            "pair",
+            "method",
+            "packed\n1/x",
+            "bf16\n1/x",
+            "packed\nenc MB/s",
+            "packed\ndec+apply",
+            "bf16\nenc MB/s",
+            "bf16\ndec+apply",
+        )
+    ):
         t.add_column(name, no_wrap=i < 3, justify="left" if i < 3 else "right")
     for p in r["runs"]:
         packed, bf16 = p["forms"]["packed fp4"], p["forms"]["bf16"]
         for i, m in enumerate(packed["methods"]):
             a, b = packed["methods"][m], bf16["methods"][m]
-            t.add_row(f"{p['lr']:g}" if i == 0 else "", f"v{p['pair'][0]}->v{p['pair'][1]}" if i == 0 else "", m,
-                      f"{a['ratio']:.1f}", f"{b['ratio']:.1f}", f"{a['encode_MBps']:.0f}", f"{a['decode_apply_MBps']:.0f}",
-                      f"{b['encode_MBps']:.0f}", f"{b['decode_apply_MBps']:.0f}", end_section=i == len(packed["methods"]) - 1)  # fmt: skip
+            t.add_row(
+                f"{p['lr']:g}" if i == 0 else "",
+                f"v{p['pair'][0]}->v{p['pair'][1]}" if i == 0 else "",
+                m,
+                f"{a['ratio']:.1f}",
+                f"{b['ratio']:.1f}",
+                f"{a['encode_MBps']:.0f}",
+                f"{a['decode_apply_MBps']:.0f}",
+                f"{b['encode_MBps']:.0f}",
+                f"{b['decode_apply_MBps']:.0f}",
+                end_section=i == len(packed["methods"]) - 1,
+            )
     return t
 
 
@@ -328,8 +409,19 @@ def _notes(r: dict) -> list[str]:
 # --- swaps under load --------------------------------------------------------------------------
 
 
-async def bench_swap(args: ModelArgs, tok, packed: list[dict], texts: list[str], settings, *, lr: float, clients: int = 8,
-                     max_tokens: int = 32, steady_s: float = 8.0, gap_s: float = 3.0) -> dict:  # fmt: skip
+async def bench_swap(
+    args: ModelArgs,
+    tok,
+    packed: list[dict],
+    texts: list[str],
+    settings,
+    *,
+    lr: float,
+    clients: int = 8,
+    max_tokens: int = 32,
+    steady_s: float = 8.0,
+    gap_s: float = 3.0,
+) -> dict:
     """Publish `packed` (v0, v1, ...) to a temporary store, serve v0 with vLLM, keep `clients`
     concurrent greedy completions going, swap to each later version in turn, and measure."""
     import os
@@ -351,7 +443,11 @@ async def bench_swap(args: ModelArgs, tok, packed: list[dict], texts: list[str],
     served.load_state_dict({k: t.float() for k, t in to_hf_tensors(packed[0]).items()}, assign=True)
     folder = export_hf(served, args, tok, tmp / "hf")  # exactly v0's bf16 tensors
     n_ctx = args.max_seq_len  # vLLM refuses a window beyond the model's positions
-    cfg = ServeSettings(engine=EngineSettings(max_model_len=n_ctx, max_num_seqs=16), context_budget=n_ctx - max_tokens - 16, summary_chunk_tokens=32)
+    cfg = ServeSettings(
+        engine=EngineSettings(max_model_len=n_ctx, max_num_seqs=16),
+        context_budget=n_ctx - max_tokens - 16,
+        summary_chunk_tokens=32,
+    )
     t_start = time.perf_counter()
     engine = VLLMEngine(folder, cfg.engine)
     started_s = time.perf_counter() - t_start
@@ -369,7 +465,9 @@ async def bench_swap(args: ModelArgs, tok, packed: list[dict], texts: list[str],
             while not stop.is_set():
                 t0 = time.perf_counter()
                 try:
-                    r = await service.complete(GenerateRequest(f"b{c}-{i}", prompts[(c * 7 + i) % len(prompts)], None, "", spec))
+                    r = await service.complete(
+                        GenerateRequest(f"b{c}-{i}", prompts[(c * 7 + i) % len(prompts)], None, "", spec)
+                    )
                     done.append((t0, time.perf_counter(), True, r.model_version))
                 except Exception:
                     done.append((t0, time.perf_counter(), False, -1))
@@ -396,23 +494,48 @@ async def bench_swap(args: ModelArgs, tok, packed: list[dict], texts: list[str],
     steady = [e - s for s, e, ok, _ in done if ok and s > t_start and e < windows[0][0]] if windows else []
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
     return {
-        "lr": lr, "clients": clients, "max_tokens": max_tokens, "engine_start_s": started_s,
-        "requests": len(done), "failed": sum(not ok for *_, ok, _ in done),
+        "lr": lr,
+        "clients": clients,
+        "max_tokens": max_tokens,
+        "engine_start_s": started_s,
+        "requests": len(done),
+        "failed": sum(not ok for *_, ok, _ in done),
         "steady": {"n": len(steady), "p50_s": pct(steady, 50), "p99_s": pct(steady, 99)},
         "during_swap": {"n": len(during), "p50_s": pct(during, 50), "p99_s": pct(during, 99)},
-        "swaps": [{"to": r.target, "tensors": r.tensors_reloaded, "reload_bytes": r.reload_bytes, "prepare_s": r.prepare_s,
-                   "pause_s": r.pause_s, "drain_s": r.drain_s, "reload_s": r.reload_s} for r in reports],
-    }  # fmt: skip
+        "swaps": [
+            {
+                "to": r.target,
+                "tensors": r.tensors_reloaded,
+                "reload_bytes": r.reload_bytes,
+                "prepare_s": r.prepare_s,
+                "pause_s": r.pause_s,
+                "drain_s": r.drain_s,
+                "reload_s": r.reload_s,
+            }
+            for r in reports
+        ],
+    }
 
 
 def _swap_table(s: dict) -> Table:
-    t = Table(title=f"swaps under load: {s['clients']} clients, {s['max_tokens']}-token greedy completions, lr {s['lr']:g} versions")
+    t = Table(
+        title=f"swaps under load: {s['clients']} clients, {s['max_tokens']}-token greedy completions, lr {s['lr']:g} versions"
+    )
     for name in ("swap", "tensors", "MB", "prepare s", "pause s", "drain s", "reload s"):
         t.add_column(name, justify="right")
     for w in s["swaps"]:
-        t.add_row(f"v{w['to'] - 1}->v{w['to']}", str(w["tensors"]), f"{w['reload_bytes'] / 1e6:.2f}", f"{w['prepare_s']:.3f}",
-                  f"{w['pause_s']:.3f}", f"{w['drain_s']:.3f}", f"{w['reload_s']:.3f}")  # fmt: skip
+        t.add_row(
+            f"v{w['to'] - 1}->v{w['to']}",
+            str(w["tensors"]),
+            f"{w['reload_bytes'] / 1e6:.2f}",
+            f"{w['prepare_s']:.3f}",
+            f"{w['pause_s']:.3f}",
+            f"{w['drain_s']:.3f}",
+            f"{w['reload_s']:.3f}",
+        )
     st, du = s["steady"], s["during_swap"]
-    t.caption = (f"latency p50/p99: steady {st['p50_s']:.2f}/{st['p99_s']:.2f} s (n={st['n']}), overlapping a swap "
-                 f"{du['p50_s']:.2f}/{du['p99_s']:.2f} s (n={du['n']}); failed {s['failed']} of {s['requests']}")  # fmt: skip
+    t.caption = (
+        f"latency p50/p99: steady {st['p50_s']:.2f}/{st['p99_s']:.2f} s (n={st['n']}), overlapping a swap "
+        f"{du['p50_s']:.2f}/{du['p99_s']:.2f} s (n={du['n']}); failed {s['failed']} of {s['requests']}"
+    )
     return t

@@ -1,14 +1,14 @@
 """`flywheel bench fp4`: every FP4 number next to its baseline, measured in the same run.
 
-  (a) quantization error, NVFP4 vs MXFP4 (baseline), on Gaussian data and on the expert
-      weights of the cached trained base (its fp32 master weights), or of a random `tiny`
-      model when no base is cached (the output says which);
-  (b) encode / decode and nibble pack / unpack throughput vs `tensor.clone()` of the same bytes;
-  (c) held-out loss after the same steps of NVFP4 QAT (+ router replay) vs bf16 training,
-      on a reduced config with the same data and seed; also bf16 training quantized after
-      the fact (PTQ) and QAT without replay;
-  (d) router replay: KL(high-precision forward || FP4 forward), replaying the high-precision
-      routing vs letting the FP4 forward route itself, and how many routing decisions flip.
+(a) quantization error, NVFP4 vs MXFP4 (baseline), on Gaussian data and on the expert
+    weights of the cached trained base (its fp32 master weights), or of a random `tiny`
+    model when no base is cached (the output says which);
+(b) encode / decode and nibble pack / unpack throughput vs `tensor.clone()` of the same bytes;
+(c) held-out loss after the same steps of NVFP4 QAT (+ router replay) vs bf16 training,
+    on a reduced config with the same data and seed; also bf16 training quantized after
+    the fact (PTQ) and QAT without replay;
+(d) router replay: KL(high-precision forward || FP4 forward), replaying the high-precision
+    routing vs letting the FP4 forward route itself, and how many routing decisions flip.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
+from feedback.core.config import FlywheelSettings
 from learner import fp4
 from learner.corpus import TrainingData, heldout_windows, token_stream
 from learner.model import ModelArgs, Transformer
+from learner.tokenizer import load_tokenizer, train_tokenizer
 from learner.train.pretrain import (
     evaluate,
     find_base_model,
@@ -38,8 +40,6 @@ from learner.train.pretrain import (
     pretrain_section,
     train_step,
 )
-from learner.tokenizer import load_tokenizer, train_tokenizer
-from feedback.core.config import FlywheelSettings
 
 # (c) runs on this reduced config: big enough to have real routing, small enough for minutes.
 REDUCED = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=8, top_k=2, moe_dim=128)
@@ -85,7 +85,9 @@ def replay_kl(model: Transformer, ids_BS: torch.Tensor, fmt: str) -> dict[str, f
     hp, routing_hp = model(ids_BS, return_routing=True)
     free, routing_fp4 = model(ids_BS, fp4=hook, return_routing=True)
     replayed = model(ids_BS, fp4=hook, routing=routing_hp)
-    flips = [(a.sort(-1).values != b.sort(-1).values).any(-1).float().mean().item() for a, b in zip(routing_hp, routing_fp4)]
+    flips = [
+        (a.sort(-1).values != b.sort(-1).values).any(-1).float().mean().item() for a, b in zip(routing_hp, routing_fp4)
+    ]
     return {
         "kl_no_replay": kl_div(hp, free),
         "kl_replay": kl_div(hp, replayed),
@@ -97,7 +99,14 @@ def replay_kl(model: Transformer, ids_BS: torch.Tensor, fmt: str) -> dict[str, f
 # --- the benchmark ---------------------------------------------------------------------------------
 
 
-def run_bench(settings: FlywheelSettings, console: Console, *, steps: int = 150, out: str | Path | None = None, command: str = "flywheel bench fp4") -> dict:
+def run_bench(
+    settings: FlywheelSettings,
+    console: Console,
+    *,
+    steps: int = 150,
+    out: str | Path | None = None,
+    command: str = "flywheel bench fp4",
+) -> dict:
     """Run (a)-(d), print a table and the command, and write JSON to `out` if given."""
     cfg = pretrain_section(settings)
     torch.set_num_threads(cfg.threads)
@@ -151,21 +160,35 @@ def _bench_throughput() -> dict:
     out: dict = {"bytes_bf16": x.numel() * 2, "clone_bf16_s": seconds(x.clone)}
     for f in ("nvfp4", "mxfp4"):
         p = fp4.pack(fp4.quantize(x, f))
-        out[f"{f}_encode_s"] = seconds(lambda: fp4.pack(fp4.quantize(x, f)))
-        out[f"{f}_decode_s"] = seconds(lambda: fp4.dequantize(fp4.unpack(p), torch.bfloat16))
+        out[f"{f}_encode_s"] = seconds(lambda f=f: fp4.pack(fp4.quantize(x, f)))
+        out[f"{f}_decode_s"] = seconds(lambda p=p: fp4.dequantize(fp4.unpack(p), torch.bfloat16))
     codes = fp4.quantize(x, "nvfp4").codes
     packed = fp4.pack_codes(codes)
     out |= {"bytes_codes": codes.numel(), "clone_codes_s": seconds(codes.clone)}
-    out |= {"pack_codes_s": seconds(lambda: fp4.pack_codes(codes)), "unpack_codes_s": seconds(lambda: fp4.unpack_codes(packed))}
+    out |= {
+        "pack_codes_s": seconds(lambda: fp4.pack_codes(codes)),
+        "unpack_codes_s": seconds(lambda: fp4.unpack_codes(packed)),
+    }
     return out
 
 
 def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Transformer, torch.Tensor]:
     corpus = load_training_corpus(cfg)
-    tok = load_tokenizer(base / "tokenizer") if base is not None else train_tokenizer((f.text for f in corpus.train), cfg.vocab_size)
+    tok = (
+        load_tokenizer(base / "tokenizer")
+        if base is not None
+        else train_tokenizer((f.text for f in corpus.train), cfg.vocab_size)
+    )
     args = ModelArgs(vocab_size=tok.get_vocab_size(), max_seq_len=REDUCED_SEQ_LEN, **REDUCED)
-    data = TrainingData(tok, corpus.train, seq_len=REDUCED_SEQ_LEN, batch_size=REDUCED_BATCH,
-                        fim_rate=cfg.fim_rate, summary_rate=cfg.summary_rate, seed=cfg.seed)  # fmt: skip
+    data = TrainingData(
+        tok,
+        corpus.train,
+        seq_len=REDUCED_SEQ_LEN,
+        batch_size=REDUCED_BATCH,
+        fim_rate=cfg.fim_rate,
+        summary_rate=cfg.summary_rate,
+        seed=cfg.seed,
+    )
     windows = heldout_windows(token_stream(tok, corpus.heldout), REDUCED_SEQ_LEN, 64)
     run_cfg = cfg.model_copy(update={"steps": steps, "minutes": 1e6, "warmup_steps": min(20, steps // 5)})
 
@@ -186,7 +209,13 @@ def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Tran
     qat, t_qat = run("nvfp4", True)
     qat_free, _ = run("nvfp4", False)
     res = {
-        "config": {**REDUCED, "seq_len": REDUCED_SEQ_LEN, "batch_size": REDUCED_BATCH, "steps": steps, "vocab_size": args.vocab_size},
+        "config": {
+            **REDUCED,
+            "seq_len": REDUCED_SEQ_LEN,
+            "batch_size": REDUCED_BATCH,
+            "steps": steps,
+            "vocab_size": args.vocab_size,
+        },
         "heldout_tokens": int(windows[:, 1:].numel()),
         "bf16": evaluate(bf16, windows),
         "bf16_then_ptq_nvfp4": evaluate(bf16, windows, hook=fp4_hook("nvfp4")),
@@ -208,16 +237,26 @@ def _table(r: dict) -> Table:
     t = Table("", "measure", "FP4 / candidate", "baseline", "ratio", title="flywheel bench fp4")
     for data, e in r["quant_error"].items():
         nv, mx = e["nvfp4"], e["mxfp4"]
-        t.add_row("a", f"rel. MSE, {data}", f"NVFP4 {nv['rel_mse']:.2e} ({nv['snr_db']:.1f} dB)",
-                  f"MXFP4 {mx['rel_mse']:.2e} ({mx['snr_db']:.1f} dB)", f"{mx['rel_mse'] / nv['rel_mse']:.2f}x lower")  # fmt: skip
+        t.add_row(
+            "a",
+            f"rel. MSE, {data}",
+            f"NVFP4 {nv['rel_mse']:.2e} ({nv['snr_db']:.1f} dB)",
+            f"MXFP4 {mx['rel_mse']:.2e} ({mx['snr_db']:.1f} dB)",
+            f"{mx['rel_mse'] / nv['rel_mse']:.2f}x lower",
+        )
     th = r["throughput"]
     gbs = lambda n, s: n / s / 1e9  # noqa: E731
     clone = gbs(th["bytes_bf16"], th["clone_bf16_s"])
     for f in ("nvfp4", "mxfp4"):
         for op in ("encode", "decode"):
             v = gbs(th["bytes_bf16"], th[f"{f}_{op}_s"])
-            t.add_row("b", f"{f} {op} (bf16 {'->' if op == 'encode' else '<-'} packed), GB/s of bf16",
-                      f"{v:.2f}", f"clone {clone:.2f}", f"{v / clone:.3f}x")  # fmt: skip
+            t.add_row(
+                "b",
+                f"{f} {op} (bf16 {'->' if op == 'encode' else '<-'} packed), GB/s of bf16",
+                f"{v:.2f}",
+                f"clone {clone:.2f}",
+                f"{v / clone:.3f}x",
+            )
     clone_c = gbs(th["bytes_codes"], th["clone_codes_s"])
     for op in ("pack", "unpack"):
         v = gbs(th["bytes_codes"], th[f"{op}_codes_s"])
@@ -225,11 +264,31 @@ def _table(r: dict) -> Table:
     q = r["qat_vs_bf16"]
     base_loss = q["bf16"]["loss"]
     steps = q["config"]["steps"]
-    for name, label in (("qat_nvfp4_replay", "NVFP4 QAT + replay, FP4 eval"), ("qat_nvfp4_no_replay", "NVFP4 QAT, no replay, FP4 eval"),
-                        ("bf16_then_ptq_nvfp4", "bf16 train, NVFP4 PTQ eval")):  # fmt: skip
-        t.add_row("c", f"held-out loss after {steps} steps: {label}", f"{q[name]['loss']:.4f}", f"bf16 {base_loss:.4f}", f"{q[name]['loss'] / base_loss:.4f}x")
+    for name, label in (
+        ("qat_nvfp4_replay", "NVFP4 QAT + replay, FP4 eval"),
+        ("qat_nvfp4_no_replay", "NVFP4 QAT, no replay, FP4 eval"),
+        ("bf16_then_ptq_nvfp4", "bf16 train, NVFP4 PTQ eval"),
+    ):
+        t.add_row(
+            "c",
+            f"held-out loss after {steps} steps: {label}",
+            f"{q[name]['loss']:.4f}",
+            f"bf16 {base_loss:.4f}",
+            f"{q[name]['loss'] / base_loss:.4f}x",
+        )
     for f, d in r["router_replay"].items():
-        t.add_row("d", f"KL(hp || {f}) with hp routing replayed", f"{d['kl_replay']:.2e}", f"no replay {d['kl_no_replay']:.2e}",
-                  f"{d['kl_no_replay'] / max(d['kl_replay'], 1e-30):.1f}x lower")  # fmt: skip
-        t.add_row("d", f"routing decisions flipped by {f} (no replay)", f"{d['routing_flip_fraction']:.1%}", "0% with replay", "")
+        t.add_row(
+            "d",
+            f"KL(hp || {f}) with hp routing replayed",
+            f"{d['kl_replay']:.2e}",
+            f"no replay {d['kl_no_replay']:.2e}",
+            f"{d['kl_no_replay'] / max(d['kl_replay'], 1e-30):.1f}x lower",
+        )
+        t.add_row(
+            "d",
+            f"routing decisions flipped by {f} (no replay)",
+            f"{d['routing_flip_fraction']:.1%}",
+            "0% with replay",
+            "",
+        )
     return t

@@ -37,8 +37,8 @@ from datetime import UTC, datetime
 
 from kafka.errors import KafkaError
 
-from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
 from feedback.core.errors import UserError
+from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
 
 EventSender = Callable[[list[FeedbackEvent]], None]
 
@@ -94,7 +94,10 @@ def make_events(cids: list[str], n: int, offset: int = 0) -> list[FeedbackEvent]
     """`n` events over the completions in turn (view, select, view, dismiss, ...), stamped now."""
     now = datetime.now(UTC)
     types = ("view", "select", "view", "dismiss")
-    return [FeedbackEvent(completion_id=cids[(offset + i) % len(cids)], type=types[(offset + i) % 4], created_at=now) for i in range(n)]
+    return [
+        FeedbackEvent(completion_id=cids[(offset + i) % len(cids)], type=types[(offset + i) % 4], created_at=now)
+        for i in range(n)
+    ]
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -117,12 +120,22 @@ def measure(engine, prefix: str, path: str, offered: float | None = None, from_f
 
     ev = db.events
     with engine.connect() as conn:
-        rows = conn.execute(select(ev.c.created_at, ev.c.ingested_at).where(ev.c.completion_id.like(f"{prefix}%"))).all()
+        rows = conn.execute(
+            select(ev.c.created_at, ev.c.ingested_at).where(ev.c.completion_id.like(f"{prefix}%"))
+        ).all()
     created = [utc(r.created_at) for r in rows]
     ingested = [utc(r.ingested_at) for r in rows]
     lags = [(i - c).total_seconds() * 1000 for c, i in zip(created, ingested)]
     span = (max(ingested) - min(ingested if from_first_row else created)).total_seconds() if rows else float("nan")
-    return PathResult(path, len(rows), span, len(rows) / span if span else float("nan"), percentile(lags, 0.50), percentile(lags, 0.99), offered)
+    return PathResult(
+        path,
+        len(rows),
+        span,
+        len(rows) / span if span else float("nan"),
+        percentile(lags, 0.50),
+        percentile(lags, 0.99),
+        offered,
+    )
 
 
 # --- the baseline: direct inserts --------------------------------------------------------------
@@ -151,7 +164,9 @@ def run_direct(engine, *, n_events: int, cids: list[str], batch_size: int) -> li
 # --- the measured path: producer -> Kafka -> sink process -> SQL -------------------------------
 
 
-def sink_process(settings, *, database_url: str, completions_topic: str, events_topic: str, group_id: str, log) -> subprocess.Popen:
+def sink_process(
+    settings, *, database_url: str, completions_topic: str, events_topic: str, group_id: str, log
+) -> subprocess.Popen:
     """`flywheel sink` in its own process, pointed at the benchmark's topics and database."""
     s = settings.sink
     overrides = {
@@ -169,7 +184,9 @@ def sink_process(settings, *, database_url: str, completions_topic: str, events_
     }
     args = [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    return subprocess.Popen([sys.executable, "-m", "ops.cli", "sink", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "sink", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
 
 
 def _count(engine, prefix: str) -> int:
@@ -178,7 +195,9 @@ def _count(engine, prefix: str) -> int:
     from feedback import db
 
     with engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(db.events).where(db.events.c.completion_id.like(f"{prefix}%"))).scalar_one()
+        return conn.execute(
+            select(func.count()).select_from(db.events).where(db.events.c.completion_id.like(f"{prefix}%"))
+        ).scalar_one()
 
 
 def _wait_for(engine, prefix: str, n: int, sink: subprocess.Popen, timeout_s: float, table: str = "events") -> None:
@@ -190,7 +209,9 @@ def _wait_for(engine, prefix: str, n: int, sink: subprocess.Popen, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with engine.connect() as conn:
-            got = conn.execute(select(func.count()).select_from(t).where(t.c.completion_id.like(f"{prefix}%"))).scalar_one()
+            got = conn.execute(
+                select(func.count()).select_from(t).where(t.c.completion_id.like(f"{prefix}%"))
+            ).scalar_one()
         if got >= n:
             return
         if sink.poll() is not None:
@@ -235,7 +256,9 @@ def run_ingest_bench(
     batch_size = settings.sink.batch_size
     ids = {phase: [f"b{phase}{run}-{i}" for i in range(n_comp)] for phase in ("d", "q", "k", "p")}
 
-    progress(f"direct: {n_events} events in batches of {batch_size} into {engine.url.render_as_string(hide_password=True)}")
+    progress(
+        f"direct: {n_events} events in batches of {batch_size} into {engine.url.render_as_string(hide_password=True)}"
+    )
     batch_s = run_direct(engine, n_events=n_events, cids=ids["d"], batch_size=batch_size)
     direct = measure(engine, f"bd{run}-", "direct")
     progress(f"direct: {direct.events_per_s:,.0f} events/s")
@@ -247,7 +270,17 @@ def run_ingest_bench(
     producer = BufferedProducer(settings.kafka, max_buffered=max(100_000, 2 * n_events))
     send = send_events or (lambda evs: [producer.send(e_topic, e) for e in evs])
     log = open(bench_dir / f"sink-{run}.log", "wb")
-    start_sink = lambda: sink_process(settings, database_url=url, completions_topic=c_topic, events_topic=e_topic, group_id=f"bench-{run}", log=log)  # noqa: E731
+
+    def start_sink():
+        return sink_process(
+            settings,
+            database_url=url,
+            completions_topic=c_topic,
+            events_topic=e_topic,
+            group_id=f"bench-{run}",
+            log=log,
+        )
+
     sink = start_sink()
     try:
         # Every phase's completions first, so that the timed phases store events only.
@@ -273,7 +306,9 @@ def run_ingest_bench(
         producer.flush(timeout_s)
         _wait_for(engine, f"bk{run}-", n_events, sink, timeout_s)
         kafka = measure(engine, f"bk{run}-", "HTTP -> Kafka -> sink" if send_events else "producer -> Kafka -> sink")
-        progress(f"kafka: {kafka.events_per_s:,.0f} events/s, lag p50 {kafka.lag_p50_ms:.0f} ms, p99 {kafka.lag_p99_ms:.0f} ms")
+        progress(
+            f"kafka: {kafka.events_per_s:,.0f} events/s, lag p50 {kafka.lag_p50_ms:.0f} ms, p99 {kafka.lag_p99_ms:.0f} ms"
+        )
 
         kafka_paced = None
         if paced:
@@ -322,7 +357,9 @@ def _create_topics(settings, names: list[str]) -> None:
     client = bus.admin(settings.kafka)
     try:
         parts = settings.kafka.events.partitions
-        client.create_topics([NewTopic(n, num_partitions=parts, replication_factor=1 if settings.kafka.managed else -1) for n in names])
+        client.create_topics(
+            [NewTopic(n, num_partitions=parts, replication_factor=1 if settings.kafka.managed else -1) for n in names]
+        )
     finally:
         client.close()
 
@@ -343,9 +380,24 @@ def _delete_topics(settings, names: list[str]) -> None:
 def print_result(r: IngestBenchResult, console) -> None:
     from rich.table import Table
 
-    t = Table("path", "events", "events/s", "lag p50 (ms)", "lag p99 (ms)", "offered/s", title=f"ingest into {r.database} (batch {r.batch_size})")
+    t = Table(
+        "path",
+        "events",
+        "events/s",
+        "lag p50 (ms)",
+        "lag p99 (ms)",
+        "offered/s",
+        title=f"ingest into {r.database} (batch {r.batch_size})",
+    )
     for p in [r.direct, r.sink_drain, r.kafka] + ([r.kafka_paced] if r.kafka_paced else []):
-        t.add_row(p.path, str(p.events), f"{p.events_per_s:,.0f}", f"{p.lag_p50_ms:,.1f}", f"{p.lag_p99_ms:,.1f}", "max" if p.offered_per_s is None else f"{p.offered_per_s:,.0f}")
+        t.add_row(
+            p.path,
+            str(p.events),
+            f"{p.events_per_s:,.0f}",
+            f"{p.lag_p50_ms:,.1f}",
+            f"{p.lag_p99_ms:,.1f}",
+            "max" if p.offered_per_s is None else f"{p.offered_per_s:,.0f}",
+        )
     console.print(t)
     console.print(
         f"end to end = {r.throughput_ratio:.2f}x direct inserts; the sink alone = {r.drain_ratio:.2f}x; "

@@ -34,7 +34,11 @@ class HttpEventSender:
         token = secrets.token_urlsafe(16)
         env = {**os.environ, "FLYWHEEL_BENCH_TOKEN": token, "FLYWHEEL_BENCH_KAFKA": settings.kafka.model_dump_json()}
         self.server = subprocess.Popen([sys.executable, "-m", "ops.bench.ingest_http", str(port)], env=env)
-        self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, limits=httpx.Limits(max_connections=concurrency))
+        self.client = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            limits=httpx.Limits(max_connections=concurrency),
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -49,7 +53,12 @@ class HttpEventSender:
         self.errors = 0
 
     def _post(self, e: FeedbackEvent) -> None:
-        body = {"type": e.type, "completion_id": e.completion_id, "choice_index": e.choice_index, "event_id": str(e.event_id)}
+        body = {
+            "type": e.type,
+            "completion_id": e.completion_id,
+            "choice_index": e.choice_index,
+            "event_id": str(e.event_id),
+        }
         if e.type == "select":
             body |= {"select_kind": e.select_kind, "accepted_chars": e.accepted_chars}
         if e.type == "edit":
@@ -75,13 +84,15 @@ def _serve(port: int) -> None:
     import uvicorn
     from pydantic import SecretStr
 
-    from feedback.producer import BufferedProducer
     from feedback.core.config import KafkaSettings
+    from feedback.producer import BufferedProducer
     from serving.api import ApiState, build_app
     from serving.settings import ServeSettings
 
     token = os.environ["FLYWHEEL_BENCH_TOKEN"]
-    producer = BufferedProducer(KafkaSettings.model_validate(json.loads(os.environ["FLYWHEEL_BENCH_KAFKA"])), max_buffered=1_000_000)
+    producer = BufferedProducer(
+        KafkaSettings.model_validate(json.loads(os.environ["FLYWHEEL_BENCH_KAFKA"])), max_buffered=1_000_000
+    )
     app = build_app()
     cfg = ServeSettings(port=port, auth_tokens=[SecretStr(token)])
     app.state.api = ApiState(cfg=cfg, replicas={}, producer=producer, editor_tokens={token}, decode=str)

@@ -30,18 +30,24 @@ from learner.train.learn_settings import LearnSettings
 
 
 @torch.no_grad()
-def sample(served, prompt: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop_text: str, tok) -> tuple[list[int], list[float]]:
+def sample(
+    served, prompt: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop_text: str, tok
+) -> tuple[list[int], list[float]]:
     """Sample from the served weights like the replica does (KV cache, raw logprobs of the sampled
     tokens), stopping at <|endoftext|> or `stop_text`."""
-    from learner.train.gate import cached_forward
     from learner.tokenizer import EOS_ID
+    from learner.train.gate import cached_forward
 
     kv: list = []
     logits = cached_forward(served, torch.tensor([prompt]), kv)[0]
     toks, lps = [], []
     for _ in range(max(1, min(max_tokens, served.args.max_seq_len - len(prompt)))):
         lp = torch.log_softmax(logits.float(), -1)
-        t = int(torch.multinomial((lp / temperature).softmax(-1), 1, generator=gen)) if temperature > 0 else int(lp.argmax())
+        t = (
+            int(torch.multinomial((lp / temperature).softmax(-1), 1, generator=gen))
+            if temperature > 0
+            else int(lp.argmax())
+        )
         toks.append(t)
         lps.append(float(lp[t]))
         if t == EOS_ID or stop_text in tok.decode(toks):
@@ -50,16 +56,32 @@ def sample(served, prompt: list[int], max_tokens: int, temperature: float, gen: 
     return toks, lps
 
 
-def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], versions: int, updates: int, temperature: float,
-              train_sites: int, out: str | None, command: str) -> dict:  # fmt: skip
-    from learner.train import gate as G
-    from learner import store as S
-    from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update
-    from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, load_training_corpus, pretrain_section
-    from learner.tokenizer import load_tokenizer
+def run_bench(
+    s: LearnSettings,
+    console: Console,
+    *,
+    lrs: tuple[float, ...],
+    versions: int,
+    updates: int,
+    temperature: float,
+    train_sites: int,
+    out: str | None,
+    command: str,
+) -> dict:
     from feedback.core.errors import UserError
-    from learner.judge import cursor_sites, judge
     from feedback.reward import reward
+    from learner import store as S
+    from learner.judge import cursor_sites, judge
+    from learner.tokenizer import load_tokenizer
+    from learner.train import gate as G
+    from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update
+    from learner.train.pretrain import (
+        find_base_model,
+        fp4_hook,
+        load_master_weights,
+        load_training_corpus,
+        pretrain_section,
+    )
 
     base_dir = find_base_model(s)
     if base_dir is None:
@@ -82,8 +104,18 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
     t0 = time.perf_counter()
     base_stats = G.heldout_replay(base_served, tok, held, max_tokens=g.max_tokens)
     console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
-    rows = [{"lr": None, "version": 0, "updates": 0, **_summary(base_stats), "kl_to_base": 0.0, "train_reward": None,
-             "mismatch_kl_replay": None, "mismatch_kl_no_replay": None}]
+    rows = [
+        {
+            "lr": None,
+            "version": 0,
+            "updates": 0,
+            **_summary(base_stats),
+            "kl_to_base": 0.0,
+            "train_reward": None,
+            "mismatch_kl_replay": None,
+            "mismatch_kl_no_replay": None,
+        }
+    ]
     cfg = s.learn
     for lr in lrs:
         policy = copy.deepcopy(master).train()
@@ -97,7 +129,9 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
                 rewards, mism_replay, mism_none = [], [], []
                 for _ in range(updates):
                     batch = []
-                    behaviour = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)  # what serving would run
+                    behaviour = model_from_packed(
+                        S.pack_checkpoint(policy.state_dict(), fmt), args
+                    )  # what serving would run
                     for i in rng.sample(range(len(train)), cfg.batch_size):
                         toks, lps = sample(behaviour, prompts[i], g.max_tokens, temperature, gen, G.EDITOR_STOP, tok)
                         text = tok.decode([t for t in toks if t != 0]).split(G.EDITOR_STOP)[0]
@@ -108,25 +142,64 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
                     mism_replay.append(m["mismatch_kl_replay"])
                     mism_none.append(m["mismatch_kl_no_replay"])
                     step += 1
-                    status.update(f"lr {lr:g}: version {v}/{versions}, update {step}: train reward {m['reward_mean']:+.3f}, "
-                                  f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)")  # fmt: skip
+                    status.update(
+                        f"lr {lr:g}: version {v}/{versions}, update {step}: train reward {m['reward_mean']:+.3f}, "
+                        f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)"
+                    )
                 served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
                 stats = G.heldout_replay(served, tok, held, max_tokens=g.max_tokens)
-                rows.append({"lr": lr, "version": v, "updates": step, **_summary(stats), "kl_to_base": policy_kl(served, base_served, windows),
-                             "train_reward": sum(rewards) / len(rewards), "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
-                             "mismatch_kl_no_replay": sum(mism_none) / len(mism_none)})  # fmt: skip
+                rows.append(
+                    {
+                        "lr": lr,
+                        "version": v,
+                        "updates": step,
+                        **_summary(stats),
+                        "kl_to_base": policy_kl(served, base_served, windows),
+                        "train_reward": sum(rewards) / len(rewards),
+                        "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
+                        "mismatch_kl_no_replay": sum(mism_none) / len(mism_none),
+                    }
+                )
                 console.print(_row_text(rows[-1], rows[0]))
-    table = Table("lr", "version", "updates", "held-out reward", "accept rate", "suggestion rate", "accepted chars / request", "KL to base", "train reward",
-                  "mismatch KL replay / none",
-                  title=f"learning curve: {len(held)} held-out sites, {cfg.batch_size} samples/update, {updates} updates/version")  # fmt: skip
+    table = Table(
+        "lr",
+        "version",
+        "updates",
+        "held-out reward",
+        "accept rate",
+        "suggestion rate",
+        "accepted chars / request",
+        "KL to base",
+        "train reward",
+        "mismatch KL replay / none",
+        title=f"learning curve: {len(held)} held-out sites, {cfg.batch_size} samples/update, {updates} updates/version",
+    )
     for r in rows:
-        table.add_row("base" if r["lr"] is None else f"{r['lr']:g}", str(r["version"]), str(r["updates"]), f"{r['reward']:+.3f}",
-                      f"{r['accept_rate']:.1%}", f"{r['suggestion_rate']:.1%}", f"{r['accepted_chars_per_request']:.2f}",
-                      f"{r['kl_to_base']:.2e}", "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
-                      "" if r["mismatch_kl_replay"] is None else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}")  # fmt: skip
+        table.add_row(
+            "base" if r["lr"] is None else f"{r['lr']:g}",
+            str(r["version"]),
+            str(r["updates"]),
+            f"{r['reward']:+.3f}",
+            f"{r['accept_rate']:.1%}",
+            f"{r['suggestion_rate']:.1%}",
+            f"{r['accepted_chars_per_request']:.2f}",
+            f"{r['kl_to_base']:.2e}",
+            "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
+            ""
+            if r["mismatch_kl_replay"] is None
+            else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}",
+        )
     console.print(table)
-    result = {"command": command, "base": str(base_dir), "heldout_sites": len(held), "train_sites": len(train), "temperature": temperature,
-              "batch_size": cfg.batch_size, "updates_per_version": updates, "rows": rows}  # fmt: skip
+    result = {
+        "command": command,
+        "base": str(base_dir),
+        "heldout_sites": len(held),
+        "train_sites": len(train),
+        "temperature": temperature,
+        "batch_size": cfg.batch_size,
+        "updates_per_version": updates,
+        "rows": rows,
+    }
     if out:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -134,13 +207,18 @@ def run_bench(s: LearnSettings, console: Console, *, lrs: tuple[float, ...], ver
 
 def _summary(st) -> dict:
     """The curve's columns, from learner.train.gate.ReplayStats' own aggregates."""
-    return {"reward": st.mean_reward, "accept_rate": st.accept_rate, "suggestion_rate": st.suggestion_rate,
-            "accepted_chars_per_request": st.accepted_chars_per_request, "sites": st.n}  # fmt: skip
+    return {
+        "reward": st.mean_reward,
+        "accept_rate": st.accept_rate,
+        "suggestion_rate": st.suggestion_rate,
+        "accepted_chars_per_request": st.accepted_chars_per_request,
+        "sites": st.n,
+    }
 
 
 def _row_text(r: dict, base: dict) -> str:
-    return (f"lr {r['lr']:g} v{r['version']} ({r['updates']} updates): held-out reward {r['reward']:+.3f} (base {base['reward']:+.3f}), "
-            f"accept {r['accept_rate']:.1%} (base {base['accept_rate']:.1%}), suggestions {r['suggestion_rate']:.1%} "
-            f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f}")  # fmt: skip
-
-
+    return (
+        f"lr {r['lr']:g} v{r['version']} ({r['updates']} updates): held-out reward {r['reward']:+.3f} (base {base['reward']:+.3f}), "
+        f"accept {r['accept_rate']:.1%} (base {base['accept_rate']:.1%}), suggestions {r['suggestion_rate']:.1%} "
+        f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f}"
+    )

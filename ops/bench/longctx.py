@@ -24,10 +24,13 @@ from pathlib import Path
 
 from learner.corpus import SourceFile
 from learner.fim import fim_header
-from serving.engine import SamplingSpec
 from learner.prompts import PromptBuilder, SummaryCache
+from serving.engine import SamplingSpec
 
-_DEFINES = re.compile(r"^(?:\s*(?:async\s+)?def|\s*class)\s+([A-Za-z_]\w{3,})|^\s*import\s+([A-Za-z_]\w{3,})|^\s*from\s+\S+\s+import\s+([A-Za-z_]\w{3,})", re.M)
+_DEFINES = re.compile(
+    r"^(?:\s*(?:async\s+)?def|\s*class)\s+([A-Za-z_]\w{3,})|^\s*import\s+([A-Za-z_]\w{3,})|^\s*from\s+\S+\s+import\s+([A-Za-z_]\w{3,})",
+    re.M,
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class Example:
     distance_tokens: int  # from the definition to the cursor
 
 
-def far_back_examples(tok, files: list[SourceFile], *, budget: int, window: int, n: int, rng: random.Random) -> list[Example]:
+def far_back_examples(
+    tok, files: list[SourceFile], *, budget: int, window: int, n: int, rng: random.Random
+) -> list[Example]:
     """Cursors whose answer is a name defined between `budget` and `window` tokens back, unused since."""
     out: list[Example] = []
     for f in rng.sample(files, len(files)):
@@ -83,7 +88,9 @@ class StrategyResult:
     fallbacks: int
 
 
-async def _evaluate(service, builders: dict[str, PromptBuilder], examples: list[Example], max_tokens: int) -> list[StrategyResult]:
+async def _evaluate(
+    service, builders: dict[str, PromptBuilder], examples: list[Example], max_tokens: int
+) -> list[StrategyResult]:
     spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, stream=False, stop=("\n",))
     results = []
     for name, builder in builders.items():
@@ -99,7 +106,11 @@ async def _evaluate(service, builders: dict[str, PromptBuilder], examples: list[
             em.append(exact)
             sim.append(similarity)
             tokens.append(len(prompt.ids))
-        results.append(StrategyResult(name, len(examples), statistics.mean(em), statistics.mean(sim), statistics.mean(tokens), fallbacks))
+        results.append(
+            StrategyResult(
+                name, len(examples), statistics.mean(em), statistics.mean(sim), statistics.mean(tokens), fallbacks
+            )
+        )
     return results
 
 
@@ -109,15 +120,19 @@ def run(settings, model_dir: Path, *, n: int, budget: int, max_tokens: int, seed
 
     window = model_window(model_dir) - max_tokens
     if budget >= window:
-        raise ValueError(f"--budget {budget} must be below the model's window ({window} tokens after {max_tokens} for the completion)")
+        raise ValueError(
+            f"--budget {budget} must be below the model's window ({window} tokens after {max_tokens} for the completion)"
+        )
     service = load_service(model_dir, settings.serve, version=0)
     tok = service.tok
     corpus = load_corpus(getattr(getattr(settings, "pretrain", None), "corpus", None))
     examples = far_back_examples(tok, corpus.heldout, budget=budget, window=window, n=n, rng=random.Random(seed))
     if not examples:
         raise ValueError("no held-out example needs context from that far back; lower --budget")
-    progress(f"{len(examples)} held-out examples; definitions {min(e.distance_tokens for e in examples)}-"
-             f"{max(e.distance_tokens for e in examples)} tokens before the cursor; budget {budget}, window {window}")
+    progress(
+        f"{len(examples)} held-out examples; definitions {min(e.distance_tokens for e in examples)}-"
+        f"{max(e.distance_tokens for e in examples)} tokens before the cursor; budget {budget}, window {window}"
+    )
     chunk = max(16, budget // 3)
     builders = {
         "full context": PromptBuilder(tok, window, chunk, SummaryCache(0), 0),
@@ -128,4 +143,10 @@ def run(settings, model_dir: Path, *, n: int, budget: int, max_tokens: int, seed
         results = asyncio.run(_evaluate(service, builders, examples, max_tokens))
     finally:
         service.engine.shutdown()
-    return {"model_dir": str(model_dir), "budget": budget, "window": window, "examples": len(examples), "results": [asdict(r) for r in results]}
+    return {
+        "model_dir": str(model_dir),
+        "budget": budget,
+        "window": window,
+        "examples": len(examples),
+        "results": [asdict(r) for r in results],
+    }

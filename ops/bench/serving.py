@@ -22,7 +22,10 @@ from serving.engine import SamplingSpec
 # (prefix, suffix): fill-in-the-middle, what editors send.
 PROMPTS = [
     ("import os\nimport sys\n\n\ndef main(argv):\n    ", "\n\n\nif __name__ == '__main__':\n    main(sys.argv)\n"),
-    ("class Config:\n    def __init__(self, path):\n        self.path = path\n\n    def load(self):\n        ", "\n        return data\n"),
+    (
+        "class Config:\n    def __init__(self, path):\n        self.path = path\n\n    def load(self):\n        ",
+        "\n        return data\n",
+    ),
     ("def read_lines(path):\n    with open(path) as f:\n        ", "\n    return lines\n"),
     ("for key, value in sorted(items.items()):\n    ", "\nprint(total)\n"),
 ]
@@ -75,12 +78,13 @@ async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tok
     from learner.fim import fim_prompt_ids
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
-
     from serving.replica import model_window
 
     tok = load_tokenizer(model_dir)
     engine = VLLMEngine(model_dir, settings.serve.fitted_to(model_window(model_dir)).engine)
-    spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, stream=False)  # as the replica asks for non-streaming requests
+    spec = SamplingSpec(
+        max_tokens=max_tokens, temperature=0.0, stream=False
+    )  # as the replica asks for non-streaming requests
 
     async def one(prefix: str, suffix: str) -> int:
         final = []
@@ -93,7 +97,9 @@ async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tok
         secs, lat, tokens, errors = await _drive(n, concurrency, one)
     finally:
         engine.shutdown()
-    return Side("bare vLLM AsyncLLM (in-process)", n, secs, tokens, statistics.median(lat), _percentile(lat, 0.99), errors)
+    return Side(
+        "bare vLLM AsyncLLM (in-process)", n, secs, tokens, statistics.median(lat), _percentile(lat, 0.99), errors
+    )
 
 
 async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_tokens: int) -> Side:
@@ -102,13 +108,23 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
 
         async def one(prefix: str, suffix: str) -> int:
-            r = await client.post("/v1/completions", json={"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0})
+            r = await client.post(
+                "/v1/completions", json={"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0}
+            )
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
         await _drive(concurrency, concurrency, one)
         secs, lat, tokens, errors = await _drive(n, concurrency, one)
-    return Side("Flywheel: HTTP -> Ray Serve -> vLLM (+ Kafka record)", n, secs, tokens, statistics.median(lat), _percentile(lat, 0.99), errors)
+    return Side(
+        "Flywheel: HTTP -> Ray Serve -> vLLM (+ Kafka record)",
+        n,
+        secs,
+        tokens,
+        statistics.median(lat),
+        _percentile(lat, 0.99),
+        errors,
+    )
 
 
 def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int, progress) -> dict:
@@ -122,7 +138,13 @@ def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int,
     token = secrets.token_urlsafe(16)
     from pydantic import SecretStr
 
-    s = settings.model_copy(update={"serve": settings.serve.model_copy(update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir, "canary_replicas": 0})})
+    s = settings.model_copy(
+        update={
+            "serve": settings.serve.model_copy(
+                update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir, "canary_replicas": 0}
+            )
+        }
+    )
     progress("Flywheel: starting Ray Serve with one vLLM replica")
     url = app.start(s, model_dir, s.serve.model_version, progress)
     try:

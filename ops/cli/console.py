@@ -16,7 +16,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     """`--config FILE` and repeatable `--set KEY=VALUE`, which every command takes."""
     p.add_argument("--config", metavar="FILE", help="TOML config file (default: $FLYWHEEL_CONFIG or ./flywheel.toml)")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a setting, e.g. kafka.port=9093"
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting, e.g. kafka.port=9093",
     )
 
 
@@ -49,6 +54,12 @@ def bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAc
     """The subcommands of `flywheel bench`, creating the `bench` command on first use."""
     bench = sub.choices.get("bench")
     if bench is None:
-        bench = sub.add_parser("bench", help="benchmarks, each against its baseline", description="Benchmarks, each against its baseline.")
-        bench.set_defaults(bench_sub=bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK", parser_class=type(bench)))
+        bench = sub.add_parser(
+            "bench", help="benchmarks, each against its baseline", description="Benchmarks, each against its baseline."
+        )
+        bench.set_defaults(
+            bench_sub=bench.add_subparsers(
+                dest="benchmark", required=True, metavar="BENCHMARK", parser_class=type(bench)
+            )
+        )
     return bench.get_default("bench_sub")

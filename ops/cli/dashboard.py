@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ops.cli.console import add_config_args, console
 from feedback.core.errors import UserError
+from ops.cli.console import add_config_args, console
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,19 +28,23 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from sqlalchemy.engine import make_url
 
     from feedback import db
-    from ops import dashboard
     from feedback.core.config import StackSettings
+    from ops import dashboard
 
     s = StackSettings.load(args.config, args.overrides)
     url = make_url(s.database_url)
     if url.get_backend_name() == "sqlite" and not (url.database and Path(url.database).expanduser().is_file()):
-        raise UserError(f"database {url.database or ':memory:'} does not exist; run `flywheel up` (or `flywheel db upgrade`) first")
+        raise UserError(
+            f"database {url.database or ':memory:'} does not exist; run `flywheel up` (or `flywheel db upgrade`) first"
+        )
     engine = db.make_engine(s.database_url)
     try:
         revision, head = db.current_revision(engine), db.head_revision()
         if revision != head:
-            raise UserError(f"database {url.render_as_string(hide_password=True)} is at revision {revision or 'none'}, "
-                            f"the dashboard needs {head}: run `flywheel db upgrade`")  # fmt: skip
+            raise UserError(
+                f"database {url.render_as_string(hide_password=True)} is at revision {revision or 'none'}, "
+                f"the dashboard needs {head}: run `flywheel db upgrade`"
+            )
         try:
             out = dashboard.write_static(engine, args.out)
         except OSError as e:

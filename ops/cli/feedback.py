@@ -1,9 +1,9 @@
 """`flywheel` commands of the feedback package (registered by ops/cli/main.py; heavy imports stay inside the commands).
 
-    flywheel sink                                  Kafka -> SQL, exactly-once rows, rewards, dead letters
-    flywheel query "SQL" [--format table|csv|json] read-only SQL over the tables and v_* views
-    flywheel retention                             drop text older than sink.retention_days now
-    flywheel bench ingest [--events N]             Kafka -> sink -> SQL against direct inserts
+flywheel sink                                  Kafka -> SQL, exactly-once rows, rewards, dead letters
+flywheel query "SQL" [--format table|csv|json] read-only SQL over the tables and v_* views
+flywheel retention                             drop text older than sink.retention_days now
+flywheel bench ingest [--events N]             Kafka -> sink -> SQL against direct inserts
 """
 
 from __future__ import annotations
@@ -53,10 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "into the same database, in one run; throughput ratio and created-to-stored lag p50/p99.",
     )
     b.add_argument("--events", type=int, default=20_000, help="events per path (default 20000)")
-    b.add_argument("--database", metavar="URL", help="database to write (default: a fresh SQLite file in the data folder)")
+    b.add_argument(
+        "--database", metavar="URL", help="database to write (default: a fresh SQLite file in the data folder)"
+    )
     b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     b.add_argument(
-        "--via", choices=["http", "producer"], default="http",
+        "--via",
+        choices=["http", "producer"],
+        default="http",
         help="how events enter: POST /v1/events on the real API (default), or the producer directly",
     )
     add_config_args(b)
@@ -65,7 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _logging() -> None:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     logging.getLogger("kafka").setLevel(logging.ERROR)  # reconnect chatter while a broker restarts
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
@@ -76,7 +82,9 @@ def cmd_sink(args: argparse.Namespace) -> int:
     s = SinkSettings.load(args.config, args.overrides)
     print_config(s, "flywheel sink")
     _logging()
-    run_sink(s, progress=lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True), handle_signals=True)
+    run_sink(
+        s, progress=lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True), handle_signals=True
+    )
     return 0
 
 
@@ -102,7 +110,6 @@ def cmd_retention(args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
     from feedback import db
-
     from feedback.sink import retention
     from feedback.sink.loop import SinkSettings
 
@@ -122,8 +129,8 @@ def cmd_retention(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ingest(args: argparse.Namespace) -> int:
-    from ops.bench.ingest import print_result, run_ingest_bench
     from feedback.sink.loop import SinkSettings
+    from ops.bench.ingest import print_result, run_ingest_bench
 
     s = SinkSettings.load(args.config, args.overrides)
     print_config(s, "flywheel bench ingest")
@@ -138,8 +145,12 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
         progress(f"events enter over HTTP: POST {sender.url}/v1/events (the real API app and its buffered producer)")
     try:
         result = run_ingest_bench(
-            s, n_events=args.events, database_url=args.database, progress=progress,
-            send_events=sender.send if sender else None, events_topic=sender.topic if sender else None,
+            s,
+            n_events=args.events,
+            database_url=args.database,
+            progress=progress,
+            send_events=sender.send if sender else None,
+            events_topic=sender.topic if sender else None,
         )
     finally:
         if sender is not None:

@@ -11,9 +11,9 @@ import os
 import sys
 from typing import NoReturn
 
+from feedback.core.errors import UserError
 from ops.cli import dashboard, feedback, learner, rollout, serve
 from ops.cli.console import add_config_args, console, err_console, print_config, progress_line
-from feedback.core.errors import UserError
 
 # Each group of commands is its own light module: `register(subparsers)` adds parsers whose
 # `fn(args) -> int` imports the heavy code only when it runs.
@@ -46,7 +46,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     with status:
         r = stack.up(s, update)
     where = f"local broker pid {r.broker_pid}" if r.broker_pid else "external cluster"
-    console.print(f"[green]up[/]: Kafka at {s.kafka.bootstrap} ({where}); database {r.database} at revision {r.revision}")
+    console.print(
+        f"[green]up[/]: Kafka at {s.kafka.bootstrap} ({where}); database {r.database} at revision {r.revision}"
+    )
     if r.created_topics:
         console.print(f"created topics: {', '.join(r.created_topics)}")
     return 0
@@ -73,7 +75,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     st = stack.status(s)
     kind = f"local broker, pid {st.broker_pid}" if st.kafka_managed else "external cluster"
     health = "[green]healthy[/]" if st.kafka_healthy else f"[red]down[/]: {st.kafka_error}"
-    console.print(f"Kafka    {st.kafka_bootstrap} ({kind if st.broker_pid or not st.kafka_managed else 'local broker'}): {health}")
+    console.print(
+        f"Kafka    {st.kafka_bootstrap} ({kind if st.broker_pid or not st.kafka_managed else 'local broker'}): {health}"
+    )
     if st.topics:
         t = Table("topic", "partitions", "retention.ms", "cleanup.policy")
         for ti in st.topics:
@@ -82,7 +86,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.db_error:
         console.print(f"Database {st.database}: [red]unreachable[/]: {st.db_error}")
     else:
-        mark = "[green]up to date[/]" if st.db_revision == st.db_head else f"[yellow]needs `flywheel db upgrade`[/] (head {st.db_head})"
+        mark = (
+            "[green]up to date[/]"
+            if st.db_revision == st.db_head
+            else f"[yellow]needs `flywheel db upgrade`[/] (head {st.db_head})"
+        )
         console.print(f"Database {st.database}: revision {st.db_revision}, {mark}")
     return 0 if st.healthy else 1
 
@@ -134,9 +142,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     update, status = progress_line()
     with status:
         stats = asyncio.run(
-            run_sessions(url, token, sites, users=sim.users, rate=sim.rate, edit_delay_s=sim.edit_delay_s, max_tokens=sim.max_tokens, seed=sim.seed,
-                         timeout_s=sim.timeout_s,
-                         progress=lambda st: update(f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, failed: {st.failure_line()}"))
+            run_sessions(
+                url,
+                token,
+                sites,
+                users=sim.users,
+                rate=sim.rate,
+                edit_delay_s=sim.edit_delay_s,
+                max_tokens=sim.max_tokens,
+                seed=sim.seed,
+                timeout_s=sim.timeout_s,
+                progress=lambda st: update(
+                    f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, failed: {st.failure_line()}"
+                ),
+            )
         )
     console.print(
         f"{stats.requests} requests: suggestion rate {stats.suggestion_rate:.1%}, accept rate {stats.accept_rate:.1%}, "
@@ -186,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FLYWHEEL_DEBUG"):
             raise
         err_console.print(
-            f"flywheel: internal error: {type(e).__name__}: {e} (set FLYWHEEL_DEBUG=1 for the traceback)", markup=False, soft_wrap=True
+            f"flywheel: internal error: {type(e).__name__}: {e} (set FLYWHEEL_DEBUG=1 for the traceback)",
+            markup=False,
+            soft_wrap=True,
         )
         return 70
 

@@ -17,8 +17,8 @@ import json
 import logging
 import sys
 
-from ops.cli.console import add_config_args, console, print_config
 from feedback.core.errors import UserError
+from ops.cli.console import add_config_args, console, print_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,25 +31,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     actions = p.add_subparsers(dest="rollout_command", required=True, metavar="ACTION", parser_class=type(p))
 
-    s = actions.add_parser("start", help="start a rollout of VERSION (canary at the first weight)", description="Start a rollout of VERSION.")
+    s = actions.add_parser(
+        "start",
+        help="start a rollout of VERSION (canary at the first weight)",
+        description="Start a rollout of VERSION.",
+    )
     s.add_argument("version", type=int, help="a version in model_versions")
-    s.add_argument("--weights", metavar="W1,W2,...", help="canary percent per step (default rollout.weights: 5,25,50,100)")
+    s.add_argument(
+        "--weights", metavar="W1,W2,...", help="canary percent per step (default rollout.weights: 5,25,50,100)"
+    )
     s.add_argument("--interval", metavar="DURATION", help="time per step, e.g. 60s, 5m (default rollout.interval_s)")
     s.add_argument("--min-samples", type=int, metavar="N", help="observations per arm before a metric is tested")
     s.add_argument("--alpha", type=float, help="significance level of each one-sided test")
     s.add_argument("--max-holds", type=int, metavar="N", help="under-sampled evaluations per step before rolling back")
     s.add_argument(
-        "--threshold", action="append", default=[], metavar="KEY=VALUE",
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="a tolerance of rollout.thresholds: accept_rate_drop, reward_drop, error_rate_increase, p99_latency_ratio",
     )
-    s.add_argument("--stable", type=int, metavar="VERSION", help="the version to compare with (default: the current stable)")
+    s.add_argument(
+        "--stable", type=int, metavar="VERSION", help="the version to compare with (default: the current stable)"
+    )
     s.add_argument("--all", action="store_true", help="no canary: make VERSION stable at once (rollout.mode = all)")
-    s.add_argument("--force", action="store_true", help="roll out a version that failed the gate or was rolled out before")
+    s.add_argument(
+        "--force", action="store_true", help="roll out a version that failed the gate or was rolled out before"
+    )
     add_config_args(s)
     s.set_defaults(fn=cmd_start)
 
     r = actions.add_parser(
-        "run", help="run the controller (until interrupted)",
+        "run",
+        help="run the controller (until interrupted)",
         description="Evaluate the active rollout every rollout.poll_s and advance, promote or roll it back; "
         "with --auto, also start a rollout for each version announced on flywheel.versions that passed the gate.",
     )
@@ -129,11 +143,16 @@ def cmd_start(args: argparse.Namespace) -> int:
     s = _settings(args, _start_overrides(args))
     engine = _engine(s)
     try:
-        r = rollout.start_rollout(engine, args.version, section=s.rollout, force=args.force, stable=args.stable, by=_by())
+        r = rollout.start_rollout(
+            engine, args.version, section=s.rollout, force=args.force, stable=args.stable, by=_by()
+        )
     finally:
         engine.dispose()
     if r.state == rollout.PROMOTED:
-        console.print(f"[green]rollout {r.id}[/]: version {r.candidate_version} is stable now (mode all, no canary)", soft_wrap=True)
+        console.print(
+            f"[green]rollout {r.id}[/]: version {r.candidate_version} is stable now (mode all, no canary)",
+            soft_wrap=True,
+        )
     else:
         console.print(
             f"[green]rollout {r.id}[/]: version {r.candidate_version} against stable {r.stable_version}, canary at {r.weight:g}% "
@@ -151,7 +170,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     s = _settings(args, ["rollout.auto=true"] if args.auto else [])
     print_config(s, "flywheel rollout run")
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     logging.getLogger("kafka").setLevel(logging.ERROR)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     engine = _engine(s)  # migrate once, and say so now if the database is unreachable
@@ -195,7 +216,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         t = Table("decided (UTC)", "step", "weight", "decision", "why")
         for step in st.steps:
             when = step.decided_at.strftime("%Y-%m-%d %H:%M:%S")
-            t.add_row(when, str(step.step_index + 1), f"{step.weight:g}%", step.decision, str(step.evidence.get("reason", "")))
+            t.add_row(
+                when, str(step.step_index + 1), f"{step.weight:g}%", step.decision, str(step.evidence.get("reason", ""))
+            )
         console.print(t)
     return 0
 

@@ -8,13 +8,17 @@ import signal
 import threading
 from pathlib import Path
 
-from ops.cli.console import add_config_args, bench_subcommands, console, print_config, progress_line
 from feedback.core.errors import UserError
+from ops.cli.console import add_config_args, bench_subcommands, console, print_config, progress_line
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's commands to the `flywheel` parser."""
-    p = sub.add_parser("serve", help="run the completion API (Ray Serve + vLLM)", description="run the completion API (Ray Serve + vLLM)")
+    p = sub.add_parser(
+        "serve",
+        help="run the completion API (Ray Serve + vLLM)",
+        description="run the completion API (Ray Serve + vLLM)",
+    )
     add_config_args(p)
     p.set_defaults(fn=cmd_serve)
 
@@ -92,7 +96,9 @@ def check_ready(s) -> Path:
                 f"but the local Ray has {cpus}: lower serve.replicas or serve.canary_replicas (0: no canary pool), or serve.engine.num_cpus"
             )
     if not port_free(s.serve.host, s.serve.port):
-        raise UserError(f"port {s.serve.port} on {s.serve.host} is already in use; choose another with --set serve.port=...")
+        raise UserError(
+            f"port {s.serve.port} on {s.serve.host} is already in use; choose another with --set serve.port=..."
+        )
     return model_dir
 
 
@@ -104,7 +110,9 @@ def resolve_model_dir(s) -> Path:
 
         base = find_base_model(s)
         if base is None:
-            raise UserError("no model to serve: run `flywheel pretrain` first, or set serve.model_dir to an exported model folder")
+            raise UserError(
+                "no model to serve: run `flywheel pretrain` first, or set serve.model_dir to an exported model folder"
+            )
         model_dir = base / "hf"
     if not (Path(model_dir) / "config.json").is_file():
         raise UserError(f"serve.model_dir {model_dir} is not an exported model folder (no config.json)")
@@ -120,7 +128,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     update, status = progress_line()
     with status:
         url = app.start(s, model_dir, s.serve.model_version, update)
-    console.print(f"[green]serving[/] model v{s.serve.model_version} at {url}/v1/completions (health: {url}/v1/health, metrics: {url}/metrics)")
+    console.print(
+        f"[green]serving[/] model v{s.serve.model_version} at {url}/v1/completions (health: {url}/v1/health, metrics: {url}/metrics)"
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -131,8 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_swap(args: argparse.Namespace) -> int:
-    from feedback import db
-    from feedback import pools
+    from feedback import db, pools
 
     if (args.version is None) == (not args.status):
         raise UserError("give either a VERSION to move every user to, or --status")
@@ -146,7 +155,11 @@ def cmd_swap(args: argparse.Namespace) -> int:
         return 0
     before = pools.read(engine)
     pools.set_stable(engine, args.version)
-    ended = f"; the canary on v{before.canary} ({before.canary_percent:g}% of users) is ended" if before.canary is not None else ""
+    ended = (
+        f"; the canary on v{before.canary} ({before.canary_percent:g}% of users) is ended"
+        if before.canary is not None
+        else ""
+    )
     console.print(
         f"[green]set[/] stable pool -> v{args.version} for every user{ended}. Replicas swap in place within ~{s.serve.pool_poll_s:g} s; "
         "`flywheel swap --status` shows the swaps."
@@ -165,7 +178,9 @@ def _check_published(s, version: int) -> None:
         raise UserError(f"cannot read the weight store {uri}: {e}") from None
     if version not in versions:
         have = f"it has {', '.join(f'v{v}' for v in versions[-8:])}" if versions else "it is empty"
-        raise UserError(f"version {version} is not in the weight store {uri} ({have}); publish it first (`flywheel learn`)")
+        raise UserError(
+            f"version {version} is not in the weight store {uri} ({have}); publish it first (`flywheel learn`)"
+        )
 
 
 def _print_swap_status(engine, last: int) -> None:
@@ -181,13 +196,36 @@ def _print_swap_status(engine, last: int) -> None:
     when = "%Y-%m-%d %H:%M:%S"
     t = Table("pool", "target", "users %", "rollout", "updated", title="serving_pools (targets)")
     for r in rows:
-        t.add_row(r.pool, "-" if r.version is None else f"v{r.version}", f"{r.traffic_percent:g}", "-" if r.rollout_id is None else str(r.rollout_id), r.updated_at.strftime(when))
+        t.add_row(
+            r.pool,
+            "-" if r.version is None else f"v{r.version}",
+            f"{r.traffic_percent:g}",
+            "-" if r.rollout_id is None else str(r.rollout_id),
+            r.updated_at.strftime(when),
+        )
     console.print(t if rows else "serving_pools: no targets set; each pool serves the version it was deployed with")
-    e = Table(Column("at", no_wrap=True), "pool", "replica", Column("swap", no_wrap=True), "pause ms", "tensors", "fetched", "result",
-              title=f"swap_events (last {len(events)})")  # fmt: skip
+    e = Table(
+        Column("at", no_wrap=True),
+        "pool",
+        "replica",
+        Column("swap", no_wrap=True),
+        "pause ms",
+        "tensors",
+        "fetched",
+        "result",
+        title=f"swap_events (last {len(events)})",
+    )
     for ev in events:
-        e.add_row(ev.at.strftime("%m-%d %H:%M:%S"), ev.pool, ev.replica.rsplit("#", 1)[-1], f"v{ev.from_version} -> v{ev.to_version}", f"{ev.pause_s * 1e3:.0f}",
-                  str(ev.tensors_reloaded), _size(ev.fetched_bytes), "[green]ok[/]" if ev.ok else f"[red]failed[/]: {escape(ev.error or '')}")  # fmt: skip
+        e.add_row(
+            ev.at.strftime("%m-%d %H:%M:%S"),
+            ev.pool,
+            ev.replica.rsplit("#", 1)[-1],
+            f"v{ev.from_version} -> v{ev.to_version}",
+            f"{ev.pause_s * 1e3:.0f}",
+            str(ev.tensors_reloaded),
+            _size(ev.fetched_bytes),
+            "[green]ok[/]" if ev.ok else f"[red]failed[/]: {escape(ev.error or '')}",
+        )
     console.print(e if events else "swap_events: no swaps yet")
 
 
@@ -209,10 +247,27 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     s = load_settings(args)
     model_dir = resolve_model_dir(s)
     print_config(s, "flywheel bench serve")
-    r = bench_serving.run(s, model_dir, n=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens, progress=console.print)
-    t = Table("path", "req/s", "tokens/s", "p50 ms", "p99 ms", "errors", title=f"serving overhead ({r['requests']} requests, concurrency {r['concurrency']}, {r['max_tokens']} tokens)")
+    r = bench_serving.run(
+        s, model_dir, n=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens, progress=console.print
+    )
+    t = Table(
+        "path",
+        "req/s",
+        "tokens/s",
+        "p50 ms",
+        "p99 ms",
+        "errors",
+        title=f"serving overhead ({r['requests']} requests, concurrency {r['concurrency']}, {r['max_tokens']} tokens)",
+    )
     for side in (r["bare"], r["flywheel"]):
-        t.add_row(side["name"], f"{side['rps']:.1f}", f"{side['tokens_per_s']:.0f}", f"{side['p50_ms']:.0f}", f"{side['p99_ms']:.0f}", str(side["errors"]))
+        t.add_row(
+            side["name"],
+            f"{side['rps']:.1f}",
+            f"{side['tokens_per_s']:.0f}",
+            f"{side['p50_ms']:.0f}",
+            f"{side['p99_ms']:.0f}",
+            str(side["errors"]),
+        )
     console.print(t)
     console.print(f"throughput ratio Flywheel / bare vLLM: {r['throughput_ratio']:.2f}")
     if args.out:
@@ -231,13 +286,33 @@ def cmd_bench_longctx(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(s)
     print_config(s, "flywheel bench longctx")
     try:
-        r = bench_longctx.run(s, model_dir, n=args.examples, budget=args.budget, max_tokens=args.max_tokens, seed=args.seed, progress=console.print)
+        r = bench_longctx.run(
+            s,
+            model_dir,
+            n=args.examples,
+            budget=args.budget,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            progress=console.print,
+        )
     except ValueError as e:
         raise UserError(str(e)) from None
-    t = Table("strategy", "exact match", "edit similarity", "prompt tokens", "summary fallbacks",
-              title=f"long context: {r['examples']} held-out examples, budget {r['budget']} tokens, window {r['window']}")
+    t = Table(
+        "strategy",
+        "exact match",
+        "edit similarity",
+        "prompt tokens",
+        "summary fallbacks",
+        title=f"long context: {r['examples']} held-out examples, budget {r['budget']} tokens, window {r['window']}",
+    )
     for row in r["results"]:
-        t.add_row(row["strategy"], f"{row['exact_match']:.1%}", f"{row['edit_similarity']:.3f}", f"{row['prompt_tokens']:.0f}", str(row["fallbacks"]))
+        t.add_row(
+            row["strategy"],
+            f"{row['exact_match']:.1%}",
+            f"{row['edit_similarity']:.3f}",
+            f"{row['prompt_tokens']:.0f}",
+            str(row["fallbacks"]),
+        )
     console.print(t)
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=2))

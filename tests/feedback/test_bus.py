@@ -69,7 +69,9 @@ def test_same_key_same_partition_in_order(kafka_settings):
     parts = {p.send(bus.EVENTS, key=key_of(e), value=encode(e)).get(timeout=scaled(30)).partition for e in events}
     p.close()
     assert len(parts) == 1
-    c = bus.consumer(kafka_settings.kafka, bus.EVENTS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(15_000)))
+    c = bus.consumer(
+        kafka_settings.kafka, bus.EVENTS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(15_000))
+    )
     seen = [decode(FeedbackEvent, m.value) for m in c if m.key == cid.encode()]
     c.close()
     assert [e.type for e in seen] == ["view", "select", "edit"]

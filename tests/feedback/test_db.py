@@ -1,7 +1,7 @@
 """Alembic migrations on SQLite and PostgreSQL; unique keys that idempotency relies on."""
 
 import pytest
-from sqlalchemy import inspect, insert
+from sqlalchemy import insert, inspect
 from sqlalchemy.exc import IntegrityError
 
 from feedback import db
@@ -16,7 +16,7 @@ def _check_schema(url: str) -> None:
     db.upgrade(engine)  # twice is harmless
     assert db.current_revision(engine) == db.head_revision()
     insp = inspect(engine)
-    assert TABLES <= set(insp.get_table_names())
+    assert set(insp.get_table_names()) >= TABLES
     uniques = {t: {tuple(u["column_names"]) for u in insp.get_unique_constraints(t)} for t in TABLES}
     assert ("completion_id",) in uniques["completions"]
     assert ("event_id",) in uniques["events"]

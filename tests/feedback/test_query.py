@@ -11,13 +11,12 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from feedback import db
-
-from feedback.sink import ingest
-from feedback.sink.ingest import Batch, Origin
+from feedback.core.errors import UserError
 from feedback.query import _plain, _run_postgres, _run_sqlite, check_read_only, run_query
 from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
-from feedback.core.errors import UserError
+from feedback.sink import ingest
+from feedback.sink.ingest import Batch, Origin
 from tests.feedback.sink.sink_support import completion, count, events_for
 from tests.helpers import flywheel, scaled
 
@@ -40,7 +39,12 @@ def load(url: str) -> None:
     db.upgrade(engine)
     comps, evs = [], []
     for i, (cid, (txt, version, lang, latency, types)) in enumerate(DATA.items()):
-        comps.append((completion(cid, txt, version=version, language=lang, latency_ms=latency, created_at=T0), Origin("c", 0, i, None, None)))
+        comps.append(
+            (
+                completion(cid, txt, version=version, language=lang, latency_ms=latency, created_at=T0),
+                Origin("c", 0, i, None, None),
+            )
+        )
         for j, e in enumerate(events_for(cid, *types)):
             e = FeedbackEvent(**(e.model_dump() | {"created_at": T0 + timedelta(seconds=1)}))
             evs.append((e, Origin("e", 0, 10 * i + j, None, encode(e))))
@@ -67,19 +71,56 @@ def approx_rows(expected: list[dict]):
 
 
 def test_views_give_hand_computed_numbers(url):
-    assert rows(url, "SELECT * FROM v_daily_acceptance ORDER BY model_version") == approx_rows([
-        dict(day=DAY, model_version=1, language="python", shown=3, accepted=2, accept_rate=2 / 3, accepted_chars=16, dismissed=1, choices=4),
-        dict(day=DAY, model_version=2, language="rust", shown=2, accepted=1, accept_rate=0.5, accepted_chars=11, dismissed=0, choices=2),
-    ])  # fmt: skip
-    assert rows(url, "SELECT * FROM v_suggestion_rate ORDER BY model_version") == approx_rows([
-        dict(day=DAY, model_version=1, language="python", requests=4, suggested=3, suggestion_rate=0.75),
-        dict(day=DAY, model_version=2, language="rust", requests=2, suggested=2, suggestion_rate=1.0),
-    ])  # fmt: skip
+    assert rows(url, "SELECT * FROM v_daily_acceptance ORDER BY model_version") == approx_rows(
+        [
+            dict(
+                day=DAY,
+                model_version=1,
+                language="python",
+                shown=3,
+                accepted=2,
+                accept_rate=2 / 3,
+                accepted_chars=16,
+                dismissed=1,
+                choices=4,
+            ),
+            dict(
+                day=DAY,
+                model_version=2,
+                language="rust",
+                shown=2,
+                accepted=1,
+                accept_rate=0.5,
+                accepted_chars=11,
+                dismissed=0,
+                choices=2,
+            ),
+        ]
+    )
+    assert rows(url, "SELECT * FROM v_suggestion_rate ORDER BY model_version") == approx_rows(
+        [
+            dict(day=DAY, model_version=1, language="python", requests=4, suggested=3, suggestion_rate=0.75),
+            dict(day=DAY, model_version=2, language="rust", requests=2, suggested=2, suggestion_rate=1.0),
+        ]
+    )
     # Nearest rank: p50 of 4 values is the 2nd, p90 the 4th (ceil(3.6)); of 2 values the 1st and the 2nd.
-    assert rows(url, "SELECT * FROM v_latency ORDER BY model_version") == approx_rows([
-        dict(day=DAY, model_version=1, requests=4, mean_ms=25.0, p50_ms=20.0, p90_ms=40.0, p99_ms=40.0, max_ms=40.0),
-        dict(day=DAY, model_version=2, requests=2, mean_ms=150.0, p50_ms=100.0, p90_ms=200.0, p99_ms=200.0, max_ms=200.0),
-    ])  # fmt: skip
+    assert rows(url, "SELECT * FROM v_latency ORDER BY model_version") == approx_rows(
+        [
+            dict(
+                day=DAY, model_version=1, requests=4, mean_ms=25.0, p50_ms=20.0, p90_ms=40.0, p99_ms=40.0, max_ms=40.0
+            ),
+            dict(
+                day=DAY,
+                model_version=2,
+                requests=2,
+                mean_ms=150.0,
+                p50_ms=100.0,
+                p90_ms=200.0,
+                p99_ms=200.0,
+                max_ms=200.0,
+            ),
+        ]
+    )
     v = {r["model_version"]: r for r in rows(url, "SELECT * FROM v_version_rewards")}
     word, edit = 0.75 * 5 / 11, 0.75 * 14 / 22
     assert v[1]["rewarded"] == 4 and v[1]["mean_reward"] == pytest.approx((0.75 + word - 0.25 + 0) / 4)
@@ -189,13 +230,19 @@ def test_analyst_role_reads_but_cannot_write(postgres_url):
     admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'analyst-test' IN ROLE flywheel_analyst"))
-    as_analyst = make_url(postgres_url).set(username=login, password="analyst-test").render_as_string(hide_password=False)
+    as_analyst = (
+        make_url(postgres_url).set(username=login, password="analyst-test").render_as_string(hide_password=False)
+    )
     try:
         got = run_query(as_analyst, "SELECT SUM(shown) FROM v_daily_acceptance", role="flywheel_analyst")
         assert got.rows == [(5,)]
         analyst = create_engine(as_analyst)
-        for sql in ("INSERT INTO rewards (completion_id, choice_index, model_version, reward, components) VALUES ('z', 0, 1, 1.0, '{}')",
-                    "UPDATE completions SET model_version = 9", "DELETE FROM events", "CREATE TABLE t (x int)"):  # fmt: skip
+        for sql in (
+            "INSERT INTO rewards (completion_id, choice_index, model_version, reward, components) VALUES ('z', 0, 1, 1.0, '{}')",
+            "UPDATE completions SET model_version = 9",
+            "DELETE FROM events",
+            "CREATE TABLE t (x int)",
+        ):
             with pytest.raises(Exception, match="permission denied"), analyst.begin() as conn:
                 conn.execute(text(sql))
         analyst.dispose()

@@ -61,7 +61,9 @@ def test_event_invariants():
         FeedbackEvent(completion_id="c", type="view", kept_text="x")
     given = uuid.uuid4()
     assert FeedbackEvent(event_id=given, completion_id="c", type="view").event_id == given
-    assert FeedbackEvent(completion_id="c", type="view").event_id != FeedbackEvent(completion_id="c", type="view").event_id
+    assert (
+        FeedbackEvent(completion_id="c", type="view").event_id != FeedbackEvent(completion_id="c", type="view").event_id
+    )
 
 
 def test_version_invariants():
@@ -73,7 +75,9 @@ def test_version_invariants():
         ModelVersion(version=2, kind="full", uri="x", sha256="not-a-digest")
 
 
-@pytest.mark.parametrize("payload", [None, b"", b"{not json", b'{"completion_id": "c"}', b'{"completion_id":"c","type":"view","extra":1}'])
+@pytest.mark.parametrize(
+    "payload", [None, b"", b"{not json", b'{"completion_id": "c"}', b'{"completion_id":"c","type":"view","extra":1}']
+)
 def test_decode_rejects_malformed(payload):
     with pytest.raises(MalformedMessage):
         decode(FeedbackEvent, payload)

@@ -9,7 +9,10 @@ def write_corpus(root, n=30):
     for i in range(n):
         sub = root / ("pkg" if i % 2 else "lib") / f"m{i}.py"
         sub.parent.mkdir(parents=True, exist_ok=True)
-        sub.write_text(f"import os\n\nclass C{i}:\n    def f(self, x={i}):\n        return x * {i}\n\n\ndef g{i}(a, b):\n    return a + b\n" * 3)
+        sub.write_text(
+            f"import os\n\nclass C{i}:\n    def f(self, x={i}):\n        return x * {i}\n\n\ndef g{i}(a, b):\n    return a + b\n"
+            * 3
+        )
     (root / "notes.bin").write_bytes(b"\xff\xfe binary")
     (root / ".hidden").mkdir()
     (root / ".hidden" / "skip.py").write_text("x = 1\n")

@@ -8,8 +8,8 @@ import torch
 from learner import delta as D
 from learner import fp4
 from learner.model import ModelArgs, Transformer
-from learner.train.pretrain import fp4_hook
 from learner.store import pack_checkpoint, to_hf_tensors
+from learner.train.pretrain import fp4_hook
 
 
 def train_steps(model: Transformer, steps: int, lr: float, seed: int = 0) -> None:
@@ -39,7 +39,10 @@ def versions():
 
 def same_bits(a: D.Entry, b: D.Entry) -> bool:
     pa, pb = D.parts(a), D.parts(b)
-    return len(pa) == len(pb) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(pa, pb))
+    return len(pa) == len(pb) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(pa, pb)
+    )
 
 
 def test_round_trip_is_bit_exact(versions):
@@ -61,8 +64,10 @@ def test_delta_is_much_smaller_than_the_full_checkpoint(versions):
     blob = D.encode(d)
     full = D.checkpoint_nbytes(v1)
     changed_fp4 = sum(isinstance(v1[n], fp4.PackedTensor) for n in d.changed)
-    print(f"\ntiny model, 3 AdamW steps at lr 1e-5: delta {len(blob)} B / full {full} B = 1/{full / len(blob):.1f}; "
-          f"{len(d.changed)}/{len(v1)} tensors changed ({changed_fp4} FP4)")  # fmt: skip
+    print(
+        f"\ntiny model, 3 AdamW steps at lr 1e-5: delta {len(blob)} B / full {full} B = 1/{full / len(blob):.1f}; "
+        f"{len(d.changed)}/{len(v1)} tensors changed ({changed_fp4} FP4)"
+    )
     assert len(blob) * 5 < full
     assert d.changed, "training changed nothing?"
 
@@ -99,7 +104,15 @@ def corrupt(blob: bytes, at: int) -> bytes:
 def test_corrupt_bytes_are_rejected(versions):
     v0, v1 = versions
     blob = D.encode(D.diff(v0, v1))
-    for bad in (b"", blob[:20], blob[: len(blob) // 2], corrupt(blob, 0), corrupt(blob, 14), corrupt(blob, len(blob) - 100), corrupt(blob, len(blob) - 1)):
+    for bad in (
+        b"",
+        blob[:20],
+        blob[: len(blob) // 2],
+        corrupt(blob, 0),
+        corrupt(blob, 14),
+        corrupt(blob, len(blob) - 100),
+        corrupt(blob, len(blob) - 1),
+    ):
         with pytest.raises(D.DeltaError):
             D.apply(v0, D.decode(bad))
 
@@ -150,7 +163,15 @@ def test_bench_methods_round_trip_and_flywheel_is_smallest(versions):
 
     v0, v1 = versions
     methods = ["flywheel", "xor+zstd", "zstd (full)"]
-    methods += [m for m, mod in (("arc_v2", "fireworks_delta_compression"), ("arc_v3", "fireworks_delta_compression"), ("zipnn", "zipnn")) if _importable(mod)]
+    methods += [
+        m
+        for m, mod in (
+            ("arc_v2", "fireworks_delta_compression"),
+            ("arc_v3", "fireworks_delta_compression"),
+            ("zipnn", "zipnn"),
+        )
+        if _importable(mod)
+    ]
     sizes = {m: B.RUNNERS[m](v0, v1, 3, 1, 1)["bytes"] for m in methods}
     print("\n" + ", ".join(f"{m} {b} B" for m, b in sizes.items()))
     assert sizes["flywheel"] == min(sizes.values())

@@ -35,7 +35,11 @@ def test_export_files_and_round_trip(tok, tmp_path):
     model, args = random_model(tok.get_vocab_size())
     export_hf(model, args, tok, tmp_path, dtype=torch.float32)
     assert {p.name for p in tmp_path.iterdir()} == {
-        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
     }
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == EOS_ID
     loaded, loaded_args = load_hf(tmp_path)
@@ -117,7 +121,7 @@ def greedy(model: Transformer, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             out.append(int(model(torch.tensor([out]))[0, -1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 def teacher_forced_logprobs(model: Transformer, prompt_ids: list[int], gen: list[int]) -> torch.Tensor:
@@ -155,7 +159,9 @@ def test_vllm_matches_our_model(tok, vllm_engine):
         free = greedy(ours, prompt_ids, MAX_TOKENS)
         prefixes.append(next((i for i, (a, b) in enumerate(zip(free, gen)) if a != b), len(gen)))
     diffs, floor = torch.cat(diffs), torch.cat(floor)
-    tol = served_logprob_tolerance(ours, [(tok.encode(p).ids, list(o.outputs[0].token_ids)) for p, o in zip(PROMPTS, outs)], "bfloat16")
+    tol = served_logprob_tolerance(
+        ours, [(tok.encode(p).ids, list(o.outputs[0].token_ids)) for p, o in zip(PROMPTS, outs)], "bfloat16"
+    )
     print(
         f"vLLM parity: |logprob diff| max {diffs.max():.4f} mean {diffs.mean():.4f} "
         f"(our bf16 vs fp32: max {floor.max():.4f} mean {floor.mean():.4f}; tolerance {tol:.4f}); "

@@ -36,7 +36,9 @@ def test_state_dict_uses_checkpoint_names(model):
         p = f"model.layers.{i}."
         expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "mlp.gate.weight"}
         expected |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
-        expected |= {p + f"mlp.experts.{e}.{n}.weight" for e in range(a.n_experts) for n in ("gate_proj", "up_proj", "down_proj")}
+        expected |= {
+            p + f"mlp.experts.{e}.{n}.weight" for e in range(a.n_experts) for n in ("gate_proj", "up_proj", "down_proj")
+        }
     assert names == expected
     assert model.state_dict()["model.layers.0.mlp.gate.weight"].shape == (a.n_experts, a.dim)
 

@@ -47,8 +47,13 @@ def test_publish_writes_stable_last_and_a_complete_manifest(tmp_path, chain):
     assert man["tensors"]["lm_head.weight"]["sha256"] == D.tensor_sha256(ckpts[1]["lm_head.weight"])
     assert man["digest"] == D.checkpoint_digest(D.tensor_hashes(ckpts[1])) and man["created_at"] and man["description"]
     assert (tmp_path / "v000001" / "STABLE").read_text().strip() == m1.sha256  # the manifest's sha256
-    assert m1.uri == (tmp_path / "v000001").as_uri() and m1.size_bytes == (tmp_path / "v000001" / "delta.zst").stat().st_size
-    print(f"\ndelta v0->v1: {m1.size_bytes} B, full {m1.full_size_bytes} B (1/{m1.full_size_bytes / m1.size_bytes:.1f})")
+    assert (
+        m1.uri == (tmp_path / "v000001").as_uri()
+        and m1.size_bytes == (tmp_path / "v000001" / "delta.zst").stat().st_size
+    )
+    print(
+        f"\ndelta v0->v1: {m1.size_bytes} B, full {m1.full_size_bytes} B (1/{m1.full_size_bytes / m1.size_bytes:.1f})"
+    )
     assert m1.size_bytes * 4 < m1.full_size_bytes
 
 
@@ -74,7 +79,11 @@ def test_a_crash_mid_publish_leaves_nothing_visible(tmp_path, chain, monkeypatch
         reader.materialize(2)
     # a crash before the rename leaves only a temporary folder; cleanup removes both leftovers
     (tmp_path / ".tmp-v000009-deadbeef").mkdir()
-    assert reader.cleanup(keep=10) == [] and not (tmp_path / "v000002").exists() and not (tmp_path / ".tmp-v000009-deadbeef").exists()
+    assert (
+        reader.cleanup(keep=10) == []
+        and not (tmp_path / "v000002").exists()
+        and not (tmp_path / ".tmp-v000009-deadbeef").exists()
+    )
     # the next publish of that number goes through
     assert store.publish(ckpts[2], parent=1).version == 2 and S.LocalStore(tmp_path).versions() == [0, 1, 2]
 
@@ -89,7 +98,9 @@ def test_full_snapshot_every_n_versions_and_materialize(tmp_path, chain):
         for v in (5, 1, 4, 2):
             assert D.tensor_hashes(reader.materialize(v)) == D.tensor_hashes(ckpts[v])
     got = S.open_store(tmp_path).materialize(5)
-    assert all(torch.equal(D.parts(got[n])[0].view(torch.uint8), D.parts(ckpts[5][n])[0].view(torch.uint8)) for n in got)
+    assert all(
+        torch.equal(D.parts(got[n])[0].view(torch.uint8), D.parts(ckpts[5][n])[0].view(torch.uint8)) for n in got
+    )
 
 
 def test_plan_takes_deltas_from_what_the_reader_holds(tmp_path, chain):

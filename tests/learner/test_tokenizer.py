@@ -22,7 +22,7 @@ TRICKY = [
     "\n\n\n",
     "x = 1\n\n\n",
     " leading space and trailing spaces   ",
-    "fn main() { println!(\"{}\", \"\\u{1F600}\"); }\n",
+    'fn main() { println!("{}", "\\u{1F600}"); }\n',
     "a\u00a0b\u200bc\ufeffd",  # no-break space, zero-width space, BOM: no normalization
     "   \t \n \t\t",
     "",

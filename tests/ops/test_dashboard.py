@@ -38,14 +38,40 @@ def fill(engine) -> dict:
         for i in range(start * 2, end * 2):  # one completion every 30 s per version
             cid = f"cmpl-v{v}-{i:04d}"
             at = T0 + timedelta(seconds=30 * i + v)
-            comps.append(dict(completion_id=cid, model_version=v, user_hash=f"u{rng.randrange(20)}", session_id=None, language="python",
-                              filepath="app/models.py", prompt_token_ids=[1, 2, 3], prompt_text="def f(", summary_ids=[],
-                              n_choices=1, latency_ms=rng.uniform(40, 120), created_at=at))  # fmt: skip
-            choices.append(dict(completion_id=cid, choice_index=0, token_ids=[5, 6], logprobs=[-0.1, -0.2], text="x):", n_chars=3,
-                                finish_reason="stop"))  # fmt: skip
+            comps.append(
+                dict(
+                    completion_id=cid,
+                    model_version=v,
+                    user_hash=f"u{rng.randrange(20)}",
+                    session_id=None,
+                    language="python",
+                    filepath="app/models.py",
+                    prompt_token_ids=[1, 2, 3],
+                    prompt_text="def f(",
+                    summary_ids=[],
+                    n_choices=1,
+                    latency_ms=rng.uniform(40, 120),
+                    created_at=at,
+                )
+            )
+            choices.append(
+                dict(
+                    completion_id=cid,
+                    choice_index=0,
+                    token_ids=[5, 6],
+                    logprobs=[-0.1, -0.2],
+                    text="x):",
+                    n_chars=3,
+                    finish_reason="stop",
+                )
+            )
             expect[v]["completions"] += 1
             if rng.random() < 0.1:  # never shown
-                rewards.append(dict(completion_id=cid, choice_index=0, model_version=v, reward=0.0, components={}, outcome="unseen"))
+                rewards.append(
+                    dict(
+                        completion_id=cid, choice_index=0, model_version=v, reward=0.0, components={}, outcome="unseen"
+                    )
+                )
                 expect[v]["rewards"].append(0.0)
                 continue
             expect[v]["shown"] += 1
@@ -57,44 +83,164 @@ def fill(engine) -> dict:
             else:
                 events.append(_event(cid, "dismiss", at + timedelta(seconds=2)))
                 reward, outcome = -0.2, "dismiss"
-            rewards.append(dict(completion_id=cid, choice_index=0, model_version=v, reward=reward, components={"accepted": reward}, outcome=outcome))
+            rewards.append(
+                dict(
+                    completion_id=cid,
+                    choice_index=0,
+                    model_version=v,
+                    reward=reward,
+                    components={"accepted": reward},
+                    outcome=outcome,
+                )
+            )
             expect[v]["rewards"].append(reward)
-    versions = [dict(version=v, parent=v - 1 if v > 1 else None, kind="full" if v == 1 else "delta", uri=f"file:///store/v{v}",
-                     sha256="0" * 64, size_bytes=SIZES[v][0], full_size_bytes=SIZES[v][1], gate_passed=True, gate_reason=None,
-                     metrics={"heldout_loss": 2.1 - 0.1 * v}, created_at=T0 + timedelta(minutes=SERVED[v][0] - 5))
-                for v in SERVED]  # fmt: skip
+    versions = [
+        dict(
+            version=v,
+            parent=v - 1 if v > 1 else None,
+            kind="full" if v == 1 else "delta",
+            uri=f"file:///store/v{v}",
+            sha256="0" * 64,
+            size_bytes=SIZES[v][0],
+            full_size_bytes=SIZES[v][1],
+            gate_passed=True,
+            gate_reason=None,
+            metrics={"heldout_loss": 2.1 - 0.1 * v},
+            created_at=T0 + timedelta(minutes=SERVED[v][0] - 5),
+        )
+        for v in SERVED
+    ]
     steps = [
-        dict(step_index=0, weight=5.0, decision="advance", decided_at=T0 + timedelta(minutes=100),
-             evidence={"canary": {"accept_rate": 0.48, "n": 40}, "stable": {"accept_rate": 0.34, "n": 760}, "p_value": 0.03}),
-        dict(step_index=1, weight=25.0, decision="hold", decided_at=T0 + timedelta(minutes=110),
-             evidence={"canary": {"accept_rate": 0.51, "n": 55}, "reason": "below min_samples"}),
-    ]  # fmt: skip
+        dict(
+            step_index=0,
+            weight=5.0,
+            decision="advance",
+            decided_at=T0 + timedelta(minutes=100),
+            evidence={
+                "canary": {"accept_rate": 0.48, "n": 40},
+                "stable": {"accept_rate": 0.34, "n": 760},
+                "p_value": 0.03,
+            },
+        ),
+        dict(
+            step_index=1,
+            weight=25.0,
+            decision="hold",
+            decided_at=T0 + timedelta(minutes=110),
+            evidence={"canary": {"accept_rate": 0.51, "n": 55}, "reason": "below min_samples"},
+        ),
+    ]
     swaps = [
-        dict(pool="stable", replica="stable-0", from_version=1, to_version=2, ok=True, pause_s=0.120, prepare_s=2.5, tensors_reloaded=96, fetched_bytes=31_000_000, at=T0 + timedelta(minutes=40)),
-        dict(pool="stable", replica="stable-1", from_version=1, to_version=2, ok=True, pause_s=0.080, prepare_s=2.4, tensors_reloaded=96, fetched_bytes=31_000_000, at=T0 + timedelta(minutes=41)),
-        dict(pool="canary", replica="canary-0", from_version=2, to_version=3, ok=False, pause_s=0.0, prepare_s=1.0, tensors_reloaded=0, fetched_bytes=0, error="sha256 mismatch", at=T0 + timedelta(minutes=89)),
-        dict(pool="canary", replica="canary-0", from_version=2, to_version=3, ok=True, pause_s=0.045, prepare_s=2.2, tensors_reloaded=90, fetched_bytes=28_500_000, at=T0 + timedelta(minutes=90)),
-    ]  # fmt: skip
+        dict(
+            pool="stable",
+            replica="stable-0",
+            from_version=1,
+            to_version=2,
+            ok=True,
+            pause_s=0.120,
+            prepare_s=2.5,
+            tensors_reloaded=96,
+            fetched_bytes=31_000_000,
+            at=T0 + timedelta(minutes=40),
+        ),
+        dict(
+            pool="stable",
+            replica="stable-1",
+            from_version=1,
+            to_version=2,
+            ok=True,
+            pause_s=0.080,
+            prepare_s=2.4,
+            tensors_reloaded=96,
+            fetched_bytes=31_000_000,
+            at=T0 + timedelta(minutes=41),
+        ),
+        dict(
+            pool="canary",
+            replica="canary-0",
+            from_version=2,
+            to_version=3,
+            ok=False,
+            pause_s=0.0,
+            prepare_s=1.0,
+            tensors_reloaded=0,
+            fetched_bytes=0,
+            error="sha256 mismatch",
+            at=T0 + timedelta(minutes=89),
+        ),
+        dict(
+            pool="canary",
+            replica="canary-0",
+            from_version=2,
+            to_version=3,
+            ok=True,
+            pause_s=0.045,
+            prepare_s=2.2,
+            tensors_reloaded=90,
+            fetched_bytes=28_500_000,
+            at=T0 + timedelta(minutes=90),
+        ),
+    ]
     with engine.begin() as conn:
         conn.execute(db.model_versions.insert(), versions)
         conn.execute(db.completions.insert(), comps)
         conn.execute(db.completion_choices.insert(), choices)
         conn.execute(db.events.insert(), events)
         conn.execute(db.rewards.insert(), rewards)
-        old = conn.execute(db.rollouts.insert().values(
-            candidate_version=2, stable_version=1, state="promoted", step_index=3, weights=[5, 25, 50, 100], interval_s=300, thresholds={},
-            min_samples=50, reason="all steps passed", started_at=T0 + timedelta(minutes=35), updated_at=T0 + timedelta(minutes=60),
-            finished_at=T0 + timedelta(minutes=60))).inserted_primary_key[0]  # fmt: skip
-        rid = conn.execute(db.rollouts.insert().values(
-            candidate_version=3, stable_version=2, state="running", step_index=1, weights=[5, 25, 50, 100], interval_s=600,
-            thresholds={"min_accept_ratio": 0.95, "max_p99_latency_ms": 250}, min_samples=50, reason=None,
-            started_at=T0 + timedelta(minutes=90), updated_at=T0 + timedelta(minutes=110))).inserted_primary_key[0]  # fmt: skip
+        old = conn.execute(
+            db.rollouts.insert().values(
+                candidate_version=2,
+                stable_version=1,
+                state="promoted",
+                step_index=3,
+                weights=[5, 25, 50, 100],
+                interval_s=300,
+                thresholds={},
+                min_samples=50,
+                reason="all steps passed",
+                started_at=T0 + timedelta(minutes=35),
+                updated_at=T0 + timedelta(minutes=60),
+                finished_at=T0 + timedelta(minutes=60),
+            )
+        ).inserted_primary_key[0]
+        rid = conn.execute(
+            db.rollouts.insert().values(
+                candidate_version=3,
+                stable_version=2,
+                state="running",
+                step_index=1,
+                weights=[5, 25, 50, 100],
+                interval_s=600,
+                thresholds={"min_accept_ratio": 0.95, "max_p99_latency_ms": 250},
+                min_samples=50,
+                reason=None,
+                started_at=T0 + timedelta(minutes=90),
+                updated_at=T0 + timedelta(minutes=110),
+            )
+        ).inserted_primary_key[0]
         conn.execute(db.rollout_steps.insert(), [s | {"rollout_id": rid} for s in steps])
-        conn.execute(db.rollout_steps.insert(), [dict(rollout_id=old, step_index=3, weight=100.0, decision="promote", evidence={}, decided_at=T0 + timedelta(minutes=60))])
+        conn.execute(
+            db.rollout_steps.insert(),
+            [
+                dict(
+                    rollout_id=old,
+                    step_index=3,
+                    weight=100.0,
+                    decision="promote",
+                    evidence={},
+                    decided_at=T0 + timedelta(minutes=60),
+                )
+            ],
+        )
         conn.execute(db.swap_events.insert(), swaps)
         pools_at = T0 + timedelta(minutes=100)
-        conn.execute(db.serving_pools.insert(), [dict(pool="stable", version=2, traffic_percent=75.0, rollout_id=rid, updated_at=pools_at),
-                                                 dict(pool="canary", version=3, traffic_percent=25.0, rollout_id=rid, updated_at=pools_at)])  # fmt: skip
+        conn.execute(
+            db.serving_pools.insert(),
+            [
+                dict(pool="stable", version=2, traffic_percent=75.0, rollout_id=rid, updated_at=pools_at),
+                dict(pool="canary", version=3, traffic_percent=25.0, rollout_id=rid, updated_at=pools_at),
+            ],
+        )
     return expect
 
 
@@ -118,8 +264,15 @@ def filled(sqlite_url):
 
 def make_app(database_url: str | None):
     app = build_app()
-    app.state.api = ApiState(cfg=ServeSettings(), replicas={}, producer=None, editor_tokens={EDITOR}, decode=None, ops_tokens={OPS},
-                             database_url=database_url)  # fmt: skip
+    app.state.api = ApiState(
+        cfg=ServeSettings(),
+        replicas={},
+        producer=None,
+        editor_tokens={EDITOR},
+        decode=None,
+        ops_tokens={OPS},
+        database_url=database_url,
+    )
     return app
 
 
@@ -145,7 +298,13 @@ def check_data(data: dict, expect: dict) -> None:
     assert data["bucket_s"] == 300  # two hours of data: 5-minute buckets
     assert data["acceptance"][0]["t"] == "2026-12-01T09:00:00+00:00"
     ro = data["rollout"]
-    assert (ro["candidate_version"], ro["stable_version"], ro["state"], ro["step_index"], ro["active"]) == (3, 2, "running", 1, True)
+    assert (ro["candidate_version"], ro["stable_version"], ro["state"], ro["step_index"], ro["active"]) == (
+        3,
+        2,
+        "running",
+        1,
+        True,
+    )
     assert [s["decision"] for s in ro["steps"]] == ["advance", "hold"]
     assert ro["steps"][0]["evidence"]["canary"]["n"] == 40
     assert [r["state"] for r in data["rollouts"]] == ["running", "promoted"]
@@ -234,11 +393,25 @@ def test_cli_writes_static_copy(filled, sqlite_url, tmp_path):
 
 
 def test_cli_one_line_errors(tmp_path):
-    r = flywheel("dashboard", "--out", str(tmp_path / "d.html"), "--set", f"database.url=sqlite:///{tmp_path / 'none.db'}", tmp_path=tmp_path)
+    r = flywheel(
+        "dashboard",
+        "--out",
+        str(tmp_path / "d.html"),
+        "--set",
+        f"database.url=sqlite:///{tmp_path / 'none.db'}",
+        tmp_path=tmp_path,
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "does not exist; run `flywheel up`" in r.stderr
     engine = db.make_engine(f"sqlite:///{tmp_path / 'old.db'}")
     db.upgrade(engine, "0002")
-    r = flywheel("dashboard", "--out", str(tmp_path / "d.html"), "--set", f"database.url=sqlite:///{tmp_path / 'old.db'}", tmp_path=tmp_path)
+    r = flywheel(
+        "dashboard",
+        "--out",
+        str(tmp_path / "d.html"),
+        "--set",
+        f"database.url=sqlite:///{tmp_path / 'old.db'}",
+        tmp_path=tmp_path,
+    )
     assert r.returncode == 1 and "is at revision 0002" in r.stderr and "flywheel db upgrade" in r.stderr
     r = flywheel("dashboard", tmp_path=tmp_path)
     assert r.returncode == 2 and "--out" in r.stderr
@@ -325,14 +498,22 @@ def server(filled, sqlite_url):
 @pytest.fixture
 def browser(monkeypatch):
     webdriver = pytest.importorskip("selenium.webdriver")
-    monkeypatch.setenv("SE_AVOID_STATS", "true")  # Selenium Manager must not phone home (it is not needed: paths are given)
+    monkeypatch.setenv(
+        "SE_AVOID_STATS", "true"
+    )  # Selenium Manager must not phone home (it is not needed: paths are given)
     if not (shutil.which("chromium") and shutil.which("chromedriver")):
         if os.environ.get("CI"):
             pytest.fail("chromium or chromedriver is missing; .ci/run must install chromium and chromium-driver")
         pytest.skip("needs Debian's chromium and chromium-driver (.ci/run installs them)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,2400"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,2400",
+    ):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     from selenium.webdriver.chrome.service import Service
@@ -368,16 +549,35 @@ def test_dashboard_in_chromium(server, browser):
         "return Object.fromEntries([...document.querySelectorAll('.js-plotly-plot')].map(e => [e.id, e.data.length]))"
     )
     # one trace per version; event kinds stacked plus the completions line; delta and full; one per pool
-    assert traces == {"chart-accept": 3, "chart-reward": 3, "chart-rollout": 2, "chart-sizes": 2, "chart-swaps": 2, "chart-volume": 4}
-    legend = browser.execute_script("return [...document.querySelectorAll('#chart-accept .legendtext')].map(e => e.textContent)")
+    assert traces == {
+        "chart-accept": 3,
+        "chart-reward": 3,
+        "chart-rollout": 2,
+        "chart-sizes": 2,
+        "chart-swaps": 2,
+        "chart-volume": 4,
+    }
+    legend = browser.execute_script(
+        "return [...document.querySelectorAll('#chart-accept .legendtext')].map(e => e.textContent)"
+    )
     assert legend == ["v1", "v2", "v3"]
     points = browser.execute_script("return document.querySelectorAll('#chart-accept .scatterlayer .point').length")
-    assert points == len(browser.execute_script("return document.getElementById('chart-accept').data.flatMap(t => t.x)"))
+    assert points == len(
+        browser.execute_script("return document.getElementById('chart-accept').data.flatMap(t => t.x)")
+    )
 
     summary = browser.find_element(By.ID, "rollout-summary").text
-    assert "Rollout #2" in summary and "v3" in summary and "v2" in summary and "running" in summary and "step 2 of 4" in summary
+    assert (
+        "Rollout #2" in summary
+        and "v3" in summary
+        and "v2" in summary
+        and "running" in summary
+        and "step 2 of 4" in summary
+    )
     steps = browser.find_element(By.ID, "rollout-steps").text
-    assert "advance" in steps and "hold" in steps and "canary.accept_rate = 0.48" in steps and "below min_samples" in steps
+    assert (
+        "advance" in steps and "hold" in steps and "canary.accept_rate = 0.48" in steps and "below min_samples" in steps
+    )
 
     versions = browser.find_element(By.ID, "versions").text
     for v, e in expect.items():
@@ -387,7 +587,10 @@ def test_dashboard_in_chromium(server, browser):
     swaps = browser.find_element(By.ID, "swaps").text
     assert "80.0 ms" in swaps and "120.0 ms" in swaps and "45.0 ms" in swaps
     overview = browser.find_element(By.ID, "overview").text
-    assert f"completions\n{sum(e['completions'] for e in expect.values())}" in overview and "canary pool\nv3 · 25%" in overview
+    assert (
+        f"completions\n{sum(e['completions'] for e in expect.values())}" in overview
+        and "canary pool\nv3 · 25%" in overview
+    )
 
     # the page's CSP held: no script error, no refused resource
     errors = [m["message"] for m in browser.get_log("browser") if m["level"] == "SEVERE"]

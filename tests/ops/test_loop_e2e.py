@@ -34,20 +34,45 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
         data_dir=tmp_path / "data",
         cache_dir=tmp_path / "cache",
         kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
-        pretrain=dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=128, batch_size=4, steps=8, warmup_steps=2,
-                      eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25,
-                      quality_check=False),
+        pretrain=dict(
+            corpus=str(corpus),
+            size="tiny",
+            vocab_size=400,
+            seq_len=128,
+            batch_size=4,
+            steps=8,
+            warmup_steps=2,
+            eval_every=4,
+            eval_windows=4,
+            final_eval_windows=8,
+            checkpoint_minutes=1000,
+            heldout_fraction=0.25,
+            quality_check=False,
+        ),
         serve={"port": free_port(), "ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
         # The editors' timeout scales with the machine: on a loaded one a completion queues behind the
         # learner and the gate, which is slowness, not a failure of the swaps this test is about.
         simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5, "timeout_s": scaled(60.0)},
-        learn={"publish_every": 15.0, "min_samples": 16, "batch_size": 8, "poll_s": 0.5,
-               "gate": {"sites": 8, "min_sites": 8, "max_tokens": 8, "max_kl": 5.0, "reward_tolerance": 1.0}},
-        rollout={"auto": True, "group_id": f"loop-test-{uuid.uuid4().hex[:8]}", "weights": [50.0, 100.0], "interval_s": 8.0, "min_samples": 4, "max_holds": 8, "poll_s": 1.0,
-                 "thresholds": {"p99_latency_ratio": 100.0}},
+        learn={
+            "publish_every": 15.0,
+            "min_samples": 16,
+            "batch_size": 8,
+            "poll_s": 0.5,
+            "gate": {"sites": 8, "min_sites": 8, "max_tokens": 8, "max_kl": 5.0, "reward_tolerance": 1.0},
+        },
+        rollout={
+            "auto": True,
+            "group_id": f"loop-test-{uuid.uuid4().hex[:8]}",
+            "weights": [50.0, 100.0],
+            "interval_s": 8.0,
+            "min_samples": 4,
+            "max_holds": 8,
+            "poll_s": 1.0,
+            "thresholds": {"p99_latency_ratio": 100.0},
+        },
         demo={"minutes": 2.0, "degraded_candidate": True},
-    )  # fmt: skip
+    )
     # The session's broker is shared: other tests' records sit on its topics and the sink ingests
     # them too. Only what this loop served (created after it began) is checked below.
     began = datetime.now(UTC).replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -57,18 +82,35 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
     log = out.getvalue()
     assert rc == 0, log[-4000:]
     sim = result["simulated"]
-    assert sim["errors"] == 0 and sim["requests"] > 100, (sim["failures"], log[-4000:])  # none failed, through every swap
+    assert sim["errors"] == 0 and sim["requests"] > 100, (
+        sim["failures"],
+        log[-4000:],
+    )  # none failed, through every swap
 
     engine = db.make_engine(s.database_url)
     with engine.connect() as conn:
-        versions = {r.version: r for r in conn.execute(text("SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, metrics FROM model_versions"))}
-        rollouts = conn.execute(text("SELECT id, candidate_version, stable_version, state, started_at, finished_at FROM rollouts ORDER BY id")).all()
+        versions = {
+            r.version: r
+            for r in conn.execute(
+                text(
+                    "SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, metrics FROM model_versions"
+                )
+            )
+        }
+        rollouts = conn.execute(
+            text(
+                "SELECT id, candidate_version, stable_version, state, started_at, finished_at FROM rollouts ORDER BY id"
+            )
+        ).all()
         steps = conn.execute(text("SELECT rollout_id, decision, evidence FROM rollout_steps ORDER BY id")).all()
         swaps = conn.execute(text("SELECT pool, from_version, to_version, ok FROM swap_events ORDER BY id")).all()
-        served = conn.execute(text(
-            "SELECT c.completion_id, c.model_version, c.user_hash, c.created_at, c.prompt_token_ids, ch.token_ids, ch.logprobs "
-            "FROM completions c JOIN completion_choices ch ON ch.completion_id = c.completion_id WHERE c.created_at >= :began ORDER BY c.id"
-        ), {"began": began}).all()  # fmt: skip
+        served = conn.execute(
+            text(
+                "SELECT c.completion_id, c.model_version, c.user_hash, c.created_at, c.prompt_token_ids, ch.token_ids, ch.logprobs "
+                "FROM completions c JOIN completion_choices ch ON ch.completion_id = c.completion_id WHERE c.created_at >= :began ORDER BY c.id"
+            ),
+            {"began": began},
+        ).all()
 
     # The learner published learned versions as deltas that passed the gate, announced and recorded.
     learned = [v for v, r in versions.items() if v > 0 and r.gate_passed and "injected_fault" not in _json(r.metrics)]

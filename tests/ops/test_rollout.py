@@ -10,18 +10,16 @@ import json
 import threading
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select, text
 
-from feedback import db
+from feedback import db, pools
 from feedback.schemas import ModelVersion
 from ops import rollout
 from ops.rollout import RolloutError, RolloutSection, RolloutSettings
-from feedback import pools
-from tests.helpers import flywheel, scaled, REPO
+from tests.helpers import REPO, flywheel, scaled
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 STABLE, CANDIDATE, GATE_FAILED = 1, 2, 3
@@ -37,7 +35,15 @@ def engine(request, tmp_path):
         # An autovacuum worker (a superuser backend) in the test database would make the fixture's
         # DROP DATABASE ... WITH (FORCE) fail: these tables get thousands of rows at once.
         with e.begin() as conn:
-            for table in ("completions", "completion_choices", "events", "rewards", "rollouts", "rollout_steps", "serving_pools"):
+            for table in (
+                "completions",
+                "completion_choices",
+                "events",
+                "rewards",
+                "rollouts",
+                "rollout_steps",
+                "serving_pools",
+            ):
                 conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = false)"))
     _versions(e)
     yield e
@@ -57,11 +63,21 @@ def _versions(engine, *extra: tuple[int, bool]):
     rows = [(STABLE, True), (CANDIDATE, True), (GATE_FAILED, False), *extra]
     with engine.begin() as conn:
         for v, passed in rows:
-            conn.execute(insert(db.model_versions).values(
-                version=v, parent=None, kind="full", uri=f"file:///w/v{v}", sha256=hashlib.sha256(str(v).encode()).hexdigest(),
-                size_bytes=1, full_size_bytes=1, gate_passed=passed, gate_reason=None if passed else "reward hacking suspected",
-                metrics={}, created_at=T0 - timedelta(days=1),
-            ))  # fmt: skip
+            conn.execute(
+                insert(db.model_versions).values(
+                    version=v,
+                    parent=None,
+                    kind="full",
+                    uri=f"file:///w/v{v}",
+                    sha256=hashlib.sha256(str(v).encode()).hexdigest(),
+                    size_bytes=1,
+                    full_size_bytes=1,
+                    gate_passed=passed,
+                    gate_reason=None if passed else "reward hacking suspected",
+                    metrics={},
+                    created_at=T0 - timedelta(days=1),
+                )
+            )
 
 
 _serial = iter(range(10**9))
@@ -76,15 +92,51 @@ def serve(engine, version, n, *, start, span_s=50.0, accept=0.4, errors=0.0, lat
         cid = f"c{version}-{next(_serial)}"
         at = start + timedelta(seconds=span_s * i / n)
         accepted = (i % 100) < accept * 100
-        comps.append(dict(completion_id=cid, model_version=version, user_hash="u", prompt_token_ids=[1], summary_ids=[], n_choices=1,
-                          latency_ms=latency_ms + i % 10, created_at=at))  # fmt: skip
-        choices.append(dict(completion_id=cid, choice_index=0, token_ids=[5], logprobs=[-0.1], n_chars=4, text="x = 1",
-                            finish_reason="abort" if (i % 100) < errors * 100 else "stop"))  # fmt: skip
+        comps.append(
+            dict(
+                completion_id=cid,
+                model_version=version,
+                user_hash="u",
+                prompt_token_ids=[1],
+                summary_ids=[],
+                n_choices=1,
+                latency_ms=latency_ms + i % 10,
+                created_at=at,
+            )
+        )
+        choices.append(
+            dict(
+                completion_id=cid,
+                choice_index=0,
+                token_ids=[5],
+                logprobs=[-0.1],
+                n_chars=4,
+                text="x = 1",
+                finish_reason="abort" if (i % 100) < errors * 100 else "stop",
+            )
+        )
         events.append(dict(event_id=f"{cid}-v", completion_id=cid, choice_index=0, type="view", created_at=at))
         if accepted:
-            events.append(dict(event_id=f"{cid}-s", completion_id=cid, choice_index=0, type="select", select_kind="full", created_at=at))
-        rewards.append(dict(completion_id=cid, choice_index=0, model_version=version, reward=0.75 if accepted else -0.25, components={},
-                            outcome="select" if accepted else "ignored"))  # fmt: skip
+            events.append(
+                dict(
+                    event_id=f"{cid}-s",
+                    completion_id=cid,
+                    choice_index=0,
+                    type="select",
+                    select_kind="full",
+                    created_at=at,
+                )
+            )
+        rewards.append(
+            dict(
+                completion_id=cid,
+                choice_index=0,
+                model_version=version,
+                reward=0.75 if accepted else -0.25,
+                components={},
+                outcome="select" if accepted else "ignored",
+            )
+        )
     with engine.begin() as conn:
         conn.execute(insert(db.completions), comps)
         conn.execute(insert(db.completion_choices), choices)
@@ -135,7 +187,12 @@ def test_a_good_candidate_advances_through_every_step_and_is_promoted(engine):
     assert r.state == "promoted" and r.finished_at is not None
     assert pools.read(engine) == pools.Routes(stable=CANDIDATE, canary=None, canary_percent=0.0)
     history = steps_of(engine, r.id)
-    assert [(s.step_index, s.weight, s.decision) for s in history] == [(0, 5, "advance"), (1, 25, "advance"), (2, 50, "advance"), (3, 100, "promote")]
+    assert [(s.step_index, s.weight, s.decision) for s in history] == [
+        (0, 5, "advance"),
+        (1, 25, "advance"),
+        (2, 50, "advance"),
+        (3, 100, "promote"),
+    ]
     first = history[0].evidence
     assert first["arms"]["canary"]["shown"] == 300 and first["arms"]["stable"]["shown"] == 5700
     assert first["tests"]["accept_rate"]["tested"] and first["rule"] == "no_harm" and first["by"] == "controller"
@@ -154,7 +211,9 @@ def test_a_degraded_candidate_is_rolled_back_with_its_evidence(engine):
     test = step.evidence["tests"]["accept_rate"]
     assert step.decision == "rollback" and step.evidence["rule"] == "accept_rate"
     assert test["n"] == [300, 5700] and test["p"] < 0.05 and test["worse"]
-    assert step.evidence["policy"]["alpha"] == 0.05 and step.evidence["window"]["canary"][0].startswith("2026-03-01T12:00")
+    assert step.evidence["policy"]["alpha"] == 0.05 and step.evidence["window"]["canary"][0].startswith(
+        "2026-03-01T12:00"
+    )
     assert rollout.tick(engine, now=T0 + timedelta(hours=1)) is None  # finished: nothing more to decide
 
 
@@ -240,10 +299,14 @@ def test_start_refusals(sqlite_engine):
     with pytest.raises(RolloutError, match="unknown version 42") as e:
         rollout.start_rollout(sqlite_engine, 42, section=SECTION)
     assert e.value.status == 400
-    with pytest.raises(RolloutError, match="failed the learner's evaluation gate .reward hacking suspected.; use --force"):
+    with pytest.raises(
+        RolloutError, match="failed the learner's evaluation gate .reward hacking suspected.; use --force"
+    ):
         rollout.start_rollout(sqlite_engine, GATE_FAILED, section=SECTION, stable=STABLE)
     with pytest.raises(RolloutError, match="pass --stable"):
-        rollout.start_rollout(sqlite_engine, STABLE, section=SECTION)  # nothing served, nothing older: no stable to compare with
+        rollout.start_rollout(
+            sqlite_engine, STABLE, section=SECTION
+        )  # nothing served, nothing older: no stable to compare with
     r = start(sqlite_engine)
     with pytest.raises(RolloutError, match=f"rollout {r.id} of version {CANDIDATE} is running") as e:
         rollout.start_rollout(sqlite_engine, GATE_FAILED, section=SECTION, force=True)
@@ -279,12 +342,17 @@ def test_pause_resume_promote_abort(sqlite_engine):
     assert rollout.tick(sqlite_engine, now=resumed_at + timedelta(seconds=61)).decision.action == "advance"
 
     promoted = rollout.promote(sqlite_engine, r.id, by="api:ops-token:1234")
-    assert promoted.state == "promoted" and pools.read(sqlite_engine) == pools.Routes(stable=CANDIDATE, canary=None, canary_percent=0.0)
+    assert promoted.state == "promoted" and pools.read(sqlite_engine) == pools.Routes(
+        stable=CANDIDATE, canary=None, canary_percent=0.0
+    )
     history = steps_of(sqlite_engine, r.id)
     assert [s.decision for s in history] == ["pause", "resume", "advance", "promote"]
     assert history[0].evidence["by"] == "cli:ana" and history[-1].evidence == {
-        "by": "api:ops-token:1234", "rule": "operator", "reason": "promote by api:ops-token:1234", "from_state": "running"
-    }  # fmt: skip
+        "by": "api:ops-token:1234",
+        "rule": "operator",
+        "reason": "promote by api:ops-token:1234",
+        "from_state": "running",
+    }
     with pytest.raises(RolloutError, match="no active rollout") as e:
         rollout.abort(sqlite_engine, by="cli:ana")
     assert e.value.status == 404
@@ -292,7 +360,9 @@ def test_pause_resume_promote_abort(sqlite_engine):
     second = rollout.start_rollout(sqlite_engine, GATE_FAILED, section=SECTION, force=True)
     assert second.stable_version == CANDIDATE  # the promoted one is stable now
     aborted = rollout.abort(sqlite_engine, second.id, by="cli:ana")
-    assert aborted.state == "aborted" and pools.read(sqlite_engine) == pools.Routes(stable=CANDIDATE, canary=None, canary_percent=0.0)
+    assert aborted.state == "aborted" and pools.read(sqlite_engine) == pools.Routes(
+        stable=CANDIDATE, canary=None, canary_percent=0.0
+    )
 
 
 def test_mode_all_swaps_everyone_at_once(sqlite_engine):
@@ -306,7 +376,14 @@ def test_mode_all_swaps_everyone_at_once(sqlite_engine):
 
 
 def announcement(version, *, passed=True):
-    return ModelVersion(version=version, kind="full", uri=f"file:///w/v{version}", sha256="0" * 64, gate_passed=passed, gate_reason=None if passed else "worse on replay")
+    return ModelVersion(
+        version=version,
+        kind="full",
+        uri=f"file:///w/v{version}",
+        sha256="0" * 64,
+        gate_passed=passed,
+        gate_reason=None if passed else "worse on replay",
+    )
 
 
 def test_auto_start_is_idempotent_and_waits_for_the_active_rollout(sqlite_engine):
@@ -318,7 +395,13 @@ def test_auto_start_is_idempotent_and_waits_for_the_active_rollout(sqlite_engine
     outcome, _, why = rollout.start_announced(sqlite_engine, announcement(12, passed=False), SECTION)
     assert outcome == "skipped" and "failed the gate" in why
     with sqlite_engine.connect() as conn:
-        recorded = dict(conn.execute(select(db.model_versions.c.version, db.model_versions.c.gate_passed).where(db.model_versions.c.version >= 10)).all())
+        recorded = dict(
+            conn.execute(
+                select(db.model_versions.c.version, db.model_versions.c.gate_passed).where(
+                    db.model_versions.c.version >= 10
+                )
+            ).all()
+        )
         n_rollouts = conn.execute(select(func.count()).select_from(db.rollouts)).scalar()
     assert recorded == {10: True, 11: True, 12: False} and n_rollouts == 1
     rollout.promote(sqlite_engine, by="test")
@@ -333,8 +416,11 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
     from feedback.schemas import encode, key_of
 
     base = 10_000_000 + int(time.time()) % 1_000_000  # newer than anything other tests announce on the shared topic
-    s = RolloutSettings(data_dir=str(tmp_path / "data"), kafka=kafka_settings.kafka.model_dump(),
-                        rollout={"auto": True, "group_id": f"rollout-test-{base}"})  # fmt: skip
+    s = RolloutSettings(
+        data_dir=str(tmp_path / "data"),
+        kafka=kafka_settings.kafka.model_dump(),
+        rollout={"auto": True, "group_id": f"rollout-test-{base}"},
+    )
     engine = db.make_engine(s.database_url)
     db.upgrade(engine)
     _versions(engine)
@@ -345,7 +431,11 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
 
     store = S.open_store(S.default_store_uri(s))  # announced versions must be in this deployment's store
     for v in range(base, base + 3):
-        store.publish({"w": torch.full((4,), float(v - base), dtype=torch.bfloat16)}, parent=v - 1 if v > base else None, version=v)
+        store.publish(
+            {"w": torch.full((4,), float(v - base), dtype=torch.bfloat16)},
+            parent=v - 1 if v > base else None,
+            version=v,
+        )
 
     def announcement(version, *, passed=True):  # what the learner sends for a stored version
         return store.model_version(version, gate_passed=passed, gate_reason=None if passed else "worse on replay")
@@ -364,7 +454,10 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
         return lines
 
     starter = rollout.AutoStarter(s, engine)
-    lines = drain(starter, lambda ls: any("failed the gate" in ln for ln in ls) and any(f"version {base} against" in ln for ln in ls))
+    lines = drain(
+        starter,
+        lambda ls: any("failed the gate" in ln for ln in ls) and any(f"version {base} against" in ln for ln in ls),
+    )
     starter.close()
     with engine.connect() as conn:
         assert rollout.active(conn).candidate_version == base, lines
@@ -375,13 +468,18 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
     producer.flush()
     restarted = rollout.AutoStarter(s, engine)  # resumes after the committed offsets: base is not replayed
     drain(restarted, lambda ls: restarted.pending is not None and restarted.pending.version == base + 2)
-    assert rollout.start_announced(engine, announcement(base + 2), s.rollout)[0] == "waiting"  # base's rollout still runs
+    assert (
+        rollout.start_announced(engine, announcement(base + 2), s.rollout)[0] == "waiting"
+    )  # base's rollout still runs
     rollout.abort(engine, by="test")
     lines = drain(restarted, lambda ls: any("against" in ln for ln in ls))
     restarted.close()
     producer.close()
     with engine.connect() as conn:
-        versions = [row.candidate_version for row in conn.execute(select(db.rollouts.c.candidate_version).order_by(db.rollouts.c.id))]
+        versions = [
+            row.candidate_version
+            for row in conn.execute(select(db.rollouts.c.candidate_version).order_by(db.rollouts.c.id))
+        ]
     assert versions == [base, base + 2], lines
     engine.dispose()
 
@@ -395,7 +493,9 @@ def test_run_controller_survives_a_database_that_is_not_there_yet(tmp_path, capl
     engine = db.make_engine(s.database_url)
     stop = threading.Event()
     lines: list[str] = []
-    t = threading.Thread(target=rollout.run_controller, args=(s, stop), kwargs={"engine": engine, "progress": lines.append}, daemon=True)
+    t = threading.Thread(
+        target=rollout.run_controller, args=(s, stop), kwargs={"engine": engine, "progress": lines.append}, daemon=True
+    )
     t.start()
     try:
         time.sleep(0.3)
@@ -404,8 +504,12 @@ def test_run_controller_survives_a_database_that_is_not_there_yet(tmp_path, capl
         _versions(engine)
         pools.set_stable(engine, STABLE)
         now = datetime.now(UTC)
-        r = rollout.start_rollout(engine, CANDIDATE, section=RolloutSection(weights=[100], interval_s=0.5, min_samples=50), now=now)
-        serve(engine, STABLE, 200, start=now - timedelta(seconds=0.4), span_s=0.3)  # before the rollout: the control arm
+        r = rollout.start_rollout(
+            engine, CANDIDATE, section=RolloutSection(weights=[100], interval_s=0.5, min_samples=50), now=now
+        )
+        serve(
+            engine, STABLE, 200, start=now - timedelta(seconds=0.4), span_s=0.3
+        )  # before the rollout: the control arm
         serve(engine, CANDIDATE, 200, start=now, span_s=0.3)
         deadline = time.monotonic() + scaled(15)
         while time.monotonic() < deadline and not any("promote" in ln for ln in lines):
@@ -414,7 +518,9 @@ def test_run_controller_survives_a_database_that_is_not_there_yet(tmp_path, capl
         stop.set()
         t.join(10)
     assert not t.is_alive()
-    assert any("recovered" in ln for ln in lines) and any(f"rollout {r.id}" in ln and "promote" in ln for ln in lines), lines
+    assert any("recovered" in ln for ln in lines) and any(
+        f"rollout {r.id}" in ln and "promote" in ln for ln in lines
+    ), lines
     assert pools.read(engine).stable == CANDIDATE
     engine.dispose()
 
@@ -431,15 +537,30 @@ def api(sqlite_engine):
         def send(self, topic, msg):
             return True
 
-    state = dict(cfg=ServeSettings(), replicas={}, producer=Sink(), editor_tokens={"ed"}, decode=lambda ids, **kw: "",
-                 ops_tokens={"ops"}, database_url=sqlite_engine.url.render_as_string(hide_password=False))  # fmt: skip
+    state = dict(
+        cfg=ServeSettings(),
+        replicas={},
+        producer=Sink(),
+        editor_tokens={"ed"},
+        decode=lambda ids, **kw: "",
+        ops_tokens={"ops"},
+        database_url=sqlite_engine.url.render_as_string(hide_password=False),
+    )
     app = build_app()
     app.state.api = ApiState(**state)
     pools.set_stable(sqlite_engine, STABLE)
     return TestClient(app), app.state.api
 
 
-@pytest.mark.parametrize("method, path", [("get", "/ops/rollouts"), ("post", "/ops/rollouts"), ("post", "/ops/rollouts/1/pause"), ("post", "/ops/rollouts/1/abort")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("get", "/ops/rollouts"),
+        ("post", "/ops/rollouts"),
+        ("post", "/ops/rollouts/1/pause"),
+        ("post", "/ops/rollouts/1/abort"),
+    ],
+)
 def test_http_needs_an_ops_token(api, method, path):
     client, _ = api
     body = {"json": {"version": CANDIDATE}} if method == "post" else {}
@@ -455,14 +576,20 @@ def test_http_rollout_lifecycle(api, sqlite_engine):
     r = client.get("/ops/rollouts", headers=ops)
     assert r.status_code == 200 and r.json()["rollout"] is None and r.json()["pools"]["stable"] == STABLE
 
-    r = client.post("/ops/rollouts", headers=ops, json={"version": CANDIDATE, "weights": [10, 100], "min_samples": 50, "thresholds": {"accept_rate_drop": 0.05}})
+    r = client.post(
+        "/ops/rollouts",
+        headers=ops,
+        json={"version": CANDIDATE, "weights": [10, 100], "min_samples": 50, "thresholds": {"accept_rate_drop": 0.05}},
+    )
     assert r.status_code == 201, r.text
     ro = r.json()
     assert ro["state"] == "running" and ro["weights"] == [10, 100] and ro["thresholds"]["accept_rate_drop"] == 0.05
     assert ro["reason"] == "started by " + "api:ops-token:" + hashlib.sha256(b"ops").hexdigest()[:8]
     assert client.post("/ops/rollouts", headers=ops, json={"version": GATE_FAILED}).status_code == 409
     assert client.post("/ops/rollouts", headers=ops, json={"version": 99}).status_code == 400
-    assert client.post("/ops/rollouts", headers=ops, json={"version": CANDIDATE, "weights": [50, 10]}).status_code == 422
+    assert (
+        client.post("/ops/rollouts", headers=ops, json={"version": CANDIDATE, "weights": [50, 10]}).status_code == 422
+    )
 
     rid = ro["id"]
     assert client.post(f"/ops/rollouts/{rid}/pause", headers=ops, json={"reason": "a look"}).json()["state"] == "paused"
@@ -495,8 +622,23 @@ def test_cli(tmp_path):
     engine.dispose()
 
     r = flywheel("rollout", "start", "42", tmp_path=tmp_path)
-    assert r.returncode == 1 and r.stderr.strip().startswith("flywheel: error: unknown version 42") and len(r.stderr.strip().splitlines()) == 1
-    r = flywheel("rollout", "start", str(CANDIDATE), "--weights", "10,50,100", "--interval", "2m", "--threshold", "reward_drop=0.1", tmp_path=tmp_path)
+    assert (
+        r.returncode == 1
+        and r.stderr.strip().startswith("flywheel: error: unknown version 42")
+        and len(r.stderr.strip().splitlines()) == 1
+    )
+    r = flywheel(
+        "rollout",
+        "start",
+        str(CANDIDATE),
+        "--weights",
+        "10,50,100",
+        "--interval",
+        "2m",
+        "--threshold",
+        "reward_drop=0.1",
+        tmp_path=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "canary at 10%" in r.stdout and "120s each" in r.stdout
     r = flywheel("rollout", "start", str(GATE_FAILED), tmp_path=tmp_path)
@@ -506,7 +648,11 @@ def test_cli(tmp_path):
     assert flywheel("rollout", "pause", tmp_path=tmp_path).returncode == 0
     r = flywheel("rollout", "status", "--json", tmp_path=tmp_path)
     st = json.loads(r.stdout)
-    assert st["rollout"]["state"] == "paused" and st["rollout"]["interval_s"] == 120 and st["rollout"]["thresholds"]["reward_drop"] == 0.1
+    assert (
+        st["rollout"]["state"] == "paused"
+        and st["rollout"]["interval_s"] == 120
+        and st["rollout"]["thresholds"]["reward_drop"] == 0.1
+    )
     assert st["steps"][0]["evidence"]["by"].startswith("cli")
     r = flywheel("rollout", "abort", "--reason", "not today", tmp_path=tmp_path)
     assert r.returncode == 0 and "aborted" in r.stdout
@@ -520,7 +666,9 @@ def test_example_config_documents_every_rollout_setting():
     text = example.read_text()
     for section, model in (("rollout", s.rollout), ("rollout.thresholds", s.rollout.thresholds)):
         for name in type(model).model_fields:
-            assert f"\n{name} =" in text or f"\n# {name} =" in text or f"[{section}.{name}]" in text, f"{section}.{name} missing from the example config"
+            assert f"\n{name} =" in text or f"\n# {name} =" in text or f"[{section}.{name}]" in text, (
+                f"{section}.{name} missing from the example config"
+            )
     assert s.rollout == RolloutSection()  # the example shows the defaults
 
 

@@ -100,12 +100,31 @@ def test_percentile_nearest_rank():
 POLICY = Policy(min_samples=100, alpha=0.05, max_holds=3)
 
 
-def arm(shown=1000, rate=0.4, choices=None, errors=0, rewards=None, reward_mean=0.1, reward_var=0.2, p99=100.0, latency=50.0, log_sd=0.5):
+def arm(
+    shown=1000,
+    rate=0.4,
+    choices=None,
+    errors=0,
+    rewards=None,
+    reward_mean=0.1,
+    reward_var=0.2,
+    p99=100.0,
+    latency=50.0,
+    log_sd=0.5,
+):
     choices = choices if choices is not None else shown
     return Arm(
-        completions=choices, p99_latency_ms=p99, choices=choices, errors=errors, shown=shown, accepted=round(shown * rate),
-        rewards=rewards if rewards is not None else choices, reward_mean=reward_mean, reward_var=reward_var,
-        log_latency_mean=math.log(latency), log_latency_var=log_sd**2,
+        completions=choices,
+        p99_latency_ms=p99,
+        choices=choices,
+        errors=errors,
+        shown=shown,
+        accepted=round(shown * rate),
+        rewards=rewards if rewards is not None else choices,
+        reward_mean=reward_mean,
+        reward_var=reward_var,
+        log_latency_mean=math.log(latency),
+        log_latency_var=log_sd**2,
     )
 
 
@@ -141,7 +160,9 @@ def test_too_few_samples_hold_then_roll_back():
 
 def test_guards_act_before_the_primary_metric_has_its_samples():
     # few shown suggestions yet, but plenty of aborted choices
-    d = decide(arm(shown=10, choices=500, errors=100), arm(shown=10, choices=500, errors=2), POLICY, holds=0, last_step=False)
+    d = decide(
+        arm(shown=10, choices=500, errors=100), arm(shown=10, choices=500, errors=2), POLICY, holds=0, last_step=False
+    )
     assert (d.action, d.rule) == (ROLLBACK, "error_rate")
 
 
@@ -150,11 +171,19 @@ def test_slower_canary_rolls_back_and_a_p99_spike_alone_does_not():
     assert (d.action, d.rule) == (ROLLBACK, "latency")
     t = d.evidence["tests"]["latency"]
     assert t["ratio"] == pytest.approx(4.0) and t["p"] < 0.05 and t["canary_p99_ms"] == 400.0
-    assert decide(arm(latency=65.0), arm(latency=50.0), POLICY, holds=0, last_step=False).action == ADVANCE  # x1.3 < x1.5
+    assert (
+        decide(arm(latency=65.0), arm(latency=50.0), POLICY, holds=0, last_step=False).action == ADVANCE
+    )  # x1.3 < x1.5
     # one queueing spike makes the canary's p99 4x stable's, but its latencies are stable's
     assert decide(arm(p99=400.0), arm(p99=100.0), POLICY, holds=0, last_step=False).action == ADVANCE
     # x2 with a handful of very noisy samples is not evidence yet
-    few = decide(arm(latency=100.0, log_sd=2.0, shown=100), arm(latency=50.0, log_sd=2.0, shown=100), POLICY, holds=0, last_step=False)
+    few = decide(
+        arm(latency=100.0, log_sd=2.0, shown=100),
+        arm(latency=50.0, log_sd=2.0, shown=100),
+        POLICY,
+        holds=0,
+        last_step=False,
+    )
     assert few.action == ADVANCE and few.evidence["tests"]["latency"]["p"] > 0.05
 
 

@@ -1,12 +1,6 @@
 """Simulated editor sessions over HTTP: they start nothing after their deadline, and go on when
 the API is slow or failing."""
 
-import random
-
-import pytest
-
-from learner.corpus import SourceFile
-from learner.judge import cursor_sites, judge
 from tests.helpers import scaled
 
 CODE = "import os\n\n\ndef join_all(parts):\n    result = os.path.join(*parts)\n    return result.strip()\n\n\nclass Box:\n    size = 3\n"
@@ -36,11 +30,11 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
 
     import uvicorn
 
-    from learner.tokenizer import train_tokenizer
+    from feedback.pools import STABLE
     from learner.judge import Site
+    from learner.tokenizer import train_tokenizer
     from ops.simulate import run_sessions
     from serving.api import ApiState, RoutingState, build_app
-    from feedback.pools import STABLE
     from serving.replica import CompletionService
     from serving.settings import ServeSettings
     from tests.helpers import free_port
@@ -67,8 +61,16 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
 
     cfg = ServeSettings(auth_tokens=["t"])
     app = build_app()
-    app.state.api = ApiState(cfg=cfg, replicas={STABLE: LocalPool(CompletionService(MisbehavingEngine(tok, text="join(*parts)"), tok, cfg, version=0))},
-                             routing=RoutingState(serving={STABLE: 0}), producer=ListSink(), editor_tokens={"t"}, decode=tok.decode)  # fmt: skip
+    app.state.api = ApiState(
+        cfg=cfg,
+        replicas={
+            STABLE: LocalPool(CompletionService(MisbehavingEngine(tok, text="join(*parts)"), tok, cfg, version=0))
+        },
+        routing=RoutingState(serving={STABLE: 0}),
+        producer=ListSink(),
+        editor_tokens={"t"},
+        decode=tok.decode,
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -80,8 +82,18 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     try:
         sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 9
         seen = []
-        stats = asyncio.run(run_sessions(f"http://127.0.0.1:{port}", "t", sites, users=3, rate=100.0, edit_delay_s=0.0, timeout_s=timeout_s,
-                                         progress=lambda st: seen.append(st.errors)))  # fmt: skip
+        stats = asyncio.run(
+            run_sessions(
+                f"http://127.0.0.1:{port}",
+                "t",
+                sites,
+                users=3,
+                rate=100.0,
+                edit_delay_s=0.0,
+                timeout_s=timeout_s,
+                progress=lambda st: seen.append(st.errors),
+            )
+        )
     finally:
         server.should_exit = True
         thread.join(timeout=scaled(10))

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
-import json
-import textwrap
 from dataclasses import dataclass, field
 
-import pytest
 from fastapi.testclient import TestClient
 
-from learner.tokenizer import train_tokenizer
+from feedback.pools import STABLE
 from serving.api import ApiState, RoutingState, build_app
 from serving.engine import Sample, SamplingSpec
-from feedback.pools import STABLE
 from serving.replica import CompletionService
 from serving.settings import ServeSettings
 
@@ -85,7 +80,12 @@ def make_client(tok, engine=None, **cfg_overrides):
     sink = ListSink()
     app = build_app()
     app.state.api = ApiState(
-        cfg=cfg, replicas={STABLE: LocalPool(service)}, routing=RoutingState(serving={STABLE: 3}), producer=sink, editor_tokens=cfg.editor_tokens(), decode=tok.decode
+        cfg=cfg,
+        replicas={STABLE: LocalPool(service)},
+        routing=RoutingState(serving={STABLE: 3}),
+        producer=sink,
+        editor_tokens=cfg.editor_tokens(),
+        decode=tok.decode,
     )
     client = TestClient(app, raise_server_exceptions=False)
     client.headers["Authorization"] = f"Bearer {TOKEN}"

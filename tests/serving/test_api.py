@@ -11,12 +11,14 @@ from tests.serving.conftest import FakeEngine, make_client
 
 def test_openai_shape_with_suffix_records_the_completion(tok):
     client, sink, engine = make_client(tok)
-    r = client.post("/v1/completions", json={"prompt": "def f(x):\n    ", "suffix": "\n", "max_tokens": 8, "user": "ana"})
+    r = client.post(
+        "/v1/completions", json={"prompt": "def f(x):\n    ", "suffix": "\n", "max_tokens": 8, "user": "ana"}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "return x"
     assert body["model"] == "flywheel@v3" and body["id"].startswith("cmpl-")
-    (topic, rec), = sink.sent
+    ((topic, rec),) = sink.sent
     assert topic == bus.COMPLETIONS and isinstance(rec, CompletionRecord)
     assert rec.completion_id == body["id"] and rec.model_version == 3
     assert len(rec.choices[0].logprobs) == len(rec.choices[0].token_ids) > 0
@@ -37,7 +39,11 @@ def test_openai_logprobs_and_n(tok):
 
 def test_tabby_shape_gets_tabby_answer(tok):
     client, sink, engine = make_client(tok)
-    req = {"language": "python", "segments": {"prefix": "def f(x):\n    ", "suffix": "\n", "filepath": "a/b.py"}, "user": "u1"}
+    req = {
+        "language": "python",
+        "segments": {"prefix": "def f(x):\n    ", "suffix": "\n", "filepath": "a/b.py"},
+        "user": "u1",
+    }
     r = client.post("/v1/completions", json=req)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -63,9 +69,16 @@ def test_streaming_sse(tok):
 @pytest.mark.parametrize("kind", ["line", "word"])
 def test_events_tabby_shape_and_extensions(tok, kind):
     client, sink, _ = make_client(tok)
-    r = client.post(f"/v1/events?select_kind={kind}", json={"type": "select", "completion_id": "cmpl-1", "choice_index": 0, "view_id": "v", "elapsed": 120})
+    r = client.post(
+        f"/v1/events?select_kind={kind}",
+        json={"type": "select", "completion_id": "cmpl-1", "choice_index": 0, "view_id": "v", "elapsed": 120},
+    )
     assert r.status_code == 200, r.text
-    for ev in ({"type": "view", "completion_id": "cmpl-1"}, {"type": "dismiss", "completion_id": "cmpl-1"}, {"type": "edit", "completion_id": "cmpl-1", "kept_text": "kept"}):
+    for ev in (
+        {"type": "view", "completion_id": "cmpl-1"},
+        {"type": "dismiss", "completion_id": "cmpl-1"},
+        {"type": "edit", "completion_id": "cmpl-1", "kept_text": "kept"},
+    ):
         assert client.post("/v1/events", json=ev).status_code == 200
     events = [m for t, m in sink.sent if t == bus.EVENTS]
     assert [e.type for e in events] == ["select", "view", "dismiss", "edit"]
@@ -128,7 +141,12 @@ def test_bad_completion_input_is_4xx_with_message(tok, raw, status):
 
 @pytest.mark.parametrize(
     "body",
-    [{"type": "explode", "completion_id": "c"}, {"type": "edit", "completion_id": "c"}, {"type": "view"}, {"type": "view", "completion_id": "bad id with spaces"}],
+    [
+        {"type": "explode", "completion_id": "c"},
+        {"type": "edit", "completion_id": "c"},
+        {"type": "view"},
+        {"type": "view", "completion_id": "bad id with spaces"},
+    ],
 )
 def test_bad_events_are_422(tok, body):
     client, sink, _ = make_client(tok)

@@ -54,7 +54,15 @@ class WeightsEngine:
                 await self.hold.wait()
             ids.append(self.version)
             done = k == spec.max_tokens - 1
-            yield [Sample(index=0, token_ids=list(ids), logprobs=[0.0] * len(ids), text="", finish_reason="length" if done else None)]
+            yield [
+                Sample(
+                    index=0,
+                    token_ids=list(ids),
+                    logprobs=[0.0] * len(ids),
+                    text="",
+                    finish_reason="length" if done else None,
+                )
+            ]
 
     async def abort(self, request_id):
         pass
@@ -95,7 +103,13 @@ def make_service(tok, engine) -> CompletionService:
 
 
 def request(i: int, max_tokens: int = 4) -> GenerateRequest:
-    return GenerateRequest(completion_id=f"c{i}", prefix="def f(x):\n    return ", suffix=None, header="", spec=SamplingSpec(max_tokens=max_tokens))
+    return GenerateRequest(
+        completion_id=f"c{i}",
+        prefix="def f(x):\n    return ",
+        suffix=None,
+        header="",
+        spec=SamplingSpec(max_tokens=max_tokens),
+    )
 
 
 def bits_equal(a: dict, b: dict) -> bool:
@@ -122,8 +136,10 @@ async def test_swaps_reload_only_changed_tensors(tok, published):
     r3 = await swapper.swap_to(3)  # v3 is a full snapshot that still carries its delta
     assert r3.plan["deltas"] == [3] and r3.plan["full"] is None
     assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[3]))
-    print(f"\nswap pauses (fake engine): {r1.pause_s * 1e3:.1f} / {r2.pause_s * 1e3:.1f} / {r3.pause_s * 1e3:.1f} ms; "
-          f"{r2.tensors_reloaded} tensors, {r2.reload_bytes} B for v1 -> v2")  # fmt: skip
+    print(
+        f"\nswap pauses (fake engine): {r1.pause_s * 1e3:.1f} / {r2.pause_s * 1e3:.1f} / {r3.pause_s * 1e3:.1f} ms; "
+        f"{r2.tensors_reloaded} tensors, {r2.reload_bytes} B for v1 -> v2"
+    )
 
 
 @sync
@@ -148,7 +164,11 @@ async def test_a_replica_started_from_the_stored_weights_swaps_only_changes(tok,
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
     r = await HotSwapper(make_service(tok, engine), S.open_store(root), loaded_from=tmp_path).swap_to(1)
     changed = {n for n in ckpts[1] if D.tensor_sha256(ckpts[1][n]) != D.tensor_sha256(ckpts[0][n])}
-    assert r.plan["have"] == 0 and r.plan["deltas"] == [1] and set(engine.reloads[-1]) == set(reload_set(changed, ckpts[1]))
+    assert (
+        r.plan["have"] == 0
+        and r.plan["deltas"] == [1]
+        and set(engine.reloads[-1]) == set(reload_set(changed, ckpts[1]))
+    )
 
     other = S.to_hf_tensors(ckpts[0]) | {"lm_head.weight": S.to_hf_tensors(ckpts[1])["lm_head.weight"]}
     save_file(other, str(tmp_path / "model.safetensors"))  # not v0: everything is reloaded, as without a folder
@@ -160,14 +180,27 @@ async def test_a_replica_started_from_the_stored_weights_swaps_only_changes(tok,
 
 def test_a_swap_reloads_whole_vllm_layers():
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"] + ["model.layers.0.self_attn.q_norm.weight"]
-    names += [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in (0, 1) for e in range(3) for p in ("gate", "up", "down")]
+    names += [
+        f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
+        for i in (0, 1)
+        for e in range(3)
+        for p in ("gate", "up", "down")
+    ]
     names += ["model.layers.0.mlp.gate.weight", "lm_head.weight"]
     assert vllm_layer("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn.qkv_proj"
     assert vllm_layer("model.layers.1.mlp.experts.2.up_proj.weight") == "model.layers.1.mlp.experts"
-    assert vllm_layer("model.layers.0.mlp.gate.weight") == "model.layers.0.mlp.gate.weight"  # the router is its own layer
-    got = reload_set(["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.1.down_proj.weight", "lm_head.weight"], names)
-    assert got == sorted([f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["lm_head.weight"]
-                         + [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up", "down")])  # fmt: skip
+    assert (
+        vllm_layer("model.layers.0.mlp.gate.weight") == "model.layers.0.mlp.gate.weight"
+    )  # the router is its own layer
+    got = reload_set(
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.1.down_proj.weight", "lm_head.weight"],
+        names,
+    )
+    assert got == sorted(
+        [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+        + ["lm_head.weight"]
+        + [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up", "down")]
+    )
 
 
 @sync
@@ -209,7 +242,11 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     reloads, before = len(engine.reloads), REGISTRY.get_sample_value("flywheel_swap_failures_total")
     with pytest.raises(SwapError, match="corrupt"):
         await swapper.swap_to(2)
-    assert service.version == 1 and len(engine.reloads) == reloads and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
+    assert (
+        service.version == 1
+        and len(engine.reloads) == reloads
+        and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
+    )
     assert "v1 -> v2" in swapper.last_swap_error and swapper.status()["failures"] == 1
     assert REGISTRY.get_sample_value("flywheel_swap_failures_total") == before + 1
     assert (await service.complete(request(1))).model_version == 1  # and it keeps serving
@@ -223,7 +260,9 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     with pytest.raises(SwapError, match="did not finish"):
         await swapper.swap_to(0)
     engine.hold.set()
-    assert (await stuck).model_version == 1 and (await service.complete(request(3))).model_version == 1  # admission reopened
+    assert (await stuck).model_version == 1 and (
+        await service.complete(request(3))
+    ).model_version == 1  # admission reopened
 
 
 @sync
@@ -241,6 +280,7 @@ async def test_a_reload_that_breaks_off_restores_the_old_tensors(tok, published)
 
 
 # --- with vLLM -------------------------------------------------------------------------------------
+
 
 def teacher_forced(model: Transformer, prompt_ids: list[int], gen: list[int]) -> torch.Tensor:
     with torch.no_grad():
@@ -282,9 +322,13 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
         store.publish(c, parent=v - 1 if v else None)
     f = tmp_path / "store" / "v000003" / "delta.zst"
     f.write_bytes(f.read_bytes()[:-1] + b"\x00")  # v3 arrives corrupt
-    folder = export_hf(model_from(S.to_hf_tensors(v0), args), args, tok, tmp_path / "hf", weight_fn=fp4_dequantized("nvfp4"))
+    folder = export_hf(
+        model_from(S.to_hf_tensors(v0), args), args, tok, tmp_path / "hf", weight_fn=fp4_dequantized("nvfp4")
+    )
 
-    cfg = ServeSettings(engine=EngineSettings(max_model_len=256, max_num_seqs=8), context_budget=200, summary_chunk_tokens=64)
+    cfg = ServeSettings(
+        engine=EngineSettings(max_model_len=256, max_num_seqs=8), context_budget=200, summary_chunk_tokens=64
+    )
     t0 = time.perf_counter()
     engine = VLLMEngine(folder, cfg.engine)
     print(f"\nvLLM engine started in {time.perf_counter() - t0:.1f} s")
@@ -296,7 +340,10 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
         prompts = ["def parse(s):\n    ", "import json\n\nclass Encoder:\n", "return {'key': value, "]
 
         async def served() -> list:
-            return [await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy)) for i, p in enumerate(prompts)]
+            return [
+                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy))
+                for i, p in enumerate(prompts)
+            ]
 
         dtype = engine.precision.dtype
 
@@ -304,7 +351,10 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
             """The worst |served - learner| logprob against `hf`'s weights, and the tolerance for it."""
             m = model_from(hf, args)
             seqs = [(r.prompt_token_ids, r.samples[0].token_ids) for r in results]
-            worst = max((teacher_forced(m, p, g) - torch.tensor(r.samples[0].logprobs)).abs().max().item() for (p, g), r in zip(seqs, results))
+            worst = max(
+                (teacher_forced(m, p, g) - torch.tensor(r.samples[0].logprobs)).abs().max().item()
+                for (p, g), r in zip(seqs, results)
+            )
             return worst, served_logprob_tolerance(m, seqs, dtype)
 
         before = await served()
@@ -316,16 +366,20 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
         report = await swapper.swap_to(1)
         after = await served()
         (d_new, tol), (d_old, _) = max_diff(after, S.to_hf_tensors(v1)), max_diff(after, S.to_hf_tensors(v0))
-        print(f"swap v0 -> v1: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
-              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v1| max {d_new:.4f} (tolerance {tol:.4f}), vs v0 weights {d_old:.3f}")  # fmt: skip
+        print(
+            f"swap v0 -> v1: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
+            f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v1| max {d_new:.4f} (tolerance {tol:.4f}), vs v0 weights {d_old:.3f}"
+        )
         assert {r.model_version for r in after} == {1}
         assert d_new < tol and d_old > 5 * tol  # the new weights answered, not the old ones with a new tag
 
         report = await swapper.swap_to(2)
         after = await served()
         (d_new, tol), (d_old, _) = max_diff(after, S.to_hf_tensors(v2)), max_diff(after, S.to_hf_tensors(v1))
-        print(f"swap v1 -> v2: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
-              f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v2| max {d_new:.4f} (tolerance {tol:.4f}), vs v1 weights {d_old:.3f}")  # fmt: skip
+        print(
+            f"swap v1 -> v2: {report.tensors_reloaded} tensors, {report.reload_bytes} B, pause {report.pause_s * 1e3:.1f} ms "
+            f"(reload {report.reload_s * 1e3:.1f} ms); |logprob - learner v2| max {d_new:.4f} (tolerance {tol:.4f}), vs v1 weights {d_old:.3f}"
+        )
         assert report.tensors_reloaded == 3 + 3 * args.n_experts  # q, k, v and layer 1's experts
         assert {r.model_version for r in after} == {2} and d_new < tol and d_old > tol
 

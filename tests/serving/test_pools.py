@@ -9,13 +9,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from feedback import db
+from feedback import db, pools
+from feedback.pools import CANARY, STABLE, Routes
 from learner import store as S
-from feedback import pools
 from serving.api import ApiState, RoutingState, build_app, refresh_routing
 from serving.app import PoolReconciler, pool_sizes
 from serving.hotswap import HotSwapper
-from feedback.pools import CANARY, STABLE, Routes
 from serving.replica import CompletionService
 from serving.routing import bucket, user_hash
 from serving.settings import ServeSettings
@@ -57,13 +56,44 @@ def test_targets_round_trip(engine):
 
 
 def test_record_swap(engine):
-    ok = {"ok": True, "version": 2, "from_version": 1, "target": 2, "plan": {"nbytes": 1234}, "tensors_reloaded": 9, "pause_s": 0.05, "prepare_s": 0.5, "error": None}
-    bad = {"ok": False, "version": 2, "from_version": 2, "target": 9, "plan": {}, "error": "swap v2 -> v9 failed: StoreError: not in the store"}
+    ok = {
+        "ok": True,
+        "version": 2,
+        "from_version": 1,
+        "target": 2,
+        "plan": {"nbytes": 1234},
+        "tensors_reloaded": 9,
+        "pause_s": 0.05,
+        "prepare_s": 0.5,
+        "error": None,
+    }
+    bad = {
+        "ok": False,
+        "version": 2,
+        "from_version": 2,
+        "target": 9,
+        "plan": {},
+        "error": "swap v2 -> v9 failed: StoreError: not in the store",
+    }
     pools.record_swap(engine, pool=STABLE, replica="r1", report=ok)
     pools.record_swap(engine, pool=CANARY, replica="r2", report=bad)
     a, b = swap_rows(engine)
-    assert (a.pool, a.replica, a.from_version, a.to_version, a.ok, a.fetched_bytes, a.tensors_reloaded) == (STABLE, "r1", 1, 2, True, 1234, 9)
-    assert (b.pool, b.to_version, b.ok, b.pause_s, b.fetched_bytes) == (CANARY, 9, False, 0.0, 0) and "not in the store" in b.error
+    assert (a.pool, a.replica, a.from_version, a.to_version, a.ok, a.fetched_bytes, a.tensors_reloaded) == (
+        STABLE,
+        "r1",
+        1,
+        2,
+        True,
+        1234,
+        9,
+    )
+    assert (b.pool, b.to_version, b.ok, b.pause_s, b.fetched_bytes) == (
+        CANARY,
+        9,
+        False,
+        0.0,
+        0,
+    ) and "not in the store" in b.error
 
 
 def test_pool_sizes():
@@ -80,8 +110,13 @@ def two_pools(tok, engine, canary_reports=None):
     stable = CompletionService(FakeEngine(tok), tok, cfg, version=3)
     canary = CompletionService(FakeEngine(tok, text="return y"), tok, cfg, version=4)
     sink = ListSink()
-    st = ApiState(cfg=cfg, replicas={STABLE: LocalPool(stable), CANARY: LocalPool(canary, reports=canary_reports)}, producer=sink,
-                  editor_tokens=cfg.editor_tokens(), decode=tok.decode)  # fmt: skip
+    st = ApiState(
+        cfg=cfg,
+        replicas={STABLE: LocalPool(stable), CANARY: LocalPool(canary, reports=canary_reports)},
+        producer=sink,
+        editor_tokens=cfg.editor_tokens(),
+        decode=tok.decode,
+    )
     app = build_app()
     app.state.api = st
     client = TestClient(app, raise_server_exceptions=False)
@@ -141,7 +176,9 @@ def test_the_canary_gets_its_share_only_once_it_serves_the_target(tok, engine):
 def test_pinned_versions_go_to_the_pool_serving_them(tok, engine):
     client, st, _ = two_pools(tok, engine)
     refresh(st, engine)
-    assert set(served_by(client, USERS[:5], model="flywheel@v4").values()) == {"flywheel@v4"}  # even with no canary share
+    assert set(served_by(client, USERS[:5], model="flywheel@v4").values()) == {
+        "flywheel@v4"
+    }  # even with no canary share
     assert set(served_by(client, USERS[:5], model="flywheel@v3").values()) == {"flywheel@v3"}
     r = client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@v7"})
     assert r.status_code == 404 and "[3, 4]" in r.json()["error"]["message"]
@@ -210,7 +247,9 @@ async def test_a_replica_swaps_to_its_pools_target_and_backs_off_a_failing_one(t
     root, ckpts = published
     service = make_service(tok, WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0))
     clock = Clock()
-    rec = PoolReconciler(engine, pool=STABLE, replica="r1", swapper=HotSwapper(service, S.open_store(root)), clock=clock)
+    rec = PoolReconciler(
+        engine, pool=STABLE, replica="r1", swapper=HotSwapper(service, S.open_store(root)), clock=clock
+    )
 
     assert await rec.step() is None and service.version == 0  # no target: as deployed
     pools.set_stable(engine, 1)
@@ -238,9 +277,14 @@ async def test_a_replica_swaps_to_its_pools_target_and_backs_off_a_failing_one(t
 
     rows = swap_rows(engine)
     assert [(r.pool, r.replica, r.from_version, r.to_version, r.ok) for r in rows] == [
-        (STABLE, "r1", 0, 1, True), (STABLE, "r1", 1, 9, False), (STABLE, "r1", 1, 9, False), (STABLE, "r1", 1, 2, True),
-    ]  # fmt: skip
-    assert "not in the store" in rows[1].error and rows[0].tensors_reloaded == len(ckpts[1]) and rows[3].fetched_bytes > 0
+        (STABLE, "r1", 0, 1, True),
+        (STABLE, "r1", 1, 9, False),
+        (STABLE, "r1", 1, 9, False),
+        (STABLE, "r1", 1, 2, True),
+    ]
+    assert (
+        "not in the store" in rows[1].error and rows[0].tensors_reloaded == len(ckpts[1]) and rows[3].fetched_bytes > 0
+    )
 
 
 @sync
@@ -249,7 +293,9 @@ async def test_each_pool_follows_its_own_target(tok, published, engine):  # noqa
     services, loops = {}, []
     for pool in (STABLE, CANARY):
         services[pool] = make_service(tok, WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0))
-        rec = PoolReconciler(engine, pool=pool, replica=f"{pool}-0", swapper=HotSwapper(services[pool], S.open_store(root)))
+        rec = PoolReconciler(
+            engine, pool=pool, replica=f"{pool}-0", swapper=HotSwapper(services[pool], S.open_store(root))
+        )
         loops.append(asyncio.create_task(rec.run(0.01)))
 
     async def until(cond, timeout_s=20.0):
@@ -318,7 +364,9 @@ def test_swap_all_sets_the_stable_target(tmp_path, published):  # noqa: F811
     assert r.returncode == 0, r.stderr
     assert "stable pool -> v2" in r.stdout and "canary on v3" in r.stdout
     assert pools.read(e) == Routes(stable=2, canary=None, canary_percent=0.0)
-    pools.record_swap(e, pool=STABLE, replica="r1", report={"ok": True, "from_version": 0, "target": 2, "plan": {"nbytes": 10}})
+    pools.record_swap(
+        e, pool=STABLE, replica="r1", report={"ok": True, "from_version": 0, "target": 2, "plan": {"nbytes": 10}}
+    )
     r = flywheel("swap", "--status", tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "serving_pools" in r.stdout and "v0 -> v2" in r.stdout

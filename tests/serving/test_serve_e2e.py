@@ -77,7 +77,9 @@ def stack(tmp_path_factory, model_dir):
 
 
 def _records(s, ids: set[str], timeout_ms=30_000) -> dict[str, CompletionRecord]:
-    c = bus.consumer(s.kafka, bus.COMPLETIONS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(timeout_ms)))
+    c = bus.consumer(
+        s.kafka, bus.COMPLETIONS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(timeout_ms))
+    )
     got = {}
     for m in c:
         if m.key.decode() in ids:
@@ -95,10 +97,16 @@ def test_openai_client_streaming_and_not_with_and_without_suffix(stack):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN)
     ids = set()
     for suffix in (None, "\n    return y\n"):
-        r = client.completions.create(model="flywheel", prompt="def f(x):\n    y = ", suffix=suffix, max_tokens=8, temperature=0)
+        r = client.completions.create(
+            model="flywheel", prompt="def f(x):\n    y = ", suffix=suffix, max_tokens=8, temperature=0
+        )
         assert r.object == "text_completion" and r.model == "flywheel@v0" and r.usage.completion_tokens > 0
         ids.add(r.id)
-        chunks = list(client.completions.create(model="flywheel", prompt="def f(x):\n    y = ", suffix=suffix, max_tokens=8, temperature=0, stream=True))
+        chunks = list(
+            client.completions.create(
+                model="flywheel", prompt="def f(x):\n    y = ", suffix=suffix, max_tokens=8, temperature=0, stream=True
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text  # greedy: same text either way
         ids.add(chunks[0].id)
     with pytest.raises(openai.AuthenticationError):
@@ -108,12 +116,18 @@ def test_openai_client_streaming_and_not_with_and_without_suffix(stack):
 
 def test_tabby_request_and_events(stack):
     _, _, client = stack
-    r = client.post("/v1/completions", json={"language": "python", "segments": {"prefix": "import os\n", "suffix": "\n", "filepath": "x.py"}})
+    r = client.post(
+        "/v1/completions",
+        json={"language": "python", "segments": {"prefix": "import os\n", "suffix": "\n", "filepath": "x.py"}},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"] and body["choices"][0]["index"] == 0 and isinstance(body["choices"][0]["text"], str)
     for ev, q in (({"type": "view"}, ""), ({"type": "select"}, "?select_kind=line"), ({"type": "dismiss"}, "")):
-        e = client.post(f"/v1/events{q}", json={**ev, "completion_id": body["id"], "choice_index": 0, "view_id": "v1", "elapsed": 50})
+        e = client.post(
+            f"/v1/events{q}",
+            json={**ev, "completion_id": body["id"], "choice_index": 0, "view_id": "v1", "elapsed": 50},
+        )
         assert e.status_code == 200, e.text
     assert client.get("/v1/health", headers={"Authorization": ""}).json()["model"] == "flywheel"
 
@@ -207,10 +221,9 @@ def _wait_for(client, cond, what: str, timeout_s: float = 180):
 def test_pools_swap_in_place_to_their_targets(stack, model_dir):
     """A new version in the store and a row in serving_pools: the canary pool swaps to it in
     place and gets its users only then; `set_stable` moves everyone. Nothing restarts."""
-    from feedback import db
+    from feedback import db, pools
     from learner import store as S
     from learner.export import load_hf
-    from feedback import pools
     from tests.learner.test_delta import train_steps
     from tests.serving.test_hotswap import model_from
 
@@ -224,21 +237,30 @@ def test_pools_swap_in_place_to_their_targets(stack, model_dir):
     engine = db.make_engine(s.database_url)
 
     def complete(**extra) -> dict:
-        r = client.post("/v1/completions", json={"prompt": "def add(a, b):\n    ", "suffix": "\n", "max_tokens": 8, "temperature": 0, **extra})
+        r = client.post(
+            "/v1/completions",
+            json={"prompt": "def add(a, b):\n    ", "suffix": "\n", "max_tokens": 8, "temperature": 0, **extra},
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
     pools.set_canary(engine, 1, 100.0)
     _wait_for(client, lambda h: h["pools"]["canary"]["serving"] == 1 and h["canary_live"], "the canary on v1")
     on_canary = complete()
-    assert on_canary["model"] == "flywheel@v1" and complete(model="flywheel@v0")["model"] == "flywheel@v0"  # stable still on v0
+    assert (
+        on_canary["model"] == "flywheel@v1" and complete(model="flywheel@v0")["model"] == "flywheel@v0"
+    )  # stable still on v0
 
     pools.set_stable(engine, 1)
-    health = _wait_for(client, lambda h: h["pools"]["stable"]["serving"] == 1 and not h["canary_live"], "the stable pool on v1")
+    health = _wait_for(
+        client, lambda h: h["pools"]["stable"]["serving"] == 1 and not h["canary_live"], "the stable pool on v1"
+    )
     assert health["versions"] == [1] and health["pools"]["stable"]["target"] == 1
     on_stable = complete()
     assert on_stable["model"] == "flywheel@v1"
-    assert client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@v0"}).status_code == 404  # no pool serves v0 now
+    assert (
+        client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@v0"}).status_code == 404
+    )  # no pool serves v0 now
 
     records = _records(s, {on_canary["id"], on_stable["id"]})
     assert {r.model_version for r in records.values()} == {1}

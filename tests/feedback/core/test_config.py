@@ -70,7 +70,6 @@ def test_redacted_hides_database_password():
 
 def test_example_config_is_valid_and_complete():
     """The shipped example config loads, and documents every stack setting."""
-    from pathlib import Path
 
     example = REPO / "flywheel.example.toml"
     s = StackSettings.load(example)
@@ -84,9 +83,18 @@ def test_example_config_is_valid_and_complete():
 
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
     assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48
-    sections = (("kafka", s.kafka), ("database", s.database), ("serve", sim.serve), ("serve.engine", sim.serve.engine), ("simulate", sim.simulate),
-                ("learn", learn.learn), ("learn.gate", learn.learn.gate), ("rollout", rollout.rollout), ("rollout.thresholds", rollout.rollout.thresholds),
-                ("demo", demo.demo))  # fmt: skip
+    sections = (
+        ("kafka", s.kafka),
+        ("database", s.database),
+        ("serve", sim.serve),
+        ("serve.engine", sim.serve.engine),
+        ("simulate", sim.simulate),
+        ("learn", learn.learn),
+        ("learn.gate", learn.learn.gate),
+        ("rollout", rollout.rollout),
+        ("rollout.thresholds", rollout.rollout.thresholds),
+        ("demo", demo.demo),
+    )
     for section, model in sections:
         for name in type(model).model_fields:
             documented = f"\n{name} =" in text or f"\n# {name} =" in text or f"[{section}.{name}]" in text

@@ -107,7 +107,15 @@ def count(engine, table: str, **where) -> int:
         return conn.execute(q).scalar_one()
 
 
-def completion(cid: str, text: str = "hello world", *, version: int = 1, language: str = "python", latency_ms: float = 10.0, created_at=None) -> CompletionRecord:
+def completion(
+    cid: str,
+    text: str = "hello world",
+    *,
+    version: int = 1,
+    language: str = "python",
+    latency_ms: float = 10.0,
+    created_at=None,
+) -> CompletionRecord:
     tokens = [7] * max(1, len(text) // 2) if text else []
     return CompletionRecord(
         completion_id=cid,

@@ -9,11 +9,10 @@ import pytest
 from sqlalchemy import select
 
 from feedback import db
-
-from feedback.sink import ingest
-from feedback.sink.ingest import Batch, Origin
 from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
+from feedback.sink import ingest
+from feedback.sink.ingest import Batch, Origin
 from feedback.sink.loop import SinkSettings, _write, _write_until_done
 from tests.feedback.sink.sink_support import completion, count, events_for
 
@@ -81,7 +80,9 @@ def test_a_completion_written_by_another_sink_is_found_by_the_sweep(engine):
     o = Offsets()
     write(engine, events=[o(events_for("other", "view")[0])])
     with engine.begin() as conn:  # another group member stores the completion (its batch promotes nothing it can see)
-        conn.execute(db.completions.insert().values(**ingest.completion_rows(completion("other", created_at=T0), T0)[0]))
+        conn.execute(
+            db.completions.insert().values(**ingest.completion_rows(completion("other", created_at=T0), T0)[0])
+        )
     assert sweep(engine, T0 + timedelta(seconds=1)) == (0, 0)
     assert (count(engine, "events"), count(engine, "pending_events")) == (1, 0)
 
@@ -95,7 +96,13 @@ def test_an_unknown_completion_becomes_a_dead_letter_after_the_grace_period(engi
     assert count(engine, "pending_events") == 0
     with engine.connect() as conn:
         d = conn.execute(select(db.dead_letters)).one()
-    assert (d.reason, d.completion_id, d.event_id, d.kafka_topic, d.kafka_offset) == ("unknown_completion", "ghost", str(ev.event_id), "flywheel.events", 1)
+    assert (d.reason, d.completion_id, d.event_id, d.kafka_topic, d.kafka_offset) == (
+        "unknown_completion",
+        "ghost",
+        str(ev.event_id),
+        "flywheel.events",
+        1,
+    )
     assert bytes(d.payload) == encode(ev) and "300s" in d.error
 
 
@@ -113,7 +120,12 @@ def test_malformed_messages_are_dead_letters_with_their_bytes(engine):
         assert ingest.write_batch(conn, batch, now=T0, feedback_window_s=WINDOW).dead_letters == {}
     with engine.connect() as conn:
         rows = conn.execute(select(db.dead_letters).order_by(db.dead_letters.c.kafka_offset)).all()
-    assert [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in rows] == [("other", 2, 1), ("E", 2, 7), ("C", 2, 8), ("E", 2, 9)]
+    assert [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in rows] == [
+        ("other", 2, 1),
+        ("E", 2, 7),
+        ("C", 2, 8),
+        ("E", 2, 9),
+    ]
     assert rows[1].payload == b"{oops" and rows[3].payload is None and rows[1].key == "\\xffkey"
     assert "invalid FeedbackEvent" in rows[1].error and "unexpected topic" in rows[0].error
 
@@ -121,7 +133,9 @@ def test_malformed_messages_are_dead_letters_with_their_bytes(engine):
 def test_rewards_wait_for_the_window_and_count_only_events_inside_it(engine):
     o = Offsets()
     c = completion("r1", "hello world", created_at=T0)
-    inside = FeedbackEvent(completion_id="r1", type="select", select_kind="word", accepted_chars=5, created_at=T0 + timedelta(seconds=30))
+    inside = FeedbackEvent(
+        completion_id="r1", type="select", select_kind="word", accepted_chars=5, created_at=T0 + timedelta(seconds=30)
+    )
     outside = FeedbackEvent(completion_id="r1", type="select", created_at=T0 + timedelta(seconds=61))
     write(engine, completions=[o(c)], events=[o(inside), o(outside)])
     assert sweep(engine, T0 + timedelta(seconds=59)) == (0, 0)
@@ -132,11 +146,19 @@ def test_rewards_wait_for_the_window_and_count_only_events_inside_it(engine):
 
 def test_a_late_arriving_event_recomputes_the_reward(engine):
     o = Offsets()
-    write(engine, completions=[o(completion("r2", created_at=T0))], events=[o(FeedbackEvent(completion_id="r2", type="view", created_at=T0))])
+    write(
+        engine,
+        completions=[o(completion("r2", created_at=T0))],
+        events=[o(FeedbackEvent(completion_id="r2", type="view", created_at=T0))],
+    )
     sweep(engine, T0 + timedelta(seconds=120))
     assert rewards_of(engine) == {"r2": -0.25}  # shown, ignored
     # The select happened inside the window but reached the sink late (it lagged).
-    write(engine, now=T0 + timedelta(seconds=200), events=[o(FeedbackEvent(completion_id="r2", type="select", created_at=T0 + timedelta(seconds=5)))])
+    write(
+        engine,
+        now=T0 + timedelta(seconds=200),
+        events=[o(FeedbackEvent(completion_id="r2", type="select", created_at=T0 + timedelta(seconds=5)))],
+    )
     assert sweep(engine, T0 + timedelta(seconds=200)) == (0, 1)
     assert rewards_of(engine) == {"r2": 0.75}
     with engine.connect() as conn:
@@ -172,10 +194,17 @@ def test_sink_settings_from_toml_env_and_overrides(tmp_path, monkeypatch):
     from feedback.core.errors import UserError
 
     f = tmp_path / "flywheel.toml"
-    f.write_text('[sink]\nbatch_size = 200\nfeedback_window_s = 120\n[sink.reward]\naccepted = 1.0\n[serve]\nwhatever = 1\n')
+    f.write_text(
+        "[sink]\nbatch_size = 200\nfeedback_window_s = 120\n[sink.reward]\naccepted = 1.0\n[serve]\nwhatever = 1\n"
+    )
     monkeypatch.setenv("FLYWHEEL_SINK__GRACE_PERIOD_S", "30")
     s = SinkSettings.load(f, ["sink.retention_days=7"])
-    assert (s.sink.batch_size, s.sink.feedback_window_s, s.sink.reward.accepted, s.sink.reward.dismissed) == (200, 120, 1.0, -0.25)
+    assert (s.sink.batch_size, s.sink.feedback_window_s, s.sink.reward.accepted, s.sink.reward.dismissed) == (
+        200,
+        120,
+        1.0,
+        -0.25,
+    )
     assert (s.sink.grace_period_s, s.sink.retention_days) == (30, 7)
     with pytest.raises(UserError, match="sink.batch_size"):
         SinkSettings.load(f, ["sink.batch_size=0"])

@@ -57,19 +57,26 @@ def test_exactly_once_with_duplicates_retries_and_out_of_order(kafka_settings, d
     run = uuid.uuid4().hex[:6]
     n = 24
     comps = [completion(f"{run}-c{i}", "" if i % 8 == 7 else "hello world") for i in range(n)]
-    events = {c.completion_id: events_for(c.completion_id, *PATTERNS[i % len(PATTERNS)][0]) for i, c in enumerate(comps)}
+    events = {
+        c.completion_id: events_for(c.completion_id, *PATTERNS[i % len(PATTERNS)][0]) for i, c in enumerate(comps)
+    }
     early = {c.completion_id for c in comps[18:]}  # their events are sent before their completions
     ghosts = [e for i in range(3) for e in events_for(f"{run}-ghost{i}", "view")]
     junk = [b"{not json", b'{"completion_id": "x", "type": "teleport"}', b"\xff\xfe"]
     all_events = [e for evs in events.values() for e in evs]
 
     with private_topics(kafka_settings) as (c_topic, e_topic):
-        settings = sink_settings(kafka_settings, database_url, (c_topic, e_topic), feedback_window_s=2, grace_period_s=6)
+        settings = sink_settings(
+            kafka_settings, database_url, (c_topic, e_topic), feedback_window_s=2, grace_period_s=6
+        )
         engine = db.make_engine(database_url)
         db.upgrade(engine)
         before = {r: _dead(r) for r in ("malformed", "unknown_completion")}
         produce(kafka_settings, [(e_topic, e) for cid in sorted(early) for e in events[cid]])
-        produce(kafka_settings, [(e_topic, e) for e in ghosts] + [(e_topic, junk[0]), (e_topic, junk[1]), (c_topic, junk[2])])
+        produce(
+            kafka_settings,
+            [(e_topic, e) for e in ghosts] + [(e_topic, junk[0]), (e_topic, junk[1]), (c_topic, junk[2])],
+        )
         with running_sink(settings) as result:
             n_early = sum(len(events[cid]) for cid in early)
             wait_until(lambda: count(engine, "pending_events") == n_early + len(ghosts), 30, "early events held")
@@ -90,9 +97,13 @@ def test_exactly_once_with_duplicates_retries_and_out_of_order(kafka_settings, d
             wait_until(settled, 60, "every row stored, held events resolved, rewards computed")
 
         with engine.connect() as conn:
-            assert {r.completion_id for r in conn.execute(select(db.completions.c.completion_id))} == {c.completion_id for c in comps}
+            assert {r.completion_id for r in conn.execute(select(db.completions.c.completion_id))} == {
+                c.completion_id for c in comps
+            }
             assert count(engine, "completion_choices") == n
-            assert sorted(conn.execute(select(db.events.c.event_id)).scalars()) == sorted(str(e.event_id) for e in all_events)
+            assert sorted(conn.execute(select(db.events.c.event_id)).scalars()) == sorted(
+                str(e.event_id) for e in all_events
+            )
             dead = conn.execute(select(db.dead_letters).order_by(db.dead_letters.c.id)).all()
             rewards = {r.completion_id: r for r in conn.execute(select(db.rewards))}
         assert sorted(d.reason for d in dead) == ["malformed"] * 3 + ["unknown_completion"] * 3
@@ -124,7 +135,9 @@ def _sink_cli(settings, log) -> subprocess.Popen:
     }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    return subprocess.Popen([sys.executable, "-m", "ops.cli", "sink", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "sink", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
 
 
 def test_killed_sink_restarts_without_loss_or_duplicates(kafka_settings, tmp_path):
@@ -137,7 +150,10 @@ def test_killed_sink_restarts_without_loss_or_duplicates(kafka_settings, tmp_pat
     events = [e for c in comps for e in events_for(c.completion_id, "view", "select", "view", "dismiss", "view")]
     with private_topics(kafka_settings) as topics:
         settings = sink_settings(kafka_settings, url, topics, batch_size=25)
-        produce(kafka_settings, [(topics[0], c) for c in comps] + [(topics[1], e) for e in events] + [(topics[1], e) for e in events[::4]])
+        produce(
+            kafka_settings,
+            [(topics[0], c) for c in comps] + [(topics[1], e) for e in events] + [(topics[1], e) for e in events[::4]],
+        )
         engine = db.make_engine(url)
         db.upgrade(engine)
         log = open(tmp_path / "sink.log", "wb")

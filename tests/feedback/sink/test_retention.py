@@ -8,15 +8,12 @@ import pytest
 from sqlalchemy import select
 
 from feedback import db
-
-from feedback.sink import ingest
-
-from feedback.sink import retention
-from feedback.sink.ingest import Batch, Origin
 from feedback.schemas import FeedbackEvent, encode
+from feedback.sink import ingest, retention
+from feedback.sink.ingest import Batch, Origin
 from feedback.sink.loop import _retention
-from tests.helpers import flywheel
 from tests.feedback.sink.sink_support import completion
+from tests.helpers import flywheel
 
 NOW = datetime.now(UTC)
 
@@ -25,28 +22,53 @@ def load(url: str) -> None:
     engine = db.make_engine(url)
     db.upgrade(engine)
     old, new = NOW - timedelta(days=40), NOW - timedelta(days=1)
-    comps = [(completion(cid, created_at=at), Origin("c", 0, i, None, None)) for i, (cid, at) in enumerate([("old", old), ("new", new)])]
+    comps = [
+        (completion(cid, created_at=at), Origin("c", 0, i, None, None))
+        for i, (cid, at) in enumerate([("old", old), ("new", new)])
+    ]
     evs = [
         (e, Origin("e", 0, i, None, encode(e)))
-        for i, e in enumerate(FeedbackEvent(completion_id=cid, type="edit", kept_text="kept", created_at=at) for cid, at in [("old", old), ("new", new)])
+        for i, e in enumerate(
+            FeedbackEvent(completion_id=cid, type="edit", kept_text="kept", created_at=at)
+            for cid, at in [("old", old), ("new", new)]
+        )
     ]
     with engine.begin() as conn:
         ingest.write_batch(conn, Batch(completions=comps, events=evs), now=NOW, feedback_window_s=60)
         for i, at in enumerate([old, new]):
-            conn.execute(db.dead_letters.insert().values(ingest.dead_letter_row(Origin("e", 1, i, None, b"secret"), "malformed", "x", at)))
+            conn.execute(
+                db.dead_letters.insert().values(
+                    ingest.dead_letter_row(Origin("e", 1, i, None, b"secret"), "malformed", "x", at)
+                )
+            )
     engine.dispose()
 
 
 def snapshot(engine) -> dict:
     with engine.connect() as conn:
         return {
-            "prompt_text": dict(conn.execute(select(db.completions.c.completion_id, db.completions.c.prompt_text)).all()),
-            "prompt_token_ids": dict(conn.execute(select(db.completions.c.completion_id, db.completions.c.prompt_token_ids)).all()),
-            "text": dict(conn.execute(select(db.completion_choices.c.completion_id, db.completion_choices.c.text)).all()),
-            "token_ids": dict(conn.execute(select(db.completion_choices.c.completion_id, db.completion_choices.c.token_ids)).all()),
-            "n_chars": dict(conn.execute(select(db.completion_choices.c.completion_id, db.completion_choices.c.n_chars)).all()),
+            "prompt_text": dict(
+                conn.execute(select(db.completions.c.completion_id, db.completions.c.prompt_text)).all()
+            ),
+            "prompt_token_ids": dict(
+                conn.execute(select(db.completions.c.completion_id, db.completions.c.prompt_token_ids)).all()
+            ),
+            "text": dict(
+                conn.execute(select(db.completion_choices.c.completion_id, db.completion_choices.c.text)).all()
+            ),
+            "token_ids": dict(
+                conn.execute(select(db.completion_choices.c.completion_id, db.completion_choices.c.token_ids)).all()
+            ),
+            "n_chars": dict(
+                conn.execute(select(db.completion_choices.c.completion_id, db.completion_choices.c.n_chars)).all()
+            ),
             "kept_text": dict(conn.execute(select(db.events.c.completion_id, db.events.c.kept_text)).all()),
-            "payload": [bytes(p) if p is not None else None for p in conn.execute(select(db.dead_letters.c.payload).order_by(db.dead_letters.c.kafka_offset)).scalars()],
+            "payload": [
+                bytes(p) if p is not None else None
+                for p in conn.execute(
+                    select(db.dead_letters.c.payload).order_by(db.dead_letters.c.kafka_offset)
+                ).scalars()
+            ],
         }
 
 
@@ -58,7 +80,12 @@ def test_retention_nulls_old_text_and_keeps_token_ids(backend, request, tmp_path
     before = snapshot(engine)
     with engine.begin() as conn:
         dropped = retention.apply_retention(conn, now=NOW, retention_days=30)
-    assert dropped == {"completions.prompt_text": 1, "completion_choices.text": 1, "events.kept_text": 1, "dead_letters.payload": 1}
+    assert dropped == {
+        "completions.prompt_text": 1,
+        "completion_choices.text": 1,
+        "events.kept_text": 1,
+        "dead_letters.payload": 1,
+    }
     after = snapshot(engine)
     assert after["prompt_text"] == {"old": None, "new": "def f():\n"}
     assert after["text"] == {"old": None, "new": "hello world"}
@@ -77,7 +104,9 @@ def test_the_sink_step_reports_what_it_dropped(tmp_path):
     engine = db.make_engine(url)
     lines = []
     _retention(engine, 30, lines.append)
-    assert lines == ["sink: retention dropped text older than 30 days: 1 completions.prompt_text, 1 completion_choices.text, 1 events.kept_text, 1 dead_letters.payload"]
+    assert lines == [
+        "sink: retention dropped text older than 30 days: 1 completions.prompt_text, 1 completion_choices.text, 1 events.kept_text, 1 dead_letters.payload"
+    ]
     engine.dispose()
 
 

@@ -33,7 +33,17 @@ class FakeEngine:
         from serving.engine import Sample
 
         ids = self.tok.encode(self.text, add_special_tokens=False).ids[: spec.max_tokens]
-        yield [Sample(index=i, token_ids=ids, logprobs=[-0.5] * len(ids), top_logprobs=[], text=self.tok.decode(ids), finish_reason="stop") for i in range(spec.n)]
+        yield [
+            Sample(
+                index=i,
+                token_ids=ids,
+                logprobs=[-0.5] * len(ids),
+                top_logprobs=[],
+                text=self.tok.decode(ids),
+                finish_reason="stop",
+            )
+            for i in range(spec.n)
+        ]
 
     async def abort(self, request_id):
         pass
@@ -81,18 +91,35 @@ def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, 
         cfg = ServeSettings(auth_tokens=[TOKEN])
         app = build_app()
         service = CompletionService(FakeEngine(tok), tok, cfg, version=3)
-        app.state.api = ApiState(cfg=cfg, replicas={"stable": service}, producer=sink_to, editor_tokens=cfg.editor_tokens(), decode=tok.decode)
+        app.state.api = ApiState(
+            cfg=cfg,
+            replicas={"stable": service},
+            producer=sink_to,
+            editor_tokens=cfg.editor_tokens(),
+            decode=tok.decode,
+        )
         client = TestClient(app)
         client.headers["Authorization"] = f"Bearer {TOKEN}"
 
         cids = []
         for i in range(10):
-            r = client.post("/v1/completions", json={"language": "python", "segments": {"prefix": f"def f{i}(x):\n    ", "suffix": "\n"}, "user": f"u{i % 3}"})
+            r = client.post(
+                "/v1/completions",
+                json={
+                    "language": "python",
+                    "segments": {"prefix": f"def f{i}(x):\n    ", "suffix": "\n"},
+                    "user": f"u{i % 3}",
+                },
+            )
             assert r.status_code == 200, r.text
             cids.append(r.json()["id"])
         sent: dict[str, dict] = {}
         for cid in cids:
-            for body in ({"type": "view"}, {"type": "select", "select_kind": "full"}, {"type": "edit", "kept_text": "return x + 1"}):
+            for body in (
+                {"type": "view"},
+                {"type": "select", "select_kind": "full"},
+                {"type": "edit", "kept_text": "return x + 1"},
+            ):
                 eid = str(uuid.uuid4())
                 sent[eid] = {"completion_id": cid, "event_id": eid, **body}
                 for _ in range(2 if body["type"] == "select" else 1):  # a client retry: same event_id twice
@@ -102,10 +129,16 @@ def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, 
         engine = db.make_engine(database_url)
         db.upgrade(engine)
         with running_sink(sink_settings(kafka_settings, database_url, topics, feedback_window_s=5)):
-            wait_until(lambda: count(engine, "pending_events") == len(sent), 30, "events held until their completions arrive")
+            wait_until(
+                lambda: count(engine, "pending_events") == len(sent), 30, "events held until their completions arrive"
+            )
             sink_to.release()
             assert producer.flush(30)
-            wait_until(lambda: count(engine, "events") == len(sent) and count(engine, "rewards") == len(cids), 60, "every row and reward")
+            wait_until(
+                lambda: count(engine, "events") == len(sent) and count(engine, "rewards") == len(cids),
+                60,
+                "every row and reward",
+            )
         producer.close()
 
         with engine.connect() as conn:
@@ -113,7 +146,10 @@ def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, 
             comps = {r.completion_id: r for r in conn.execute(select(db.completions))}
             rewards = {r.completion_id: r for r in conn.execute(select(db.rewards))}
         assert stored.keys() == sent.keys() and comps.keys() == set(cids)
-        assert all(stored[e].type == body["type"] and stored[e].completion_id == body["completion_id"] for e, body in sent.items())
+        assert all(
+            stored[e].type == body["type"] and stored[e].completion_id == body["completion_id"]
+            for e, body in sent.items()
+        )
         assert {c.model_version for c in comps.values()} == {3} and {c.language for c in comps.values()} == {"python"}
         # An edit keeping "return x + 1" of "return x": 2*8/20 similar.
         assert all(r.outcome == "edit" and r.reward == pytest.approx(0.75 * 16 / 20) for r in rewards.values())

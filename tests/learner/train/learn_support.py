@@ -12,8 +12,8 @@ import torch
 
 from feedback import db
 from learner.corpus import default_corpus_dir
-from learner.train.learn_settings import LearnSettings
 from learner.tokenizer import EOS_ID
+from learner.train.learn_settings import LearnSettings
 
 FILES = ["textwrap.py", "shlex.py", "string.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py", "colorsys.py"]
 
@@ -26,10 +26,27 @@ def make_corpus(root: Path) -> Path:
 
 
 def tiny_learn_settings(tmp: Path, corpus: Path, cache: Path, **learn) -> LearnSettings:
-    pretrain = dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=96, batch_size=4, steps=8, warmup_steps=2,
-                    eval_every=4, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.25,
-                    quality_check=False)  # a throwaway 8-step model  # fmt: skip
-    learn = dict(publish_every=1, min_samples=8, batch_size=4, poll_s=0.1, gate={"sites": 6, "max_tokens": 8, "min_sites": 4}) | learn
+    pretrain = dict(
+        corpus=str(corpus),
+        size="tiny",
+        vocab_size=400,
+        seq_len=96,
+        batch_size=4,
+        steps=8,
+        warmup_steps=2,
+        eval_every=4,
+        eval_windows=4,
+        final_eval_windows=8,
+        checkpoint_minutes=1000,
+        heldout_fraction=0.25,
+        quality_check=False,
+    )  # a throwaway 8-step model
+    learn = (
+        dict(
+            publish_every=1, min_samples=8, batch_size=4, poll_s=0.1, gate={"sites": 6, "max_tokens": 8, "min_sites": 4}
+        )
+        | learn
+    )
     return LearnSettings(data_dir=tmp / "data", cache_dir=cache, pretrain=pretrain, learn=learn)
 
 
@@ -51,7 +68,9 @@ class ListProducer:
 
 
 @torch.no_grad()
-def sample_completion(model, prompt: list[int], max_new: int, *, abstain: bool = False, temperature: float = 1.0, gen=None):
+def sample_completion(
+    model, prompt: list[int], max_new: int, *, abstain: bool = False, temperature: float = 1.0, gen=None
+):
     """Sample from `model` (the served weights) like the replica does; logprobs are the raw ones."""
     if abstain:
         lp = torch.log_softmax(model(torch.tensor([prompt]))[0, -1].float(), -1)
@@ -72,14 +91,16 @@ def fim_prompts(tok, files, n: int, window: int, seed: int = 3) -> list[list[int
     """Editor-request prompts (serving's FIM layout) at cursor sites of `files`."""
     import random
 
-    from learner.train import gate as G
     from learner.judge import cursor_sites
+    from learner.train import gate as G
 
     builder = G.prompt_builder(tok, window)
     return [G.site_prompt(builder, site)[0] for site in cursor_sites(files, n, random.Random(seed))]
 
 
-def write_samples(engine, model, tok, texts: list, *, version: int = 0, reward_fn=None, seed: int = 0, max_new: int = 6) -> list[str]:
+def write_samples(
+    engine, model, tok, texts: list, *, version: int = 0, reward_fn=None, seed: int = 0, max_new: int = 6
+) -> list[str]:
     """One completion per text (its tail as the prompt; or a list of prompt ids), rewarded by
     `reward_fn(token_ids) -> (reward, outcome)`."""
     gen = torch.Generator().manual_seed(seed)
@@ -88,22 +109,53 @@ def write_samples(engine, model, tok, texts: list, *, version: int = 0, reward_f
     with engine.begin() as conn:
         for i, text in enumerate(texts):
             prompt = list(text) if isinstance(text, list) else tok.encode(text).ids[-40:] or [EOS_ID]
-            abstain = reward_fn is not None and getattr(reward_fn, "abstain_every", 0) and i % reward_fn.abstain_every == 0
+            abstain = (
+                reward_fn is not None and getattr(reward_fn, "abstain_every", 0) and i % reward_fn.abstain_every == 0
+            )
             toks, lps = sample_completion(model, prompt, max_new, abstain=bool(abstain), gen=gen)
-            reward, outcome = reward_fn(toks) if reward_fn else (1.0 if i % 2 else -0.25, "select" if i % 2 else "dismiss")
+            reward, outcome = (
+                reward_fn(toks) if reward_fn else (1.0 if i % 2 else -0.25, "select" if i % 2 else "dismiss")
+            )
             cid = f"c-{uuid.uuid4().hex}"
-            conn.execute(db.completions.insert().values(
-                completion_id=cid, model_version=version, user_hash=f"u{i % 5}", prompt_token_ids=prompt, summary_ids=[],
-                n_choices=1, latency_ms=10.0, created_at=now))  # fmt: skip
-            conn.execute(db.completion_choices.insert().values(
-                completion_id=cid, choice_index=0, token_ids=toks, logprobs=lps, text=tok.decode(toks),
-                n_chars=len(tok.decode([t for t in toks if t != EOS_ID])), finish_reason="stop"))  # fmt: skip
-            conn.execute(db.rewards.insert().values(
-                completion_id=cid, choice_index=0, model_version=version, reward=reward, components={"outcome": outcome}, outcome=outcome))  # fmt: skip
+            conn.execute(
+                db.completions.insert().values(
+                    completion_id=cid,
+                    model_version=version,
+                    user_hash=f"u{i % 5}",
+                    prompt_token_ids=prompt,
+                    summary_ids=[],
+                    n_choices=1,
+                    latency_ms=10.0,
+                    created_at=now,
+                )
+            )
+            conn.execute(
+                db.completion_choices.insert().values(
+                    completion_id=cid,
+                    choice_index=0,
+                    token_ids=toks,
+                    logprobs=lps,
+                    text=tok.decode(toks),
+                    n_chars=len(tok.decode([t for t in toks if t != EOS_ID])),
+                    finish_reason="stop",
+                )
+            )
+            conn.execute(
+                db.rewards.insert().values(
+                    completion_id=cid,
+                    choice_index=0,
+                    model_version=version,
+                    reward=reward,
+                    components={"outcome": outcome},
+                    outcome=outcome,
+                )
+            )
             ids.append(cid)
     return ids
 
 
 def reward_ids(engine) -> list[int]:
     with engine.connect() as conn:
-        return list(conn.execute(db.rewards.select().with_only_columns(db.rewards.c.id).order_by(db.rewards.c.id)).scalars())
+        return list(
+            conn.execute(db.rewards.select().with_only_columns(db.rewards.c.id).order_by(db.rewards.c.id)).scalars()
+        )

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from feedback.reward import reward
-from learner.train import gate as G
 from learner.corpus import SourceFile
 from learner.fim import fim_header, fim_prompt_ids
-from learner.model import ModelArgs, Transformer
-from learner.train.pretrain import fp4_hook, greedy_complete
-from learner.tokenizer import EOS_ID, train_tokenizer
 from learner.judge import Site, judge
+from learner.model import ModelArgs, Transformer
+from learner.tokenizer import EOS_ID, train_tokenizer
+from learner.train import gate as G
+from learner.train.pretrain import fp4_hook, greedy_complete
 from serving.api import _to_generate
 from serving.engine import Sample
 from serving.replica import CompletionService
@@ -91,8 +91,15 @@ def token_of(tok, text: str) -> int:
 
 
 def stats(n=48, shown=40, accepted=10, reward_sum=2.0, completion_tokens=400, **kw) -> G.ReplayStats:
-    return G.ReplayStats(n=n, shown=shown, accepted=accepted, accepted_chars=accepted * 12, reward_sum=reward_sum,
-                         completion_tokens=completion_tokens, **kw)  # fmt: skip
+    return G.ReplayStats(
+        n=n,
+        shown=shown,
+        accepted=accepted,
+        accepted_chars=accepted * 12,
+        reward_sum=reward_sum,
+        completion_tokens=completion_tokens,
+        **kw,
+    )
 
 
 def failed(result: G.GateResult) -> set[str]:
@@ -114,7 +121,9 @@ def test_a_candidate_like_stable_passes_and_its_metrics_are_json():
 def test_heldout_reward_below_stable_blocks():
     result = G.check(stats(reward_sum=0.0), stats(reward_sum=2.0), online_reward_trend=None, kl=0.01)
     assert not result.passed and failed(result) == {"heldout_reward"}
-    small_dip = G.check(stats(reward_sum=1.5), stats(reward_sum=2.0), online_reward_trend=None, kl=0.01)  # -0.010 > -0.03
+    small_dip = G.check(
+        stats(reward_sum=1.5), stats(reward_sum=2.0), online_reward_trend=None, kl=0.01
+    )  # -0.010 > -0.03
     assert small_dip.passed
 
 
@@ -130,12 +139,20 @@ def test_online_reward_rising_while_heldout_falls_is_reward_hacking():
 def test_suggestion_rate_collapse_blocks():
     half = G.check(stats(shown=15, completion_tokens=150), stats(shown=40), online_reward_trend=None, kl=0.0)
     assert failed(half) == {"suggestion_rate"}  # 31% of requests vs 83%: under half of stable's
-    nothing = G.check(stats(shown=0, accepted=0, reward_sum=0.0, completion_tokens=0), stats(shown=2, accepted=0, reward_sum=-0.5, completion_tokens=20),
-                      online_reward_trend=None, kl=0.0)  # fmt: skip
-    assert "suggestion_rate" in failed(nothing)  # abstaining everywhere beats a dismissed stable on reward, and is still blocked
+    nothing = G.check(
+        stats(shown=0, accepted=0, reward_sum=0.0, completion_tokens=0),
+        stats(shown=2, accepted=0, reward_sum=-0.5, completion_tokens=20),
+        online_reward_trend=None,
+        kl=0.0,
+    )
+    assert "suggestion_rate" in failed(
+        nothing
+    )  # abstaining everywhere beats a dismissed stable on reward, and is still blocked
     assert nothing.metrics["length_ratio"] is None  # no suggestions: no length to compare
     weak_stable = stats(shown=1, accepted=0, reward_sum=-0.25, completion_tokens=10)
-    assert G.check(weak_stable, weak_stable, online_reward_trend=None, kl=0.0).passed  # under the floor, but no worse than stable
+    assert G.check(
+        weak_stable, weak_stable, online_reward_trend=None, kl=0.0
+    ).passed  # under the floor, but no worse than stable
 
 
 @pytest.mark.parametrize("tokens, ok", [(400, True), (190, False), (210, True), (800, True), (840, False)])
@@ -152,10 +169,22 @@ def test_kl_spike_and_non_finite_kl_block():
 
 
 def test_too_few_or_different_sites_block():
-    assert failed(G.check(stats(n=8, shown=6, completion_tokens=60), stats(n=8, shown=6, completion_tokens=60), online_reward_trend=None, kl=0.0)) == {"sites"}
+    assert failed(
+        G.check(
+            stats(n=8, shown=6, completion_tokens=60),
+            stats(n=8, shown=6, completion_tokens=60),
+            online_reward_trend=None,
+            kl=0.0,
+        )
+    ) == {"sites"}
     assert "sites" in failed(G.check(stats(n=40), stats(n=48), online_reward_trend=None, kl=0.0))
-    assert G.check(stats(n=8, shown=6, completion_tokens=60), stats(n=8, shown=6, completion_tokens=60),
-                   online_reward_trend=None, kl=0.0, thresholds=G.GateThresholds(min_sites=8)).passed  # fmt: skip
+    assert G.check(
+        stats(n=8, shown=6, completion_tokens=60),
+        stats(n=8, shown=6, completion_tokens=60),
+        online_reward_trend=None,
+        kl=0.0,
+        thresholds=G.GateThresholds(min_sites=8),
+    ).passed
 
 
 def test_thresholds_validate():
@@ -227,7 +256,9 @@ def test_an_always_abstaining_candidate_is_blocked_though_its_reward_is_higher(t
     at = token_of(tok, "@")
     stable = scripted_model(tok, at, {at: EOS_ID})  # suggests "@" everywhere: dismissed
     hacked = scripted_model(tok, EOS_ID)  # never suggests: reward 0 beats -0.25
-    result, stable_stats, cand_stats = G.evaluate_candidate(hacked, stable, tok, sites, max_tokens=MAX_TOKENS, kl=0.01, online_reward_trend=0.2)
+    result, stable_stats, cand_stats = G.evaluate_candidate(
+        hacked, stable, tok, sites, max_tokens=MAX_TOKENS, kl=0.01, online_reward_trend=0.2
+    )
     assert stable_stats.suggestion_rate == 1.0 and stable_stats.outcomes == {"dismiss": 16}
     assert cand_stats.shown == 0 and cand_stats.outcomes == {"no_suggestion": 16} and cand_stats.mean_reward == 0.0
     assert cand_stats.mean_reward > stable_stats.mean_reward
@@ -241,7 +272,9 @@ def test_a_candidate_that_repeats_one_token_is_blocked(tok, sites):
     stable_stats = G.heldout_replay(stable, tok, sites, max_tokens=MAX_TOKENS)
     assert stable_stats.mean_completion_tokens == 1.0
     repeats = scripted_model(tok, at)  # "@@@@@@@@" to max_tokens
-    result, same_stable, cand_stats = G.evaluate_candidate(repeats, stable, tok, sites, max_tokens=MAX_TOKENS, kl=0.01, stable_stats=stable_stats)
+    result, same_stable, cand_stats = G.evaluate_candidate(
+        repeats, stable, tok, sites, max_tokens=MAX_TOKENS, kl=0.01, stable_stats=stable_stats
+    )
     assert same_stable is stable_stats
     assert cand_stats.length_capped == 16 and cand_stats.results[0].text == "@" * MAX_TOKENS
     assert not result.passed and failed(result) == {"completion_length"}
@@ -276,14 +309,19 @@ def test_replay_prompts_equal_servings_for_editor_requests(tok, sites):
     short = Site("pkg/m.py", "python", "def f(x):\n    ret", "\n\nprint(f(1))\n", "urn x")
     for site in [short, *sites]:
         # The body ops.simulate sends, through serving's own request translation.
-        body = TabbyCompletionRequest(language=site.language, segments={"prefix": site.prefix, "suffix": site.suffix, "filepath": site.path})
+        body = TabbyCompletionRequest(
+            language=site.language, segments={"prefix": site.prefix, "suffix": site.suffix, "filepath": site.path}
+        )
         req = _to_generate(SimpleNamespace(cfg=cfg), body, "c-1")
         assert req.spec.stop == (G.EDITOR_STOP,)
         asyncio.run(service.complete(req))
         ids, truncated = G.site_prompt(builder, site)
         assert engine.prompts[-1] == ids, site.path
         assert engine.specs[-1].max_tokens == min(cfg.default_max_tokens, WINDOW - len(ids))
-    assert G.site_prompt(builder, short) == (fim_prompt_ids(tok, short.prefix, short.suffix, fim_header(language="python", path="pkg/m.py")), 0)
+    assert G.site_prompt(builder, short) == (
+        fim_prompt_ids(tok, short.prefix, short.suffix, fim_header(language="python", path="pkg/m.py")),
+        0,
+    )
     assert any(G.site_prompt(builder, s)[1] > 0 for s in sites)  # long prefixes were truncated, and still matched
 
 
@@ -296,9 +334,9 @@ def test_replay_refuses_a_bad_max_tokens(tok, sites):
 
 def test_base_model_replay_against_itself_passes():
     """On the cached pretrained base, if there is one: identical stats, so the gate passes."""
-    from learner.train.pretrain import find_base_model, load_master_weights, load_training_corpus, pretrain_section
-    from learner.tokenizer import load_tokenizer
     from feedback.core.config import FlywheelSettings
+    from learner.tokenizer import load_tokenizer
+    from learner.train.pretrain import find_base_model, load_master_weights, load_training_corpus, pretrain_section
 
     s = FlywheelSettings()
     folder = find_base_model(s)
@@ -307,6 +345,8 @@ def test_base_model_replay_against_itself_passes():
     model, _ = load_master_weights(folder)
     base_tok = load_tokenizer(folder / "tokenizer")
     held = G.heldout_sites(load_training_corpus(pretrain_section(s)).heldout, 48)
-    result, stable, cand = G.evaluate_candidate(model, model, base_tok, held, max_tokens=32, kl=0.0, fp4_hook=fp4_hook("nvfp4"))
+    result, stable, cand = G.evaluate_candidate(
+        model, model, base_tok, held, max_tokens=32, kl=0.0, fp4_hook=fp4_hook("nvfp4")
+    )
     assert result.passed and cand.results == stable.results and cand.n == 48
     assert replace(cand, seconds=0.0, results=[]) == replace(stable, seconds=0.0, results=[])

@@ -10,11 +10,18 @@ from rich.console import Console
 
 from feedback import db
 from learner import store as S
-from learner.train.learn import Learner, LearnerState, ReplayBuffer, Sample, make_batch, model_from_packed, read_samples
 from learner.model import ModelArgs
-from learner.train.pretrain import ensure_base_model
 from learner.tokenizer import EOS_ID
-from tests.learner.train.learn_support import ListProducer, fim_prompts, make_corpus, reward_ids, tiny_learn_settings, write_samples
+from learner.train.learn import Learner, ReplayBuffer, Sample, make_batch, model_from_packed, read_samples
+from learner.train.pretrain import ensure_base_model
+from tests.learner.train.learn_support import (
+    ListProducer,
+    fim_prompts,
+    make_corpus,
+    reward_ids,
+    tiny_learn_settings,
+    write_samples,
+)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +159,13 @@ class PaysForAbstaining:
 def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path, base):
     lr = started(tmp_path, base, min_samples=8, publish_every=0.01, lr=3e-2, kl_coef=0.0, batch_size=16)
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
-    write_samples(lr.engine, v0, lr.tok, fim_prompts(lr.tok, lr.train_files, 160, lr.args.max_seq_len), reward_fn=PaysForAbstaining())
+    write_samples(
+        lr.engine,
+        v0,
+        lr.tok,
+        fim_prompts(lr.tok, lr.train_files, 160, lr.args.max_seq_len),
+        reward_fn=PaysForAbstaining(),
+    )
     lr.poll()
     good = {k: v.clone() for k, v in lr.model.state_dict().items()}
     while lr.update() is not None:

@@ -19,22 +19,34 @@ from rich.console import Console
 from feedback import bus, db
 from feedback.schemas import ModelVersion
 from learner import store as S
+from learner.tokenizer import load_tokenizer
 from learner.train.learn import STATE_FILE, model_from_packed
 from learner.train.pretrain import ensure_base_model, find_base_model, load_master_weights
-from learner.tokenizer import load_tokenizer
-from tests.learner.train.learn_support import make_corpus, reward_ids, tiny_learn_settings, write_samples
 from tests.helpers import scaled
+from tests.learner.train.learn_support import make_corpus, reward_ids, tiny_learn_settings, write_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 def _toml(s, pretrain: dict, learn: dict) -> str:
     def val(v):
-        return json.dumps(v) if not isinstance(v, dict) else "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
+        return (
+            json.dumps(v)
+            if not isinstance(v, dict)
+            else "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
+        )
 
-    lines = [f"data_dir = {json.dumps(str(s.data_dir))}", f"cache_dir = {json.dumps(str(s.cache_dir))}", "[kafka]",
-             f"port = {s.kafka.port}", f"controller_port = {s.kafka.controller_port}", "[pretrain]"]  # fmt: skip
-    lines += [f"{k} = {val(v)}" for k, v in pretrain.items()] + ["[learn]"] + [f"{k} = {val(v)}" for k, v in learn.items()]
+    lines = [
+        f"data_dir = {json.dumps(str(s.data_dir))}",
+        f"cache_dir = {json.dumps(str(s.cache_dir))}",
+        "[kafka]",
+        f"port = {s.kafka.port}",
+        f"controller_port = {s.kafka.controller_port}",
+        "[pretrain]",
+    ]
+    lines += (
+        [f"{k} = {val(v)}" for k, v in pretrain.items()] + ["[learn]"] + [f"{k} = {val(v)}" for k, v in learn.items()]
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -65,22 +77,46 @@ def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
     # Staleness is not what this test is about: every sample comes from v0, and how many versions a
     # run publishes before the last ones are trained depends on the machine's speed. With the bound
     # out of the way, "lost" can only mean lost to a crash.
-    cfg.write_text(_toml(s, s.pretrain.model_dump(mode="json"), {
-        "batch_size": 4, "min_samples": 8, "publish_every": 0.5, "poll_s": 0.1, "max_staleness": 1000,
-        "gate": {"sites": 6, "max_tokens": 8}}))  # fmt: skip
+    cfg.write_text(
+        _toml(
+            s,
+            s.pretrain.model_dump(mode="json"),
+            {
+                "batch_size": 4,
+                "min_samples": 8,
+                "publish_every": 0.5,
+                "poll_s": 0.1,
+                "max_staleness": 1000,
+                "gate": {"sites": 6, "max_tokens": 8},
+            },
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     state_path = s.learner_dir / STATE_FILE
 
     def learn(*extra):
-        return subprocess.Popen([sys.executable, "-m", "ops.cli", "learn", "--config", str(cfg), *extra],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "learn", "--config", str(cfg), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
 
     kills = 0
-    for extra_s in (0.0, 1.3, 2.9):  # once it has trained, kill it in whatever it is doing: an update, a save, a publish
+    for extra_s in (
+        0.0,
+        1.3,
+        2.9,
+    ):  # once it has trained, kill it in whatever it is doing: an update, a save, a publish
         p = learn()
         start_step = (_state(state_path) or {}).get("step", 0)
         deadline = time.monotonic() + scaled(120)
-        while time.monotonic() < deadline and p.poll() is None and ((_state(state_path) or {}).get("step", 0) <= start_step):
+        while (
+            time.monotonic() < deadline
+            and p.poll() is None
+            and ((_state(state_path) or {}).get("step", 0) <= start_step)
+        ):
             time.sleep(0.1)
         time.sleep(extra_s)
         if p.poll() is None:
@@ -102,7 +138,9 @@ def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
     versions = store.versions()
     assert versions == list(range(len(versions))) and len(versions) >= 2
     with engine.connect() as conn:
-        recorded = sorted(conn.execute(db.model_versions.select().with_only_columns(db.model_versions.c.version)).scalars())
+        recorded = sorted(
+            conn.execute(db.model_versions.select().with_only_columns(db.model_versions.c.version)).scalars()
+        )
     assert recorded == versions  # every visible version recorded once (a primary key), none missing
     for v in versions:  # every visible version is complete and verifies
         store.materialize(v)

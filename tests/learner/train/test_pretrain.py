@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from feedback.core.errors import UserError
 from learner.corpus import default_corpus_dir
 from learner.export import load_hf, load_packed_fp4, verify_packed_roundtrip
 from learner.train.pretrain import (
@@ -23,7 +24,6 @@ from learner.train.pretrain import (
     train,
 )
 from learner.train.pretrain_settings import PretrainSection, PretrainSettings
-from feedback.core.errors import UserError
 from tests.helpers import flywheel
 
 FILES = ["textwrap.py", "shlex.py", "string.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py", "colorsys.py"]
@@ -38,9 +38,21 @@ def corpus_dir(tmp_path_factory):
 
 
 def tiny_settings(cache, corpus, **kw) -> PretrainSettings:
-    cfg = dict(corpus=str(corpus), size="tiny", vocab_size=400, seq_len=32, batch_size=4, steps=6, warmup_steps=2,
-               eval_every=3, eval_windows=4, final_eval_windows=8, checkpoint_minutes=1000, heldout_fraction=0.2,
-               quality_check=False)  # fmt: skip
+    cfg = dict(
+        corpus=str(corpus),
+        size="tiny",
+        vocab_size=400,
+        seq_len=32,
+        batch_size=4,
+        steps=6,
+        warmup_steps=2,
+        eval_every=3,
+        eval_windows=4,
+        final_eval_windows=8,
+        checkpoint_minutes=1000,
+        heldout_fraction=0.2,
+        quality_check=False,
+    )
     return PretrainSettings(cache_dir=cache, pretrain=cfg | kw)
 
 
@@ -121,14 +133,23 @@ def test_cli_missing_corpus_is_one_line(tmp_path):
 
 
 def test_quality_rule_is_a_plain_function():
-    metrics = {"heldout_accuracy": 0.18, "bigram_accuracy": 0.286, "heldout_loss": 5.42, "bigram_loss": 3.76,
-               "train_tokens": 200_000, "tokens_per_s": 121.0, "precision": "bf16"}  # the fresh machine's run  # fmt: skip
+    metrics = {
+        "heldout_accuracy": 0.18,
+        "bigram_accuracy": 0.286,
+        "heldout_loss": 5.42,
+        "bigram_loss": 3.76,
+        "train_tokens": 200_000,
+        "tokens_per_s": 121.0,
+        "precision": "bf16",
+    }  # the fresh machine's run
     cfg = PretrainSection(min_steps=200)
     why = quality_problem(metrics, 46, cfg)
     assert "worse than its bigram baseline" in why and "18.0% vs 28.6%" in why and "121 tokens/s in bf16" in why
     good = metrics | {"heldout_accuracy": 0.526, "heldout_loss": 2.39}
     assert quality_problem(good, 1342, cfg) is None
-    assert "fewer than pretrain.min_steps=200" in quality_problem(good, 46, cfg)  # better, but too few steps to mean anything
+    assert "fewer than pretrain.min_steps=200" in quality_problem(
+        good, 46, cfg
+    )  # better, but too few steps to mean anything
     assert quality_problem(metrics, 46, PretrainSection(quality_check=False)) is None
 
 
@@ -141,14 +162,43 @@ def test_a_base_worse_than_its_baseline_fails_loudly_and_is_never_reused(tmp_pat
         ensure_base_model(s, quiet())
     from learner.train.pretrain import find_base_model
 
-    with pytest.raises(UserError, match="worse than its bigram baseline"):  # the learner and `flywheel serve` look it up so
+    with pytest.raises(
+        UserError, match="worse than its bigram baseline"
+    ):  # the learner and `flywheel serve` look it up so
         find_base_model(s)
-    r = flywheel("pretrain", "--corpus", str(corpus_dir), "--steps", "2", "--set", f"cache_dir={tmp_path}", "--set", "pretrain.size=tiny",
-                 "--set", "pretrain.vocab_size=400", "--set", "pretrain.seq_len=32", "--set", "pretrain.batch_size=4",
-                 "--set", "pretrain.warmup_steps=2", "--set", "pretrain.eval_every=3", "--set", "pretrain.eval_windows=4",
-                 "--set", "pretrain.final_eval_windows=8", "--set", "pretrain.heldout_fraction=0.2", tmp_path=tmp_path)  # fmt: skip
+    r = flywheel(
+        "pretrain",
+        "--corpus",
+        str(corpus_dir),
+        "--steps",
+        "2",
+        "--set",
+        f"cache_dir={tmp_path}",
+        "--set",
+        "pretrain.size=tiny",
+        "--set",
+        "pretrain.vocab_size=400",
+        "--set",
+        "pretrain.seq_len=32",
+        "--set",
+        "pretrain.batch_size=4",
+        "--set",
+        "pretrain.warmup_steps=2",
+        "--set",
+        "pretrain.eval_every=3",
+        "--set",
+        "pretrain.eval_windows=4",
+        "--set",
+        "pretrain.final_eval_windows=8",
+        "--set",
+        "pretrain.heldout_fraction=0.2",
+        tmp_path=tmp_path,
+    )
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 1 and len(lines) == 1 and "worse than its bigram baseline" in lines[0], (r.stdout[-2000:], r.stderr)
+    assert r.returncode == 1 and len(lines) == 1 and "worse than its bigram baseline" in lines[0], (
+        r.stdout[-2000:],
+        r.stderr,
+    )
     assert "Traceback" not in r.stdout + r.stderr
 
 

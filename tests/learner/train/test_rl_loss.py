@@ -67,7 +67,9 @@ def test_kl_penalty_pulls_towards_reference():
 
 def test_abstaining_beats_dismissed_suggestions():
     # B=3: an empty completion (just EOS, reward 0) and two dismissed suggestions (-0.25)
-    x = inputs([[-2.0, 0.0], [-1.0, -1.0], [-1.0, -1.0]], reward=(0.0, -0.25, -0.25), mask=[[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    x = inputs(
+        [[-2.0, 0.0], [-1.0, -1.0], [-1.0, -1.0]], reward=(0.0, -0.25, -0.25), mask=[[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    )
     loss, _ = rl_loss(x, RLConfig(kl_coef=0.0))
     loss.backward()
     assert x.logp_BT.grad[0, 0].item() < 0  # the EOS-first action is reinforced

@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
-from ops.bench.fp4 import quant_error, replay_kl
-from ops.cli.learner import cmd_bench_fp4
-from ops.cli.console import bench_subcommands
 from learner.model import ModelArgs, Transformer
+from ops.bench.fp4 import quant_error, replay_kl
+from ops.cli.console import bench_subcommands
+from ops.cli.learner import cmd_bench_fp4
 from ops.cli.main import build_parser
 from tests.helpers import flywheel
 
@@ -42,10 +42,26 @@ def test_bench_fp4_command_writes_json(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(12):
-        (corpus / f"m{i}.py").write_text(f"import os\n\n\ndef f{i}(x, y={i}):\n    return os.path.join(x, str(y))\n" * 40)
+        (corpus / f"m{i}.py").write_text(
+            f"import os\n\n\ndef f{i}(x, y={i}):\n    return os.path.join(x, str(y))\n" * 40
+        )
     out = tmp_path / "r.json"
-    r = flywheel("bench", "fp4", "--steps", "4", "--out", str(out), "--set", f"pretrain.corpus={json.dumps(str(corpus))}",
-                 "--set", "pretrain.vocab_size=400", "--set", f"cache_dir={tmp_path / 'cache'}", tmp_path=tmp_path, timeout=600)  # fmt: skip
+    r = flywheel(
+        "bench",
+        "fp4",
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+        "--set",
+        f"pretrain.corpus={json.dumps(str(corpus))}",
+        "--set",
+        "pretrain.vocab_size=400",
+        "--set",
+        f"cache_dir={tmp_path / 'cache'}",
+        tmp_path=tmp_path,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["command"].startswith("flywheel bench fp4") and "random tiny model" in res["weights"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ops.bench.ingest import percentile, run_ingest_bench
 from feedback.sink.loop import SinkSettings
+from ops.bench.ingest import percentile, run_ingest_bench
 from tests.helpers import scaled
 
 
@@ -16,7 +16,12 @@ def test_percentile_is_nearest_rank():
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_bench_ingest_smoke(kafka_settings, tmp_path):
-    s = SinkSettings(data_dir=str(tmp_path), cache_dir=str(kafka_settings.cache_dir), kafka=kafka_settings.kafka.model_dump(), sink={"batch_size": 50})
+    s = SinkSettings(
+        data_dir=str(tmp_path),
+        cache_dir=str(kafka_settings.cache_dir),
+        kafka=kafka_settings.kafka.model_dump(),
+        sink={"batch_size": 50},
+    )
     lines = []
     r = run_ingest_bench(s, n_events=400, paced=False, progress=lines.append, timeout_s=scaled(120))
     assert r.direct.events == r.sink_drain.events == r.kafka.events == 400

@@ -20,7 +20,9 @@ def tok():
 
 def test_examples_need_context_from_far_back(tok):
     filler = "".join(f"value_{i} = compute({i}, {i + 1})\n" for i in range(15))
-    text = "import collections\n\n\ndef normalise_path(p):\n    return p\n\n\n" + filler + "result = normalise_path(raw)\n"
+    text = (
+        "import collections\n\n\ndef normalise_path(p):\n    return p\n\n\n" + filler + "result = normalise_path(raw)\n"
+    )
     examples = far_back_examples(tok, [SourceFile("m.py", text)], budget=60, window=400, n=5, rng=random.Random(0))
     assert [e.name for e in examples] == ["normalise_path"]
     ex = examples[0]

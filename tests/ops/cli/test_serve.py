@@ -5,13 +5,17 @@ from tests.ops.cli.test_main import assert_one_line_error
 
 
 def test_serve_without_editor_tokens(tmp_path):
-    assert_one_line_error(flywheel("serve", "--set", f"serve.model_dir={tmp_path}", tmp_path=tmp_path), "no editor tokens")
+    assert_one_line_error(
+        flywheel("serve", "--set", f"serve.model_dir={tmp_path}", tmp_path=tmp_path), "no editor tokens"
+    )
 
 
 def test_serve_with_a_folder_that_is_no_model(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("# editors\nabc\n")
-    r = flywheel("serve", "--set", f"serve.model_dir={tmp_path}", "--set", f"serve.auth_tokens_file={tokens}", tmp_path=tmp_path)
+    r = flywheel(
+        "serve", "--set", f"serve.model_dir={tmp_path}", "--set", f"serve.auth_tokens_file={tokens}", tmp_path=tmp_path
+    )
     assert_one_line_error(r, "not an exported model folder")
 
 
