@@ -288,6 +288,8 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     migrate(settings, version, progress)
     if not ray.is_initialized():
         progress("starting Ray" if not cfg.ray_address else f"joining Ray at {cfg.ray_address}")
+        if not cfg.ray_address:
+            _patient_local_serve()
         ray.init(
             address=cfg.ray_address or None,
             num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
@@ -307,6 +309,24 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     progress("warming up the engines (vLLM's first step is slow)")
     warm_up(sizes)
     return f"http://{cfg.host}:{cfg.port}"
+
+
+# Ray Serve kills an HTTP proxy that is not ready within 3 x 5 s. On a small machine whose cores
+# are busy (two vLLM engines starting, the learner training) a proxy takes longer to import its
+# modules than that, and `serve.start` then fails with a dead actor. A local Ray started here
+# waits longer; a cluster that Flywheel joins keeps its own settings.
+_LOCAL_SERVE_ENV = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def _patient_local_serve() -> None:
+    """Inherited by the local Ray's processes (the Serve controller reads them at start)."""
+    import os
+
+    for k, v in _LOCAL_SERVE_ENV.items():
+        os.environ.setdefault(k, v)
 
 
 def engine_precision(cfg: ServeSettings):

@@ -77,6 +77,7 @@ class VLLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             disable_log_stats=True,
+            distributed_executor_backend=cfg.executor,
             worker_extension_cls="serving.hotswap.WeightSwapExtension",  # in-place weight updates
         )
         self.llm = AsyncLLM.from_engine_args(args)

@@ -31,6 +31,11 @@ class EngineSettings(Section):
     """GPUs per replica (Ray resource); 0 on CPU machines."""
     num_cpus: float = Field(default=1, ge=0)
     """CPUs per replica (Ray resource)."""
+    executor: str = Field(default="uni", pattern="^(uni|mp|ray)$")
+    """vLLM's worker executor (`distributed_executor_backend`). `uni`: the model worker runs inside
+    the engine-core process, one process fewer to start per replica (vLLM start-up is mostly
+    imports: measured 16.5 s against 25.4 s on 2 cores, 51 against 65 s with the cores loaded);
+    `mp` or `ray` for tensor parallelism across GPUs."""
 
 
 class ServeSettings(Section):
