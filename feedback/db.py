@@ -15,6 +15,7 @@ the single description both the migrations and the code read.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from sqlalchemy import (
@@ -297,6 +298,13 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(parsed, echo=echo, pool_pre_ping=True)
+
+
+@functools.cache
+def shared_engine(url: str) -> Engine:
+    """One engine (and its connection pool) per database URL for the life of the process: what
+    long-lived servers use, so routes and pollers do not open a pool per request."""
+    return make_engine(url)
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -1,0 +1,89 @@
+"""Bearer tokens on every HTTP route: the constant-time check, written once.
+
+An app built from route modules (serving's completion API, the rollout and dashboard routes)
+sets `app.state.tokens` to a `Tokens`; the dependencies below read it. Editor tokens open the
+completion API; ops tokens open the ops routes. An editor token on an ops route is refused
+with 403 (it authenticates, but may not act), anything else with 401.
+
+Tokens are compared as UTF-8 bytes with `hmac.compare_digest`, so a token of any characters
+is checked in constant time and never raises.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+
+
+@dataclass(frozen=True)
+class Tokens:
+    editor: frozenset[str] = frozenset()
+    ops: frozenset[str] = frozenset()
+    allow_anonymous: bool = False
+    """With no editor token configured, let editor routes through (local development only)."""
+
+
+def matches(token: str, allowed: Iterable[str]) -> bool:
+    """Whether `token` is one of `allowed`, in time independent of where they differ."""
+    given = token.encode("utf-8", "surrogatepass")
+    found = False
+    for t in allowed:  # no early exit: the time does not depend on which token matched
+        found |= hmac.compare_digest(given, t.encode("utf-8", "surrogatepass"))
+    return found
+
+
+def bearer(request: Request) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, else None."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def tokens(request: Request) -> Tokens:
+    t = getattr(request.app.state, "tokens", None)
+    if t is None:
+        raise HTTPException(503, "the API is starting up")
+    return t
+
+
+def require_editor(request: Request) -> str:
+    """The caller's bearer token, if it is an editor token; 401 otherwise."""
+    t = tokens(request)
+    if not t.editor and t.allow_anonymous:
+        return "anonymous"
+    token = bearer(request)
+    if token is None:
+        raise HTTPException(
+            401, "missing bearer token: send `Authorization: Bearer <token>`", headers={"WWW-Authenticate": "Bearer"}
+        )
+    if not matches(token, t.editor):
+        raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+    return token
+
+
+def ops_check(t: Tokens, token: str | None) -> str:
+    """`token` if it is an ops token; else the HTTPException an ops route answers with."""
+    if token is None:
+        raise HTTPException(
+            401, "missing ops token: send `Authorization: Bearer <ops token>`", headers={"WWW-Authenticate": "Bearer"}
+        )
+    if matches(token, t.ops):
+        return token
+    if matches(token, t.editor):
+        raise HTTPException(403, "an editor token cannot perform ops actions; use an ops token (serve.ops_tokens)")
+    if not t.ops:
+        raise HTTPException(403, "ops endpoints are disabled: no ops token is configured (serve.ops_tokens)")
+    raise HTTPException(401, "invalid ops token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_ops(request: Request) -> str:
+    """The caller's bearer token, if it is an ops token: 401 without a valid token, 403 for an
+    editor token or when no ops token is configured."""
+    return ops_check(tokens(request), bearer(request))
+
+
+EditorToken = Annotated[str, Depends(require_editor)]
+OpsToken = Annotated[str, Depends(require_ops)]
