@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from feedback import db
 
@@ -50,6 +50,27 @@ def read(engine: Engine) -> Routes:
         canary=canary.version if canary else None,
         canary_percent=canary.traffic_percent if canary and canary.version is not None else 0.0,
     )
+
+
+def current_stable(conn: Connection, *, candidate: int | None = None) -> int | None:
+    """The version that serves users by default, the one everything is compared with: the stable
+    pool's target, else what the latest finished rollout left stable, else the version of the
+    newest completion served (other than `candidate`), else the newest gate-passed version older
+    than `candidate` in model_versions. None on a fresh deployment."""
+    target = conn.execute(select(db.serving_pools.c.version).where(db.serving_pools.c.pool == STABLE)).scalar()
+    if target is not None:
+        return target
+    r = db.rollouts.c
+    last = conn.execute(select(r.state, r.candidate_version, r.stable_version).order_by(r.id.desc()).limit(1)).first()
+    if last is not None and last.state not in ("running", "paused"):
+        return last.candidate_version if last.state == "promoted" else last.stable_version
+    c = db.completions.c
+    served = conn.execute(select(c.model_version).order_by(c.created_at.desc()).limit(1)).scalar()
+    if served is not None and served != candidate:
+        return served
+    mv = db.model_versions.c
+    q = select(mv.version).where(mv.gate_passed.is_(True)).order_by(mv.version.desc()).limit(1)
+    return conn.execute(q.where(mv.version < candidate) if candidate is not None else q).scalar()
 
 
 def _upsert(conn, pool: str, version: int | None, percent: float, rollout_id: int | None) -> None:

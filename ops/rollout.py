@@ -339,7 +339,7 @@ def start_rollout(
                 f"version {version} was rolled out before (rollout {before.id}: {before.state}); use --force to roll it out again",
                 code="already_rolled_out",
             )
-        stable = stable if stable is not None else current_stable(conn, candidate=version)
+        stable = stable if stable is not None else pools.current_stable(conn, candidate=version)
         if section.mode == "canary":
             if stable is None:
                 raise RolloutError(
@@ -373,25 +373,6 @@ def start_rollout(
     log.info("rollout %d: version %d against stable %d, weights %s", r.id, version, r.stable_version, r.weights)
     apply_pools(engine, r)
     return r
-
-
-def current_stable(conn: Connection, *, candidate: int | None = None) -> int | None:
-    """What serves users by default: the stable pool's target, else what the latest rollout left
-    stable, else the version of the newest completion served, else the newest gate-passed version
-    older than `candidate` in model_versions."""
-    target = conn.execute(select(db.serving_pools.c.version).where(db.serving_pools.c.pool == pools.STABLE)).scalar()
-    if target is not None:
-        return target
-    last = latest(conn)
-    if last is not None and not last.active:
-        return last.candidate_version if last.state == PROMOTED else last.stable_version
-    c = db.completions.c
-    served = conn.execute(select(c.model_version).order_by(c.created_at.desc()).limit(1)).scalar()
-    if served is not None and served != candidate:
-        return served
-    mv = db.model_versions.c
-    q = select(mv.version).where(mv.gate_passed.is_(True)).order_by(mv.version.desc()).limit(1)
-    return conn.execute(q.where(mv.version < candidate) if candidate is not None else q).scalar()
 
 
 def _serialize(conn: Connection) -> None:
@@ -793,7 +774,7 @@ def start_announced(engine: Engine, msg: ModelVersion, section: RolloutSection) 
     with engine.connect() as conn:
         if conn.execute(select(R.c.id).where(R.c.candidate_version == msg.version).limit(1)).first() is not None:
             return "skipped", None, f"version {msg.version} already has a rollout"
-        stable = current_stable(conn, candidate=msg.version)
+        stable = pools.current_stable(conn, candidate=msg.version)
         if stable is not None and msg.version <= stable:
             return "skipped", None, f"version {msg.version} is not newer than stable v{stable}"
         busy = active(conn)

@@ -589,7 +589,8 @@ class Learner:
 
         g = self.cfg.gate
         t0 = time.perf_counter()
-        stable_v = pools.read(self.engine).stable
+        with self.engine.connect() as conn:
+            stable_v = pools.current_stable(conn)
         if stable_v is None or stable_v not in self.store.versions():
             stable_v = self.state.last_good
         sites = G.heldout_sites(self.heldout, g.sites, seed=g.seed)
