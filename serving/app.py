@@ -311,11 +311,16 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     return f"http://{cfg.host}:{cfg.port}"
 
 
-# Ray Serve kills an HTTP proxy that is not ready within 3 x 5 s. On a small machine whose cores
-# are busy (two vLLM engines starting, the learner training) a proxy takes longer to import its
-# modules than that, and `serve.start` then fails with a dead actor. A local Ray started here
-# waits longer; a cluster that Flywheel joins keeps its own settings.
+# A local Ray started here is tuned for a machine it shares with other work; a cluster that
+# Flywheel joins keeps its own settings.
+#  - Ray runs its workers at niceness 15, to keep its own daemons responsive. Our workers are the
+#    model replicas, the ingress and the HTTP proxy: at nice 15 next to any busy process at nice 0
+#    they get a few percent of a core (measured: vLLM replicas took over 10 minutes to start
+#    beside two CPU-bound processes). Serving must not be the first thing to starve.
+#  - Ray Serve kills an HTTP proxy that is not ready within 3 x 5 s, and `serve.start` then fails
+#    with a dead actor; on a loaded 2-core machine the proxy can take longer to import its modules.
 _LOCAL_SERVE_ENV = {
+    "RAY_worker_niceness": "0",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
