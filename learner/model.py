@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from learner.sizes import SIZES
+
 WeightHook = Callable[[str, torch.Tensor], torch.Tensor]
 
 
@@ -146,13 +148,6 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-SIZES: dict[str, dict] = {
-    # head_dim 32 even in `tiny`: vLLM's CPU attention supports head sizes 32, 64, ...
-    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=2, moe_dim=64),
-    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, n_experts=8, top_k=2, moe_dim=256),
-}
 
 
 def _w(module: nn.Module, fp4: WeightHook | None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from learner.model import SIZES, ModelArgs, Transformer
+from learner.model import ModelArgs, Transformer
+from learner.sizes import SIZES
 
 V = 300
 
