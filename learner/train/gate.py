@@ -9,7 +9,7 @@ serving and the simulated editor take, so the replay scores the candidate as use
               header editor requests get (`fim_header(language, path)`); a prefix past the
               budget is truncated, as serving's summarization fallback does (summarizing
               every older chunk, as serving does, would take minutes per site here)
-    decode    greedy with a KV cache, up to `max_tokens` (clamped to the window, as the replica
+    decode    learner.decode, greedy, up to `max_tokens` (clamped to the window, as the replica
               does), stopping at <|endoftext|> or at "\\n\\n" (the stop string serving gives
               editor requests, serving/api.py)
     judge     ops.simulate.judge against the true continuation: accept fully, by line or by
@@ -40,18 +40,17 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
 from feedback.core.config import Section
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
 from learner.corpus import SourceFile
+from learner.decode import decode, room
 from learner.fim import fim_header
 from learner.judge import Site, Verdict, cursor_sites, judge
-from learner.model import Transformer, WeightHook, _w, apply_rope, rope_cos_sin
+from learner.model import Transformer, WeightHook
 from learner.prompts import EDITOR_STOP, PromptBuilder, SummaryCache
-from learner.tokenizer import EOS_ID
 from serving.settings import ServeSettings
 
 # --- replay -----------------------------------------------------------------------------------------
@@ -193,71 +192,6 @@ def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
     return ChoiceFeedback(n_chars=len(text), text=text, events=events)
 
 
-@torch.no_grad()
-def greedy_middle(
-    model: Transformer, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, fp4: WeightHook | None = None
-) -> tuple[list[int], str, str]:
-    """(token ids, text, finish) of a greedy completion that ends at <|endoftext|> or the editor
-    stop string; the text is cut before the stop string, as vLLM returns it."""
-    if len(prompt_ids) + max_tokens > model.args.max_seq_len:
-        raise ValueError(
-            f"{len(prompt_ids)} prompt tokens + {max_tokens} new ones exceed the window of {model.args.max_seq_len}"
-        )
-    device = next(model.parameters()).device
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    logits_V = cached_forward(model, torch.tensor([prompt_ids], device=device), kv, fp4)[0]
-    out: list[int] = []
-    for _ in range(max_tokens):
-        nxt = int(logits_V.argmax())
-        if nxt == EOS_ID:
-            return out, tok.decode(out), "stop"
-        out.append(nxt)
-        text = tok.decode(out)
-        if (cut := text.find(EDITOR_STOP)) >= 0:
-            return out, text[:cut], "stop"
-        if len(out) < max_tokens:
-            logits_V = cached_forward(model, torch.tensor([[nxt]], device=device), kv, fp4)[0]
-    return out, tok.decode(out), "length"
-
-
-@torch.no_grad()
-def cached_forward(
-    model: Transformer, ids_BS: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], fp4: WeightHook | None = None
-) -> torch.Tensor:
-    """`model(ids)[:, -1]` for tokens that follow those already in the KV cache `kv` (one
-    (k, v) [B, Hkv, S, Hd] pair per layer, filled by the first call and extended by each next
-    one): logits [B, V] of the last position.
-
-    The same math as Transformer.forward (tests/learner/train/test_gate.py checks it against it),
-    with a cache: the replay then costs one position per new token instead of the whole
-    window, about 6x faster for the small model on a CPU."""
-    a = model.args
-    B, S = ids_BS.shape
-    start = kv[0][0].shape[2] if kv else 0
-    assert start == 0 or S == 1, "extend the cache one token at a time"
-    x = F.embedding(ids_BS, _w(model.model.embed_tokens, fp4))  # [B, S, D]
-    cos, sin = rope_cos_sin(start + S, a.head_dim, a.rope_theta, x.device)
-    cos, sin = cos[start:].to(x.dtype), sin[start:].to(x.dtype)
-    for i, layer in enumerate(model.model.layers):
-        at = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = at.q_norm(F.linear(h, _w(at.q_proj, fp4)).view(B, S, at.n_heads, at.head_dim)).transpose(1, 2)
-        k = at.k_norm(F.linear(h, _w(at.k_proj, fp4)).view(B, S, at.n_kv_heads, at.head_dim)).transpose(1, 2)
-        v = F.linear(h, _w(at.v_proj, fp4)).view(B, S, at.n_kv_heads, at.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if start:
-            k, v = torch.cat([kv[i][0], k], dim=2), torch.cat([kv[i][1], v], dim=2)
-            kv[i] = (k, v)
-        else:
-            kv.append((k, v))
-        # The prompt attends causally; a new token attends to everything before it.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=True)  # [B, H, S, Hd]
-        x = x + F.linear(y.transpose(1, 2).reshape(B, S, -1), _w(at.o_proj, fp4))
-        h_TD, _ = layer.mlp(layer.post_attention_layernorm(x).reshape(B * S, -1), fp4)
-        x = x + h_TD.view(B, S, -1)
-    return F.linear(model.model.norm(x[:, -1]), _w(model.lm_head, fp4))
-
-
 def heldout_replay(
     model: Transformer,
     tok: Tokenizer,
@@ -291,16 +225,15 @@ def heldout_replay(
     try:
         for site in sites:
             prompt, truncated = site_prompt(builder, site)
-            budget = min(max_tokens, window - len(prompt))  # the replica clamps to the window too
-            out, text, finish = greedy_middle(model, tok, prompt, max(1, budget), hook)
-            verdict = judge(text, site.truth)
-            r, parts = reward(editor_feedback(text, verdict), weights)
+            c = decode(model, tok, prompt, room(window, len(prompt), max_tokens), stop=EDITOR_STOP, fp4=hook)
+            verdict = judge(c.text, site.truth)
+            r, parts = reward(editor_feedback(c.text, verdict), weights)
             results.append(
                 SiteResult(
                     site.path,
-                    text,
-                    len(out),
-                    finish,
+                    c.text,
+                    len(c.content_ids),
+                    c.finish,
                     verdict.type,
                     verdict.select_kind,
                     verdict.accepted_chars,

@@ -15,12 +15,14 @@ import torch
 
 from feedback.reward import reward
 from learner.corpus import SourceFile
+from learner.decode import decode
 from learner.fim import fim_header, fim_prompt_ids
 from learner.judge import Site, judge
 from learner.model import ModelArgs, Transformer
+from learner.prompts import EDITOR_STOP
 from learner.tokenizer import EOS_ID, train_tokenizer
 from learner.train import gate as G
-from learner.train.pretrain import fp4_hook, greedy_complete
+from learner.train.pretrain import fp4_hook
 from serving.api import _to_generate
 from serving.engine import Sample
 from serving.replica import CompletionService
@@ -197,25 +199,14 @@ def test_thresholds_validate():
 # --- the replay ----------------------------------------------------------------------------------------
 
 
-def test_cached_decoding_matches_the_model_forward(tok, sites):
+def test_replay_suggestions_are_the_decoders_greedy_middles(tok, sites):
     model = random_model(tok)
-    for hook in (None, fp4_hook("nvfp4")):
-        ids = G.site_prompt(G.prompt_builder(tok, WINDOW), sites[0])[0]
-        kv: list = []
-        got = [G.cached_forward(model, torch.tensor([ids]), kv, hook)]
-        for t in (7, 42, 300):
-            ids = ids + [t]
-            got.append(G.cached_forward(model, torch.tensor([[t]]), kv, hook))
-        with torch.no_grad():
-            want = [model(torch.tensor([ids[: len(ids) - k]]), fp4=hook)[:, -1] for k in (3, 2, 1, 0)]
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-    for site in sites[:4]:
-        prompt = G.site_prompt(G.prompt_builder(tok, WINDOW), site)[0]
-        out, text, finish = G.greedy_middle(model, tok, prompt, MAX_TOKENS)
-        ref = greedy_complete(model, prompt, MAX_TOKENS)
-        assert out == ref[: len(out)] and (finish == "stop" or out == ref)
-        assert G.EDITOR_STOP not in text
+    st = G.heldout_replay(model, tok, sites[:4], max_tokens=MAX_TOKENS)
+    builder = G.prompt_builder(tok, WINDOW)
+    for site, r in zip(sites, st.results):
+        c = decode(model, tok, G.site_prompt(builder, site)[0], MAX_TOKENS, stop=EDITOR_STOP)
+        assert (r.text, r.tokens, r.finish) == (c.text, len(c.content_ids), c.finish)
+        assert EDITOR_STOP not in r.text
 
 
 def test_replay_counts_are_consistent_and_deterministic(tok, sites):
@@ -325,11 +316,11 @@ def test_replay_prompts_equal_servings_for_editor_requests(tok, sites):
     assert any(G.site_prompt(builder, s)[1] > 0 for s in sites)  # long prefixes were truncated, and still matched
 
 
-def test_replay_refuses_a_bad_max_tokens(tok, sites):
+def test_replay_refuses_a_bad_max_tokens_and_clamps_to_the_window(tok, sites):
     with pytest.raises(ValueError, match="max_tokens"):
         G.heldout_replay(random_model(tok), tok, sites, max_tokens=0)
-    with pytest.raises(ValueError, match="window"):
-        G.greedy_middle(random_model(tok), tok, [1] * 100, 64)
+    st = G.heldout_replay(random_model(tok), tok, sites[:4], max_tokens=10 * WINDOW)  # the replica clamps it too
+    assert all(r.prompt_tokens + r.tokens <= WINDOW for r in st.results)
 
 
 def test_base_model_replay_against_itself_passes():
