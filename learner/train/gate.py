@@ -12,10 +12,10 @@ serving and the simulated editor take, so the replay scores the candidate as use
     decode    learner.decode, greedy, up to `max_tokens` (clamped to the window, as the replica
               does), stopping at <|endoftext|> or at "\\n\\n" (the stop string serving gives
               editor requests, serving/api.py)
-    judge     ops.simulate.judge against the true continuation: accept fully, by line or by
+    judge     learner.judge against the true continuation: accept fully, by line or by
               word, or dismiss; an empty completion is not shown (the model abstained)
     reward    feedback.reward on the events the simulated editor sends for that verdict
-              (view + select + edit of the kept text, or view + dismiss), as the sink scores them
+              (learner.judge.editor_events), as the sink scores them
 
 Checks (`check`), each of which blocks the publish and says why:
 
@@ -44,11 +44,11 @@ from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
 from feedback.core.config import Section
-from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
+from feedback.reward import ChoiceFeedback, RewardWeights, reward
 from learner.corpus import SourceFile
 from learner.decode import decode, room
 from learner.fim import fim_header
-from learner.judge import Site, Verdict, cursor_sites, judge
+from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
 from learner.model import Transformer, WeightHook
 from learner.prompts import EDITOR_STOP, PromptBuilder, SummaryCache
 from serving.settings import ServeSettings
@@ -178,18 +178,8 @@ def site_prompt(builder: PromptBuilder, site: Site) -> tuple[list[int], int]:
 
 
 def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
-    """The served choice and the events the simulated editor sends about it (ops.simulate.run_sessions)."""
-    if verdict.type == "select":
-        events = (
-            Event("view"),
-            Event("select", select_kind=verdict.select_kind, accepted_chars=verdict.accepted_chars),
-            Event("edit", kept_text=verdict.kept_text),
-        )
-    elif verdict.type == "dismiss":
-        events = (Event("view"), Event("dismiss"))
-    else:
-        events = ()
-    return ChoiceFeedback(n_chars=len(text), text=text, events=events)
+    """The served choice and the events the simulated editor sends about it, as the sink sees them."""
+    return ChoiceFeedback(n_chars=len(text), text=text, events=editor_events(verdict))
 
 
 def heldout_replay(
