@@ -5,8 +5,9 @@
         -> update: FP4 QAT forward with router replay, rl_loss (PPO-clip or TIS, KL to the base), AdamW
         -> checkpoint (weights, optimizer, step, cursor, buffer: one atomic file)
         -> every `publish_every`, once `min_samples` were trained:
-           gate (held-out replay vs stable, reward-hacking checks) -> pack FP4 -> store.publish
-           (delta vs the last good version, STABLE last) -> model_versions -> flywheel.versions
+           gate (learner/eval.py's held-out replay vs stable, learner/train/gate.py's reward-hacking
+           checks) -> pack FP4 -> store.publish (delta vs the last good version, STABLE last)
+           -> model_versions -> flywheel.versions
 
 **Input.** The sink writes a `rewards` row when a completion's feedback window closes; the
 learner reads rewards joined to their completion (prompt token ids, behaviour version) and
@@ -585,6 +586,7 @@ class Learner:
     def _gate(self, packed) -> tuple[bool, str | None, dict]:
         """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""
         from feedback import pools
+        from learner import eval as E
         from learner.train import gate as G
 
         g = self.cfg.gate
@@ -593,17 +595,19 @@ class Learner:
             stable_v = pools.current_stable(conn)
         if stable_v is None or stable_v not in self.store.versions():
             stable_v = self.state.last_good
-        sites = G.heldout_sites(self.heldout, g.sites, seed=g.seed)
-        if self._stable_cache is None or self._stable_cache[0] != stable_v:
-            stable_model = model_from_packed(self.store.materialize(stable_v), self.args)
-            self._stable_cache = (
-                stable_v,
-                stable_model,
-                G.heldout_replay(stable_model, self.tok, sites, max_tokens=g.max_tokens),
-            )
-        _, stable_model, stable_stats = self._stable_cache
+        sites = E.heldout_sites(self.heldout, g.sites, seed=g.seed)
+        cached = self._stable_cache if self._stable_cache is not None and self._stable_cache[0] == stable_v else None
+        stable_model = cached[1] if cached else model_from_packed(self.store.materialize(stable_v), self.args)
         candidate = model_from_packed(packed, self.args)
-        cand_stats = G.heldout_replay(candidate, self.tok, sites, max_tokens=g.max_tokens)
+        stable_stats, cand_stats = E.evaluate_candidate(
+            candidate,
+            stable_model,
+            self.tok,
+            sites,
+            max_tokens=g.max_tokens,
+            stable_stats=cached[2] if cached else None,
+        )
+        self._stable_cache = (stable_v, stable_model, stable_stats)
         kl = policy_kl(candidate, stable_model, self._kl_windows())
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None

@@ -13,8 +13,8 @@ from learner.train.pretrain_settings import PretrainSettings
 
 
 class GateSection(GateThresholds):
-    """The gate before publish (learner/train/gate.py): held-out replay against the stable version,
-    and the reward-hacking checks (the thresholds) that block a publish."""
+    """The gate before publish: held-out replay against the stable version (learner/eval.py),
+    and the reward-hacking checks (learner/train/gate.py; the thresholds) that block a publish."""
 
     sites: int = Field(default=48, ge=1)
     """Held-out cursor positions replayed for the candidate and for stable (same sites, fixed seed)."""

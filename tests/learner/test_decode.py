@@ -10,11 +10,11 @@ import torch
 
 from learner.corpus import SourceFile
 from learner.decode import decode, room
+from learner.eval import prompt_builder, site_prompt
 from learner.judge import cursor_sites
 from learner.model import ModelArgs, Transformer
 from learner.prompts import EDITOR_STOP
 from learner.tokenizer import EOS_ID
-from learner.train.gate import prompt_builder, site_prompt
 from learner.train.pretrain import fp4_hook
 
 WINDOW = 128
