@@ -8,6 +8,7 @@ import pytest
 
 from learner.eval import ReplayStats
 from learner.train import gate as G
+from learner.train.learn_settings import GateThresholds
 
 
 def stats(n=48, shown=40, accepted=10, reward_sum=2.0, completion_tokens=400, **kw) -> ReplayStats:
@@ -30,7 +31,7 @@ def failed(result: G.GateResult) -> set[str]:
 
 
 def test_a_candidate_like_stable_passes_and_its_metrics_are_json():
-    result = G.check(stats(reward_sum=2.5), stats(), online_reward_trend=0.05, kl=0.01, thresholds=G.GateThresholds())
+    result = G.check(stats(reward_sum=2.5), stats(), online_reward_trend=0.05, kl=0.01, thresholds=GateThresholds())
     assert result.passed and result.reasons == []
     assert result.metrics["passed"] and result.metrics["failed"] == []
     assert result.metrics["reward_delta"] == pytest.approx(0.5 / 48, abs=1e-6)
@@ -103,12 +104,12 @@ def test_too_few_or_different_sites_block():
         stats(n=8, shown=6, completion_tokens=60),
         online_reward_trend=None,
         kl=0.0,
-        thresholds=G.GateThresholds(min_sites=8),
+        thresholds=GateThresholds(min_sites=8),
     ).passed
 
 
 def test_thresholds_validate():
     with pytest.raises(ValueError, match="min_length_ratio"):
-        G.GateThresholds(min_length_ratio=3.0)
+        GateThresholds(min_length_ratio=3.0)
     with pytest.raises(ValueError):
-        G.GateThresholds(max_kl=0)
+        GateThresholds(max_kl=0)
