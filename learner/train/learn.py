@@ -6,8 +6,8 @@
         -> checkpoint (weights, optimizer, step, cursor, buffer: one atomic file)
         -> every `publish_every`, once `min_samples` were trained:
            gate (learner/eval.py's held-out replay vs stable, learner/train/gate.py's reward-hacking
-           checks) -> pack FP4 -> store.publish (delta vs the last good version, STABLE last)
-           -> model_versions -> flywheel.versions
+           checks) -> pack FP4 -> learner/publish.py: store.publish (delta vs the last good
+           version, STABLE last) -> model_versions -> flywheel.versions
 
 **Input.** The sink writes a `rewards` row when a completion's feedback window closes; the
 learner reads rewards joined to their completion (prompt token ids, behaviour version) and
@@ -459,6 +459,7 @@ class Learner:
         from feedback.core.errors import UserError
         from learner import delta as codec
         from learner import store as S
+        from learner.publish import publish_version
 
         packed = (
             S.load_packed_artifact(self.base_dir / "fp4")
@@ -471,13 +472,16 @@ class Learner:
                 f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
                 f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
             )
-        if not stable:
-            self.store.publish(packed, parent=None, version=0)
-        msg = self.store.model_version(
-            0, gate_passed=True, gate_reason=f"the pretrained base model ({self.base_dir.name})"
+        publish_version(
+            self.store,
+            None if stable else packed,  # stored already: record and announce it again
+            parent=None,
+            version=0,
+            engine=self.engine,
+            producer=self.producer,
+            gate_passed=True,
+            gate_reason=f"the pretrained base model ({self.base_dir.name})",
         )
-        S.record(msg, self.engine)
-        self._announce(msg)
 
     def _recover_unrecorded(self) -> None:
         """Versions in the store newer than the saved state: published, then the learner died."""
@@ -495,7 +499,7 @@ class Learner:
                 v,
                 "passed" if passed else "blocked",
             )
-            self._finish_publish(v, passed, reason, metrics)
+            self._finish_publish(None, passed, reason, metrics, version=v)
 
     # steps -------------------------------------------------------------------------------------------
     def poll(self) -> int:
@@ -545,11 +549,14 @@ class Learner:
             self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
         )
         passed, reason, metrics = self._gate(packed)
-        msg = self.store.publish(packed, parent=self.state.last_good)
-        return self._finish_publish(msg.version, passed, reason, metrics)
+        return self._finish_publish(packed, passed, reason, metrics)
 
-    def _finish_publish(self, v: int, passed: bool, reason: str | None, metrics: dict) -> dict:
-        from learner import store as S
+    def _finish_publish(
+        self, packed, passed: bool, reason: str | None, metrics: dict, *, version: int | None = None
+    ) -> dict:
+        """Publish `packed` as the next version, a delta against the last good one (None: the
+        stored `version`, recovered), then move the learner's state on to it."""
+        from learner.publish import publish_version
 
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
@@ -559,9 +566,18 @@ class Learner:
             "samples_trained": st.trained_since_publish,
             "learner_step": st.step,
         }
-        msg = self.store.model_version(v, gate_passed=passed, gate_reason=reason, metrics=flat_metrics(metrics))
-        S.record(msg, self.engine)
-        self._announce(msg)
+        msg = publish_version(
+            self.store,
+            packed,
+            parent=st.last_good,
+            version=version,
+            engine=self.engine,
+            producer=self.producer,
+            gate_passed=passed,
+            gate_reason=reason,
+            metrics=flat_metrics(metrics),
+        )
+        v = msg.version
         if online is not None:
             st.online_reward_history.append(online)
         st.version, st.last_publish_at, st.trained_since_publish, st.rewards_since_publish = v, time.time(), 0, []
@@ -647,20 +663,15 @@ class Learner:
         self.opt.load_state_dict(blob["optimizer"])
         log.warning("gate blocked v%d: training goes on from v%d's weights", self.state.version, blob["version"])
 
-    def _announce(self, msg) -> None:
-        from learner import store as S
-
+    @property
+    def producer(self):
+        """What announces versions on flywheel.versions: the one given, else a BufferedProducer
+        made on first use (a learner that publishes nothing never connects to Kafka)."""
         if self._producer is None:
             from feedback.producer import BufferedProducer
 
             self._producer = BufferedProducer(self.s.kafka)
-        S.announce(msg, self._producer)
-        if not self._producer.flush(timeout_s=30):
-            log.warning(
-                "v%d is recorded in SQL but not yet on %s (Kafka unreachable); it stays buffered",
-                msg.version,
-                "flywheel.versions",
-            )
+        return self._producer
 
     def close(self) -> None:
         if self._producer is not None:
