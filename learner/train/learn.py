@@ -62,7 +62,7 @@ from feedback import db
 from learner.model import ModelArgs, Transformer, WeightHook
 from learner.tokenizer import EOS_ID
 from learner.train.learn_settings import LearnSection, LearnSettings
-from learner.train.rl_loss import RLConfig, RLInputs, rl_loss
+from learner.train.rl_loss import RLInputs, rl_loss
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +266,7 @@ def rl_update(
     model.train()
     logits = model(x, routing=routing if cfg.router_replay else None, fp4=hook)
     logp_BT = token_logprobs(logits, batch)
-    rl = RLConfig(importance=cfg.importance, clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef)
-    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT), rl)
+    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT), cfg)
     loss.backward()
     m["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
     opt.step()
