@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import io
 import json
 import textwrap
 from dataclasses import replace
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rich.console import Console
 
 from feedback.reward import reward
 from learner import eval as E
@@ -179,16 +181,21 @@ def test_replay_refuses_a_bad_max_tokens_and_clamps_to_the_window(tok, sites):
     assert all(r.prompt_tokens + r.tokens <= WINDOW for r in st.results)
 
 
-def test_base_model_replay_against_itself_passes():
-    """On the cached pretrained base, if there is one: identical stats, so the gate passes."""
-    from feedback.core.config import FlywheelSettings
+def test_base_model_replay_against_itself_passes(tmp_path):
+    """A (tiny) pretrained base against itself, in FP4 as served: identical stats, so the gate passes."""
     from learner.tokenizer import load_tokenizer
-    from learner.train.pretrain import find_base_model, load_master_weights, load_training_corpus, pretrain_section
+    from learner.train.pretrain import (
+        ensure_base_model,
+        find_base_model,
+        load_master_weights,
+        load_training_corpus,
+        pretrain_section,
+    )
+    from tests.learner.train.learn_support import make_corpus, tiny_learn_settings
 
-    s = FlywheelSettings()
+    s = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    ensure_base_model(s, Console(file=io.StringIO()))
     folder = find_base_model(s)
-    if folder is None:
-        pytest.skip("no pretrained base for the default settings (flywheel pretrain)")
     model, _ = load_master_weights(folder)
     base_tok = load_tokenizer(folder / "tokenizer")
     held = E.heldout_sites(load_training_corpus(pretrain_section(s)).heldout, 48)
