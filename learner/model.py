@@ -15,7 +15,8 @@ needs no renaming and vLLM / transformers load it unchanged:
     lm_head.weight                                     [V, D]    not tied
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, H / Hkv query / kv heads,
-Hd head dim, E experts, K experts per token, F expert hidden dim, V vocabulary.
+Hd head dim, E experts, K experts per token, F expert hidden dim, V vocabulary, P positions
+held in a KV cache.
 
 Router replay: `forward(..., return_routing=True)` also returns the experts each token
 chose, per layer ([B, S, K] int64). Passing such a list back as `routing=` forces those
@@ -217,8 +218,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if S == 1:  # a new token attends to everything before it: no mask to build
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    allowed_SP = torch.arange(start + S, device=q.device) <= torch.arange(start, start + S, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_SP, enable_gqa=True)
+    # [S, start+S]: query i (at position start+i) sees the positions up to its own
+    allowed = torch.arange(start + S, device=q.device) <= torch.arange(start, start + S, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
 
 
 class Attention(nn.Module):
