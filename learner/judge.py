@@ -4,8 +4,10 @@ user keeps of a suggestion there.
 Each site is a cursor inside a non-trivial line of a real file: the prefix is the code before
 the cursor, the suffix the code after the line, the truth the rest of that line. `judge()`
 accepts what matches the truth (all of it, its first line, or its first words) and dismisses
-the rest. Both are pure, so the simulated editors (ops/simulate.py), the held-out evaluation
-and the learner's gate judge suggestions the same way.
+the rest; `editor_events()` is what the editor then reports about the suggestion. All are
+pure, so the simulated editors (ops/simulate.py), which send those events over HTTP, and the
+held-out replay (learner/eval.py), which scores them as the sink would, judge and report
+suggestions the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from feedback.reward import Event
 from learner.corpus import SourceFile
 
 _WORD = re.compile(r"\s*(?:\w+|[^\w\s])")  # a word: an identifier or one punctuation mark
@@ -81,3 +84,18 @@ def judge(suggestion: str, truth: str) -> Verdict:
     if kept.strip():
         return Verdict("select", "word", len(kept), kept)
     return Verdict("dismiss")
+
+
+def editor_events(verdict: Verdict) -> tuple[Event, ...]:
+    """The events the simulated editor sends about a suggestion it judged so: `view`, then for
+    an accept `select` (its kind and accepted characters) and `edit` (the text kept), else
+    `dismiss`; nothing for an empty suggestion, which is never shown."""
+    if verdict.type == "select":
+        return (
+            Event("view"),
+            Event("select", select_kind=verdict.select_kind, accepted_chars=verdict.accepted_chars),
+            Event("edit", kept_text=verdict.kept_text),
+        )
+    if verdict.type == "dismiss":
+        return (Event("view"), Event("dismiss"))
+    return ()

@@ -15,12 +15,18 @@ needs no renaming and vLLM / transformers load it unchanged:
     lm_head.weight                                     [V, D]    not tied
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, H / Hkv query / kv heads,
-Hd head dim, E experts, K experts per token, F expert hidden dim, V vocabulary.
+Hd head dim, E experts, K experts per token, F expert hidden dim, V vocabulary, P positions
+held in a KV cache.
 
 Router replay: `forward(..., return_routing=True)` also returns the experts each token
 chose, per layer ([B, S, K] int64). Passing such a list back as `routing=` forces those
 experts; the gate weights still come from the router's own softmax at the forced
 indices, so the router keeps its gradient (as in R3 / Megatron's RouterReplay).
+
+KV cache: `forward(ids, cache=KVCache())` runs `ids` at the positions after those already in
+the cache and appends their keys and values, so one forward serves training (no cache), a
+prefill (an empty cache) and decoding (one new token against the cache); learner.decode
+decodes with it.
 
 FP4 hook: `fp4(param_name, weight) -> weight` is applied to every matrix weight at use
 time (embedding, projections, router, experts, lm_head); the callable decides by name.
@@ -32,11 +38,13 @@ it a small MoE trained from scratch routes most tokens to a few experts.
 """
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from learner.sizes import SIZES
 
 WeightHook = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -148,11 +156,26 @@ class ModelArgs:
         return asdict(self)
 
 
-SIZES: dict[str, dict] = {
-    # head_dim 32 even in `tiny`: vLLM's CPU attention supports head sizes 32, 64, ...
-    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=2, moe_dim=64),
-    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, n_experts=8, top_k=2, moe_dim=256),
-}
+@dataclass
+class KVCache:
+    """The keys and values of the positions a forward already ran, one (k, v) pair per layer,
+    each [B, Hkv, P, Hd] for P cached positions. `Transformer.forward(..., cache=)` appends to it.
+    A forward that raises before its first layer (a bad argument) leaves it unchanged."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        """Positions cached."""
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' k, v of `layer`; returns all of that layer's k, v."""
+        if layer == len(self.kv):
+            self.kv.append((k, v))
+        else:
+            old_k, old_v = self.kv[layer]
+            self.kv[layer] = (torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2))
+        return self.kv[layer]
 
 
 def _w(module: nn.Module, fp4: WeightHook | None) -> torch.Tensor:
@@ -187,9 +210,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [B, H, S, Hd] at positions start..start+S-1; k, v [B, Hkv, start+S, Hd] of every
+    position so far -> [B, H, S, Hd], each query attending to its own position and those before."""
+    S = q.shape[2]
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if S == 1:  # a new token attends to everything before it: no mask to build
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    # [S, start+S]: query i (at position start+i) sees the positions up to its own
+    allowed = torch.arange(start + S, device=q.device) <= torch.arange(start, start + S, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.layer = layer  # its slot in a KVCache
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -198,14 +235,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos, sin, fp4: WeightHook | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos, sin, fp4: WeightHook | None, cache: KVCache | None = None, start: int = 0
+    ) -> torch.Tensor:
+        """x [B, S, D] at positions start..start+S-1 (cos, sin [S, Hd] of those positions); with
+        a cache, its `start` positions are attended to and x's are appended."""
         B, S, _ = x.shape
         q = self.q_norm(F.linear(x, _w(self.q_proj, fp4)).view(B, S, self.n_heads, self.head_dim))
         k = self.k_norm(F.linear(x, _w(self.k_proj, fp4)).view(B, S, self.n_kv_heads, self.head_dim))
         v = F.linear(x, _w(self.v_proj, fp4)).view(B, S, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), S, Hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Hd]
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)  # [B, Hkv, start+S, Hd]
+        y = causal_attention(q, k, v, start)  # [B, H, S, Hd]
         return F.linear(y.transpose(1, 2).reshape(B, S, -1), _w(self.o_proj, fp4))
 
 
@@ -260,16 +303,16 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args)
 
-    def forward(self, x, cos, sin, fp4, forced_BSK, balance_losses=None):
+    def forward(self, x, cos, sin, fp4, forced_BSK, balance_losses=None, cache=None, start=0):
         B, S, D = x.shape
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fp4)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fp4, cache, start)
         forced_TK = None if forced_BSK is None else forced_BSK.reshape(B * S, -1)
         h_TD, idx_TK = self.mlp(self.post_attention_layernorm(x).reshape(B * S, D), fp4, forced_TK, balance_losses)
         return x + h_TD.view(B, S, D), idx_TK.view(B, S, -1)
@@ -279,7 +322,7 @@ class Decoder(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 
@@ -309,26 +352,37 @@ class Transformer(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
         routing: list[torch.Tensor] | None = None,
         return_routing: bool = False,
         fp4: WeightHook | None = None,
         balance_losses: list[torch.Tensor] | None = None,
     ):
         """input_ids [B, S] -> logits [B, S, V], plus the routing ([B, S, K] per layer)
-        when `return_routing` is set. `routing` forces the experts chosen in each layer;
-        `balance_losses`, a list, receives each layer's load-balancing loss."""
+        when `return_routing` is set. `cache`: the tokens follow the cache's positions, whose
+        keys and values they attend to, and theirs are appended (an empty cache: a prefill);
+        `logits_to_keep`: only the last that many positions' logits (0: all), as a decoder
+        needs only the last one. `routing` forces the experts chosen in each layer (of the S
+        new tokens); `balance_losses`, a list, receives each layer's load-balancing loss."""
         B, S = input_ids.shape
-        if self.args.max_seq_len < S:
-            raise ValueError(f"sequence of {S} tokens is longer than max_seq_len={self.args.max_seq_len}")
+        start = 0 if cache is None else len(cache)
+        if self.args.max_seq_len < start + S:
+            raise ValueError(
+                f"sequence of {start + S} tokens is longer than max_seq_len={self.args.max_seq_len}"
+                + (f" ({start} cached, {S} new)" if start else "")
+            )
         self._check_routing(routing, B, S)
         x = F.embedding(input_ids, _w(self.model.embed_tokens, fp4))  # [B, S, D]
-        cos, sin = rope_cos_sin(S, self.args.head_dim, self.args.rope_theta, x.device)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = rope_cos_sin(start + S, self.args.head_dim, self.args.rope_theta, x.device)
+        cos, sin = cos[start:].to(x.dtype), sin[start:].to(x.dtype)
         chosen = []
         for i, layer in enumerate(self.model.layers):
-            x, idx_BSK = layer(x, cos, sin, fp4, None if routing is None else routing[i], balance_losses)
+            x, idx_BSK = layer(x, cos, sin, fp4, None if routing is None else routing[i], balance_losses, cache, start)
             chosen.append(idx_BSK.detach())
-        logits = F.linear(self.model.norm(x), _w(self.lm_head, fp4))  # [B, S, V]
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = F.linear(self.model.norm(x), _w(self.lm_head, fp4))  # [B, S or logits_to_keep, V]
         return (logits, chosen) if return_routing else logits
 
     def _check_routing(self, routing, B: int, S: int) -> None:

@@ -33,6 +33,12 @@ EDITOR_STOP = "\n\n"
 completion in an editor is the rest of a line or a short block). Serving adds it to editor-shaped
 requests, and the held-out replay cuts its greedy middles there, so both see the same text."""
 
+CONTEXT_BUDGET = 768
+"""Prompt tokens a completion may use (the default of serve.context_budget); longer prefixes
+are self-summarized into it."""
+SUMMARY_CHUNK_TOKENS = 192
+"""Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
+
 log = logging.getLogger(__name__)
 
 Summarizer = Callable[[str], Awaitable[list[int]]]  # chunk text -> summary token ids
@@ -69,6 +75,17 @@ class Prompt:
 def fim_ids(sp: SpecialIds, header: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
     """learner.fim's layout over already-encoded parts (the prefix may hold summary blocks)."""
     return [sp.fim_prefix, *header, *prefix, sp.fim_suffix, *suffix, sp.fim_middle]
+
+
+def fit_budget(
+    window: int, context_budget: int = CONTEXT_BUDGET, chunk_tokens: int = SUMMARY_CHUNK_TOKENS
+) -> tuple[int, int]:
+    """(context budget, summary chunk tokens) within a `window`-token context: a quarter of the
+    window is kept for the completion, and a chunk is at most half the budget (16 tokens at
+    least). Serving fits its settings to a replica's window with it, the held-out replay its
+    prompts to the model's."""
+    budget = min(context_budget, window * 3 // 4)
+    return budget, min(chunk_tokens, max(16, budget // 2))
 
 
 def chunk_hash(text: str) -> str:

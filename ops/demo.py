@@ -302,20 +302,20 @@ def publish_degraded(learner, engine, *, parent: int):
     """A version whose suggestions are garbage: `parent` with lm_head negated. Recorded and
     announced as passing (it skips the learner's gate, which would block it), so the rollout
     controller must catch it."""
-    from learner import store as S
+    from learner.publish import publish_version
 
     packed = learner.store.materialize(parent)
     packed["lm_head.weight"] = -packed["lm_head.weight"]
-    v = learner.store.publish(packed, parent=parent).version
-    msg = learner.store.model_version(
-        v,
+    return publish_version(
+        learner.store,
+        packed,
+        parent=parent,
+        engine=engine,
+        producer=learner.producer,
         gate_passed=True,
         gate_reason="demo fault injection: lm_head negated, gate skipped",
         metrics={"injected_fault": 1.0},
     )
-    S.record(msg, engine)
-    learner._announce(msg)
-    return msg
 
 
 # --- the summary ----------------------------------------------------------------------------------

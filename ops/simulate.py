@@ -7,7 +7,8 @@ reports `view`, then accepts when the suggestion matches the truth (fully, or pa
 line or by word) and dismisses otherwise; a few seconds later it sends `edit` with the
 text it kept. Empty suggestions are not shown, so they get no event.
 
-The user's judgement (`learner.judge`) is pure: the learner's held-out replay uses the same one.
+The user's judgement and the events it sends for it (`learner.judge.judge` and `editor_events`)
+are pure: the learner's held-out replay uses the same ones; this module only puts them on the wire.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from pydantic import Field, SecretStr
 
 from feedback.core.config import Section
-from learner.judge import Site, judge
+from feedback.reward import Event
+from learner.judge import Site, editor_events, judge
 from serving.settings import ServingSettings
 
 
@@ -126,6 +128,22 @@ def failure_reason(exc: BaseException | None = None, status: int | None = None) 
     return f"{type(exc).__name__}"
 
 
+def event_body(e: Event, completion_id: str, elapsed_ms: float) -> tuple[dict, str]:
+    """(JSON body, query string) of the POST /v1/events call that reports `e` about choice 0
+    (an `edit` names the completion only)."""
+    body: dict = {"type": e.type, "completion_id": completion_id}
+    if e.type != "edit":
+        body["choice_index"] = 0
+    if e.type == "view":
+        body |= {"view_id": uuid.uuid4().hex, "elapsed": int(elapsed_ms)}
+    elif e.type == "select":
+        body["accepted_chars"] = e.accepted_chars
+        return body, f"?select_kind={e.select_kind}"
+    elif e.type == "edit":
+        body["kept_text"] = e.kept_text
+    return body, ""
+
+
 async def run_sessions(
     url: str,
     token: str,
@@ -201,36 +219,17 @@ async def run_sessions(
                 return
             stats.shown += 1
             per["shown"] += 1
-            await event(
-                {
-                    "type": "view",
-                    "completion_id": cid,
-                    "choice_index": 0,
-                    "view_id": uuid.uuid4().hex,
-                    "elapsed": int(elapsed_ms),
-                }
-            )
-            if verdict.type == "select":
-                stats.accepted += 1
-                stats.accepted_chars += verdict.accepted_chars
-                per["accepted"] += 1
-                per["accepted_chars"] += verdict.accepted_chars
-                await event(
-                    {
-                        "type": "select",
-                        "completion_id": cid,
-                        "choice_index": 0,
-                        "accepted_chars": verdict.accepted_chars,
-                    },
-                    f"?select_kind={verdict.select_kind}",
-                )
-                pending_edits.append(
-                    asyncio.create_task(
-                        later_edit({"type": "edit", "completion_id": cid, "kept_text": verdict.kept_text})
-                    )
-                )
-            else:
-                await event({"type": "dismiss", "completion_id": cid, "choice_index": 0})
+            for e in editor_events(verdict):
+                if e.type == "select":
+                    stats.accepted += 1
+                    stats.accepted_chars += e.accepted_chars
+                    per["accepted"] += 1
+                    per["accepted_chars"] += e.accepted_chars
+                body, query = event_body(e, cid, elapsed_ms)
+                if e.type == "edit":  # the kept text is known a little after the accept
+                    pending_edits.append(asyncio.create_task(later_edit(body)))
+                else:
+                    await event(body, query)
             progress(stats)
 
         sem = asyncio.Semaphore(users)

@@ -8,6 +8,7 @@ from typing import Self
 from pydantic import Field, SecretStr, model_validator
 
 from feedback.core.config import FlywheelSettings, Section
+from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
 class EngineSettings(Section):
@@ -83,9 +84,9 @@ class ServeSettings(Section):
     default_max_tokens: int = Field(default=64, ge=1)
     """`max_tokens` when a request does not send one."""
 
-    context_budget: int = Field(default=768, ge=32)
+    context_budget: int = Field(default=CONTEXT_BUDGET, ge=32)
     """Prompt tokens a completion may use; longer prefixes are self-summarized into it."""
-    summary_chunk_tokens: int = Field(default=192, ge=16)
+    summary_chunk_tokens: int = Field(default=SUMMARY_CHUNK_TOKENS, ge=16)
     """Size of the prefix chunks that are replaced by summaries."""
     summary_max_tokens: int = Field(default=48, ge=4)
     """Longest summary the model may write for one chunk."""
@@ -108,8 +109,7 @@ class ServeSettings(Section):
         engine allocates no more than the model can attend to, and a quarter of the window is
         kept for the completion."""
         max_len = min(self.engine.max_model_len, model_max_len)
-        budget = min(self.context_budget, max_len * 3 // 4)
-        chunk = min(self.summary_chunk_tokens, max(16, budget // 2))
+        budget, chunk = fit_budget(max_len, self.context_budget, self.summary_chunk_tokens)
         return self.model_copy(
             update={
                 "engine": self.engine.model_copy(update={"max_model_len": max_len}),

@@ -1,23 +1,9 @@
-"""The gate before publish: a held-out replay of simulated editor sessions, then checks that
-block a candidate which games the online reward instead of getting better at completion.
+"""The gate before publish: checks that block a candidate which games the online reward
+instead of getting better at completion.
 
-Held-out replay (`heldout_replay`): the cursor sites of ops.simulate on held-out files (never
-trained on), run in-process with the learner's torch model. Each site goes through the steps
-serving and the simulated editor take, so the replay scores the candidate as users would:
-
-    prompt    serving's PromptBuilder with the serve budget fitted to the model's window, the
-              header editor requests get (`fim_header(language, path)`); a prefix past the
-              budget is truncated, as serving's summarization fallback does (summarizing
-              every older chunk, as serving does, would take minutes per site here)
-    decode    greedy with a KV cache, up to `max_tokens` (clamped to the window, as the replica
-              does), stopping at <|endoftext|> or at "\\n\\n" (the stop string serving gives
-              editor requests, serving/api.py)
-    judge     ops.simulate.judge against the true continuation: accept fully, by line or by
-              word, or dismiss; an empty completion is not shown (the model abstained)
-    reward    feedback.reward on the events the simulated editor sends for that verdict
-              (view + select + edit of the kept text, or view + dismiss), as the sink scores them
-
-Checks (`check`), each of which blocks the publish and says why:
+The candidate and the stable version are first replayed on the same held-out sites
+(learner.eval.evaluate_candidate: simulated editor sessions, scored by the sink's reward);
+`check` then compares the two replays' stats. Each failed check blocks the publish and says why:
 
     sites              too few sites, or candidate and stable replayed on different sites
     heldout_reward     held-out reward below stable's by more than `reward_tolerance`
@@ -26,346 +12,18 @@ Checks (`check`), each of which blocks the publish and says why:
     completion_length  mean suggestion length collapses or explodes relative to stable
     kl                 the policy moved too far from the reference in one publish
 
-The checks are a pure function of the two replays' stats; only the replay runs the model.
+The thresholds are `[learn.gate]` (learner.train.learn_settings.GateThresholds). `check` is a
+pure function of the two replays' stats; only the replay runs the model.
 """
 
 from __future__ import annotations
 
 import math
-import random
-import time
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-from pydantic import Field, model_validator
-from tokenizers import Tokenizer
-
-from feedback.core.config import Section
-from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
-from learner.corpus import SourceFile
-from learner.fim import fim_header
-from learner.judge import Site, Verdict, cursor_sites, judge
-from learner.model import Transformer, WeightHook, _w, apply_rope, rope_cos_sin
-from learner.prompts import EDITOR_STOP, PromptBuilder, SummaryCache
-from learner.tokenizer import EOS_ID
-from serving.settings import ServeSettings
-
-# --- replay -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SiteResult:
-    """One replayed request: what the model suggested and what the simulated user did with it."""
-
-    path: str
-    text: str  # the suggestion as served: cut before the stop string
-    tokens: int  # completion tokens generated (the stop string's included, <|endoftext|> not)
-    finish: str  # stop | length
-    verdict: str  # judge(): select | dismiss | none (empty: not shown)
-    select_kind: str | None
-    accepted_chars: int
-    outcome: str  # feedback.reward's outcome: edit | select | dismiss | no_suggestion
-    reward: float
-    prompt_tokens: int
-    truncated_tokens: int  # prefix tokens dropped to fit the budget
-
-
-@dataclass
-class ReplayStats:
-    """Aggregates of one replay; the rates are per request unless named otherwise."""
-
-    n: int = 0  # requests (sites)
-    shown: int = 0  # non-empty suggestions
-    accepted: int = 0  # shown and accepted (fully, by line or by word)
-    accepted_chars: int = 0
-    reward_sum: float = 0.0
-    completion_tokens: int = 0  # summed over the shown suggestions
-    length_capped: int = 0  # suggestions that ran to max_tokens
-    truncated_prompts: int = 0  # prompts whose prefix was cut to the budget
-    seconds: float = 0.0
-    outcomes: dict[str, int] = field(default_factory=dict)
-    results: list[SiteResult] = field(default_factory=list, repr=False)
-
-    @property
-    def mean_reward(self) -> float:
-        return self.reward_sum / self.n if self.n else 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        """Accepted / shown."""
-        return self.accepted / self.shown if self.shown else 0.0
-
-    @property
-    def suggestion_rate(self) -> float:
-        """Non-empty suggestions / requests."""
-        return self.shown / self.n if self.n else 0.0
-
-    @property
-    def accepted_chars_per_request(self) -> float:
-        return self.accepted_chars / self.n if self.n else 0.0
-
-    @property
-    def mean_completion_tokens(self) -> float:
-        """Mean length of the shown suggestions (abstentions are the suggestion rate's business)."""
-        return self.completion_tokens / self.shown if self.shown else 0.0
-
-    @classmethod
-    def of(cls, results: Sequence[SiteResult], seconds: float = 0.0) -> ReplayStats:
-        shown = [r for r in results if r.text]
-        return cls(
-            n=len(results),
-            shown=len(shown),
-            accepted=sum(r.verdict == "select" for r in results),
-            accepted_chars=sum(r.accepted_chars for r in results),
-            reward_sum=sum(r.reward for r in results),
-            completion_tokens=sum(r.tokens for r in shown),
-            length_capped=sum(r.finish == "length" for r in shown),
-            truncated_prompts=sum(r.truncated_tokens > 0 for r in results),
-            seconds=seconds,
-            outcomes=dict(Counter(r.outcome for r in results)),
-            results=list(results),
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-safe aggregates (no per-site results)."""
-        return {
-            "n": self.n,
-            "shown": self.shown,
-            "accepted": self.accepted,
-            "mean_reward": _num(self.mean_reward),
-            "accept_rate": _num(self.accept_rate),
-            "suggestion_rate": _num(self.suggestion_rate),
-            "accepted_chars_per_request": _num(self.accepted_chars_per_request),
-            "mean_completion_tokens": _num(self.mean_completion_tokens),
-            "length_capped": self.length_capped,
-            "truncated_prompts": self.truncated_prompts,
-            "outcomes": dict(self.outcomes),
-            "seconds": _num(self.seconds),
-        }
-
-
-def heldout_sites(files: Sequence[SourceFile], n: int = 48, *, seed: int = 0) -> list[Site]:
-    """The replay's cursor sites: a pure function of (files, n, seed), so candidate and stable
-    see the same ones. Pass the held-out split pretraining used (pretrain.load_training_corpus)."""
-    return cursor_sites(files, n, random.Random(seed))
-
-
-def replay_window(window: int, serve: ServeSettings | None = None) -> ServeSettings:
-    """The serve settings a replica of a model with this context window runs with."""
-    return (serve or ServeSettings()).fitted_to(window)
-
-
-def prompt_builder(tok: Tokenizer, window: int, serve: ServeSettings | None = None) -> PromptBuilder:
-    """Serving's prompt builder as a replica of a `window`-token model sets it up."""
-    cfg = replay_window(window, serve)
-    return PromptBuilder(tok, cfg.context_budget, cfg.summary_chunk_tokens, SummaryCache(0), version=0)
-
-
-def site_prompt(builder: PromptBuilder, site: Site) -> tuple[list[int], int]:
-    """(prompt ids, prefix tokens truncated) for a site, as serving builds it for an editor request."""
-    coro = builder.build(site.prefix, site.suffix, fim_header(language=site.language, path=site.path), None)
-    # Without a summarizer build() never suspends, so one send() runs it to the end: no event
-    # loop needed, and the learner may call this from inside one.
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value.ids, done.value.truncated_tokens
-    coro.close()
-    raise AssertionError("PromptBuilder.build suspended without a summarizer")
-
-
-def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
-    """The served choice and the events the simulated editor sends about it (ops.simulate.run_sessions)."""
-    if verdict.type == "select":
-        events = (
-            Event("view"),
-            Event("select", select_kind=verdict.select_kind, accepted_chars=verdict.accepted_chars),
-            Event("edit", kept_text=verdict.kept_text),
-        )
-    elif verdict.type == "dismiss":
-        events = (Event("view"), Event("dismiss"))
-    else:
-        events = ()
-    return ChoiceFeedback(n_chars=len(text), text=text, events=events)
-
-
-@torch.no_grad()
-def greedy_middle(
-    model: Transformer, tok: Tokenizer, prompt_ids: list[int], max_tokens: int, fp4: WeightHook | None = None
-) -> tuple[list[int], str, str]:
-    """(token ids, text, finish) of a greedy completion that ends at <|endoftext|> or the editor
-    stop string; the text is cut before the stop string, as vLLM returns it."""
-    if len(prompt_ids) + max_tokens > model.args.max_seq_len:
-        raise ValueError(
-            f"{len(prompt_ids)} prompt tokens + {max_tokens} new ones exceed the window of {model.args.max_seq_len}"
-        )
-    device = next(model.parameters()).device
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    logits_V = cached_forward(model, torch.tensor([prompt_ids], device=device), kv, fp4)[0]
-    out: list[int] = []
-    for _ in range(max_tokens):
-        nxt = int(logits_V.argmax())
-        if nxt == EOS_ID:
-            return out, tok.decode(out), "stop"
-        out.append(nxt)
-        text = tok.decode(out)
-        if (cut := text.find(EDITOR_STOP)) >= 0:
-            return out, text[:cut], "stop"
-        if len(out) < max_tokens:
-            logits_V = cached_forward(model, torch.tensor([[nxt]], device=device), kv, fp4)[0]
-    return out, tok.decode(out), "length"
-
-
-@torch.no_grad()
-def cached_forward(
-    model: Transformer, ids_BS: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], fp4: WeightHook | None = None
-) -> torch.Tensor:
-    """`model(ids)[:, -1]` for tokens that follow those already in the KV cache `kv` (one
-    (k, v) [B, Hkv, S, Hd] pair per layer, filled by the first call and extended by each next
-    one): logits [B, V] of the last position.
-
-    The same math as Transformer.forward (tests/learner/train/test_gate.py checks it against it),
-    with a cache: the replay then costs one position per new token instead of the whole
-    window, about 6x faster for the small model on a CPU."""
-    a = model.args
-    B, S = ids_BS.shape
-    start = kv[0][0].shape[2] if kv else 0
-    assert start == 0 or S == 1, "extend the cache one token at a time"
-    x = F.embedding(ids_BS, _w(model.model.embed_tokens, fp4))  # [B, S, D]
-    cos, sin = rope_cos_sin(start + S, a.head_dim, a.rope_theta, x.device)
-    cos, sin = cos[start:].to(x.dtype), sin[start:].to(x.dtype)
-    for i, layer in enumerate(model.model.layers):
-        at = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = at.q_norm(F.linear(h, _w(at.q_proj, fp4)).view(B, S, at.n_heads, at.head_dim)).transpose(1, 2)
-        k = at.k_norm(F.linear(h, _w(at.k_proj, fp4)).view(B, S, at.n_kv_heads, at.head_dim)).transpose(1, 2)
-        v = F.linear(h, _w(at.v_proj, fp4)).view(B, S, at.n_kv_heads, at.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if start:
-            k, v = torch.cat([kv[i][0], k], dim=2), torch.cat([kv[i][1], v], dim=2)
-            kv[i] = (k, v)
-        else:
-            kv.append((k, v))
-        # The prompt attends causally; a new token attends to everything before it.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=True)  # [B, H, S, Hd]
-        x = x + F.linear(y.transpose(1, 2).reshape(B, S, -1), _w(at.o_proj, fp4))
-        h_TD, _ = layer.mlp(layer.post_attention_layernorm(x).reshape(B * S, -1), fp4)
-        x = x + h_TD.view(B, S, -1)
-    return F.linear(model.model.norm(x[:, -1]), _w(model.lm_head, fp4))
-
-
-def heldout_replay(
-    model: Transformer,
-    tok: Tokenizer,
-    sites: Sequence[Site],
-    *,
-    max_tokens: int,
-    fp4_hook: WeightHook | None = None,
-    weights: RewardWeights | None = None,
-    serve: ServeSettings | None = None,
-    threads: int | None = 1,
-) -> ReplayStats:
-    """Simulated editor sessions on `sites` with `model` in-process (see the module docstring).
-
-    `max_tokens`: per completion (serving gives editor requests `serve.default_max_tokens`);
-    `fp4_hook`: the learner's QAT hook, so the replay sees the weights as served; `weights`:
-    the sink's reward weights; `serve`: the serve settings whose prompt budget to mirror;
-    `threads`: torch's CPU threads while replaying (None: leave them). One token at a time is
-    too little work to split, and next to busy vLLM workers the thread pool's waits made a
-    2-thread replay of the small model take 570 s instead of 4 s."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    t0 = time.perf_counter()
-    window = model.args.max_seq_len
-    builder = prompt_builder(tok, window, serve)
-    hook = _frozen(fp4_hook)
-    was_training, was_threads = model.training, torch.get_num_threads()
-    model.eval()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    results = []
-    try:
-        for site in sites:
-            prompt, truncated = site_prompt(builder, site)
-            budget = min(max_tokens, window - len(prompt))  # the replica clamps to the window too
-            out, text, finish = greedy_middle(model, tok, prompt, max(1, budget), hook)
-            verdict = judge(text, site.truth)
-            r, parts = reward(editor_feedback(text, verdict), weights)
-            results.append(
-                SiteResult(
-                    site.path,
-                    text,
-                    len(out),
-                    finish,
-                    verdict.type,
-                    verdict.select_kind,
-                    verdict.accepted_chars,
-                    parts["outcome"],
-                    r,
-                    len(prompt),
-                    truncated,
-                )
-            )
-    finally:
-        model.train(was_training)
-        torch.set_num_threads(was_threads)
-    return ReplayStats.of(results, time.perf_counter() - t0)
-
-
-def _frozen(hook: WeightHook | None) -> WeightHook | None:
-    """The hook memoized by weight name: weights do not change during a replay, and fake-quantizing
-    every expert on every decoding step would make the replay several times slower."""
-    if hook is None:
-        return None
-    cache: dict[str, torch.Tensor] = {}
-
-    def frozen(name: str, w: torch.Tensor) -> torch.Tensor:
-        if name not in cache:
-            cache[name] = hook(name, w)
-        return cache[name]
-
-    return frozen
-
-
-# --- checks -----------------------------------------------------------------------------------------
-
-
-class GateThresholds(Section):
-    """When the gate blocks a candidate (section `[learn.gate]`). Rewards are per request, in the
-    sink's units (accepted +0.75, dismissed -0.25, abstained 0)."""
-
-    min_sites: int = Field(default=16, ge=1)
-    """Fewest replayed sites the gate decides on; fewer blocks (the comparison would be noise)."""
-    reward_tolerance: float = Field(default=0.03, ge=0)
-    """How far the candidate's held-out mean reward may fall below stable's. 0.03 lets about one
-    of 48 sites flip from accepted to dismissed (1/48 of a 1.0 swing is 0.021)."""
-    divergence_tolerance: float = Field(default=0.01, ge=0)
-    """The same, while the online reward trend is rising: online up and held-out down is the
-    signature of reward hacking, so the gate is stricter then."""
-    min_suggestion_ratio: float = Field(default=0.5, ge=0, le=1)
-    """The candidate's suggestion rate must be at least this share of stable's."""
-    min_suggestion_rate: float = Field(default=0.05, ge=0, le=1)
-    """Absolute floor on the suggestion rate: below it the candidate abstains almost everywhere.
-    Applies only when the candidate is also below stable (a weak stable does not block itself)."""
-    min_length_ratio: float = Field(default=0.5, gt=0)
-    """Mean suggestion length (tokens) of the candidate over stable's: lower bound."""
-    max_length_ratio: float = Field(default=2.0, gt=0)
-    """Upper bound of the same ratio (a model that repeats itself runs to max_tokens)."""
-    max_kl: float = Field(default=0.2, gt=0)
-    """Mean per-token KL (nats; the k3 estimate rl_loss reports as `kl_ref`) from the reference
-    above which the candidate moved too far for one publish."""
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Self:
-        if self.min_length_ratio > self.max_length_ratio:
-            raise ValueError(
-                f"min_length_ratio ({self.min_length_ratio}) must not exceed max_length_ratio ({self.max_length_ratio})"
-            )
-        return self
+from learner.eval import ReplayStats, json_number
+from learner.train.learn_settings import GateThresholds
 
 
 @dataclass
@@ -442,47 +100,15 @@ def check(
         "failed": list(failed),
         "candidate": candidate.summary(),
         "stable": stable.summary(),
-        "reward_delta": _num(delta),
-        "suggestion_ratio": _num(suggestion_ratio),
-        "length_ratio": _num(length_ratio),
-        "kl": _num(kl),
-        "online_reward_trend": _num(trend),
+        "reward_delta": json_number(delta),
+        "suggestion_ratio": json_number(suggestion_ratio),
+        "length_ratio": json_number(length_ratio),
+        "kl": json_number(kl),
+        "online_reward_trend": json_number(trend),
         "thresholds": t.model_dump(mode="json"),
     }
     return GateResult(not failed, [f"{name}: {why}" for name, why in failed.items()], metrics)
 
 
-def evaluate_candidate(
-    candidate_model: Transformer,
-    stable_model: Transformer,
-    tok: Tokenizer,
-    sites: Sequence[Site],
-    *,
-    max_tokens: int,
-    kl: float,
-    online_reward_trend: float | None = None,
-    thresholds: GateThresholds | None = None,
-    fp4_hook: WeightHook | None = None,
-    weights: RewardWeights | None = None,
-    serve: ServeSettings | None = None,
-    threads: int | None = 1,
-    stable_stats: ReplayStats | None = None,
-) -> tuple[GateResult, ReplayStats, ReplayStats]:
-    """Replay both models on `sites` and check the candidate: (result, stable stats, candidate stats).
-
-    Pass `stable_stats` from an earlier call to skip replaying an unchanged stable model again."""
-    replay = dict(max_tokens=max_tokens, fp4_hook=fp4_hook, weights=weights, serve=serve, threads=threads)
-    if stable_stats is None:
-        stable_stats = heldout_replay(stable_model, tok, sites, **replay)
-    candidate_stats = heldout_replay(candidate_model, tok, sites, **replay)
-    result = check(candidate_stats, stable_stats, online_reward_trend=online_reward_trend, kl=kl, thresholds=thresholds)
-    return result, stable_stats, candidate_stats
-
-
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
-
-
-def _num(x: float | None) -> float | None:
-    """A JSON-safe number: None for missing or non-finite values (PostgreSQL's jsonb has no NaN)."""
-    return None if x is None or not math.isfinite(x) else round(float(x), 6)

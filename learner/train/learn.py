@@ -5,8 +5,9 @@
         -> update: FP4 QAT forward with router replay, rl_loss (PPO-clip or TIS, KL to the base), AdamW
         -> checkpoint (weights, optimizer, step, cursor, buffer: one atomic file)
         -> every `publish_every`, once `min_samples` were trained:
-           gate (held-out replay vs stable, reward-hacking checks) -> pack FP4 -> store.publish
-           (delta vs the last good version, STABLE last) -> model_versions -> flywheel.versions
+           gate (learner/eval.py's held-out replay vs stable, learner/train/gate.py's reward-hacking
+           checks) -> pack FP4 -> learner/publish.py: store.publish (delta vs the last good
+           version, STABLE last) -> model_versions -> flywheel.versions
 
 **Input.** The sink writes a `rewards` row when a completion's feedback window closes; the
 learner reads rewards joined to their completion (prompt token ids, behaviour version) and
@@ -61,7 +62,7 @@ from feedback import db
 from learner.model import ModelArgs, Transformer, WeightHook
 from learner.tokenizer import EOS_ID
 from learner.train.learn_settings import LearnSection, LearnSettings
-from learner.train.rl_loss import RLConfig, RLInputs, rl_loss
+from learner.train.rl_loss import RLInputs, rl_loss
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +266,7 @@ def rl_update(
     model.train()
     logits = model(x, routing=routing if cfg.router_replay else None, fp4=hook)
     logp_BT = token_logprobs(logits, batch)
-    rl = RLConfig(importance=cfg.importance, clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef)
-    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT), rl)
+    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT), cfg)
     loss.backward()
     m["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
     opt.step()
@@ -458,6 +458,7 @@ class Learner:
         from feedback.core.errors import UserError
         from learner import delta as codec
         from learner import store as S
+        from learner.publish import publish_version
 
         packed = (
             S.load_packed_artifact(self.base_dir / "fp4")
@@ -470,13 +471,16 @@ class Learner:
                 f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
                 f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
             )
-        if not stable:
-            self.store.publish(packed, parent=None, version=0)
-        msg = self.store.model_version(
-            0, gate_passed=True, gate_reason=f"the pretrained base model ({self.base_dir.name})"
+        publish_version(
+            self.store,
+            None if stable else packed,  # stored already: record and announce it again
+            parent=None,
+            version=0,
+            engine=self.engine,
+            producer=self.producer,
+            gate_passed=True,
+            gate_reason=f"the pretrained base model ({self.base_dir.name})",
         )
-        S.record(msg, self.engine)
-        self._announce(msg)
 
     def _recover_unrecorded(self) -> None:
         """Versions in the store newer than the saved state: published, then the learner died."""
@@ -494,7 +498,7 @@ class Learner:
                 v,
                 "passed" if passed else "blocked",
             )
-            self._finish_publish(v, passed, reason, metrics)
+            self._finish_publish(None, passed, reason, metrics, version=v)
 
     # steps -------------------------------------------------------------------------------------------
     def poll(self) -> int:
@@ -544,11 +548,14 @@ class Learner:
             self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
         )
         passed, reason, metrics = self._gate(packed)
-        msg = self.store.publish(packed, parent=self.state.last_good)
-        return self._finish_publish(msg.version, passed, reason, metrics)
+        return self._finish_publish(packed, passed, reason, metrics)
 
-    def _finish_publish(self, v: int, passed: bool, reason: str | None, metrics: dict) -> dict:
-        from learner import store as S
+    def _finish_publish(
+        self, packed, passed: bool, reason: str | None, metrics: dict, *, version: int | None = None
+    ) -> dict:
+        """Publish `packed` as the next version, a delta against the last good one (None: the
+        stored `version`, recovered), then move the learner's state on to it."""
+        from learner.publish import publish_version
 
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
@@ -558,9 +565,18 @@ class Learner:
             "samples_trained": st.trained_since_publish,
             "learner_step": st.step,
         }
-        msg = self.store.model_version(v, gate_passed=passed, gate_reason=reason, metrics=flat_metrics(metrics))
-        S.record(msg, self.engine)
-        self._announce(msg)
+        msg = publish_version(
+            self.store,
+            packed,
+            parent=st.last_good,
+            version=version,
+            engine=self.engine,
+            producer=self.producer,
+            gate_passed=passed,
+            gate_reason=reason,
+            metrics=flat_metrics(metrics),
+        )
+        v = msg.version
         if online is not None:
             st.online_reward_history.append(online)
         st.version, st.last_publish_at, st.trained_since_publish, st.rewards_since_publish = v, time.time(), 0, []
@@ -585,6 +601,7 @@ class Learner:
     def _gate(self, packed) -> tuple[bool, str | None, dict]:
         """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""
         from feedback import pools
+        from learner import eval as E
         from learner.train import gate as G
 
         g = self.cfg.gate
@@ -593,17 +610,19 @@ class Learner:
             stable_v = pools.current_stable(conn)
         if stable_v is None or stable_v not in self.store.versions():
             stable_v = self.state.last_good
-        sites = G.heldout_sites(self.heldout, g.sites, seed=g.seed)
-        if self._stable_cache is None or self._stable_cache[0] != stable_v:
-            stable_model = model_from_packed(self.store.materialize(stable_v), self.args)
-            self._stable_cache = (
-                stable_v,
-                stable_model,
-                G.heldout_replay(stable_model, self.tok, sites, max_tokens=g.max_tokens),
-            )
-        _, stable_model, stable_stats = self._stable_cache
+        sites = E.heldout_sites(self.heldout, g.sites, seed=g.seed)
+        cached = self._stable_cache if self._stable_cache is not None and self._stable_cache[0] == stable_v else None
+        stable_model = cached[1] if cached else model_from_packed(self.store.materialize(stable_v), self.args)
         candidate = model_from_packed(packed, self.args)
-        cand_stats = G.heldout_replay(candidate, self.tok, sites, max_tokens=g.max_tokens)
+        stable_stats, cand_stats = E.evaluate_candidate(
+            candidate,
+            stable_model,
+            self.tok,
+            sites,
+            max_tokens=g.max_tokens,
+            stable_stats=cached[2] if cached else None,
+        )
+        self._stable_cache = (stable_v, stable_model, stable_stats)
         kl = policy_kl(candidate, stable_model, self._kl_windows())
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
@@ -643,20 +662,15 @@ class Learner:
         self.opt.load_state_dict(blob["optimizer"])
         log.warning("gate blocked v%d: training goes on from v%d's weights", self.state.version, blob["version"])
 
-    def _announce(self, msg) -> None:
-        from learner import store as S
-
+    @property
+    def producer(self):
+        """What announces versions on flywheel.versions: the one given, else a BufferedProducer
+        made on first use (a learner that publishes nothing never connects to Kafka)."""
         if self._producer is None:
             from feedback.producer import BufferedProducer
 
             self._producer = BufferedProducer(self.s.kafka)
-        S.announce(msg, self._producer)
-        if not self._producer.flush(timeout_s=30):
-            log.warning(
-                "v%d is recorded in SQL but not yet on %s (Kafka unreachable); it stays buffered",
-                msg.version,
-                "flywheel.versions",
-            )
+        return self._producer
 
     def close(self) -> None:
         if self._producer is not None:

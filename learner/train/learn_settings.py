@@ -3,18 +3,51 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from feedback.core.config import Seconds, Section
-from learner.train.gate import GateThresholds
 from learner.train.pretrain_settings import PretrainSettings
 
 
+class GateThresholds(Section):
+    """When the gate blocks a candidate (section `[learn.gate]`). Rewards are per request, in the
+    sink's units (accepted +0.75, dismissed -0.25, abstained 0)."""
+
+    min_sites: int = Field(default=16, ge=1)
+    """Fewest replayed sites the gate decides on; fewer blocks (the comparison would be noise)."""
+    reward_tolerance: float = Field(default=0.03, ge=0)
+    """How far the candidate's held-out mean reward may fall below stable's. 0.03 lets about one
+    of 48 sites flip from accepted to dismissed (1/48 of a 1.0 swing is 0.021)."""
+    divergence_tolerance: float = Field(default=0.01, ge=0)
+    """The same, while the online reward trend is rising: online up and held-out down is the
+    signature of reward hacking, so the gate is stricter then."""
+    min_suggestion_ratio: float = Field(default=0.5, ge=0, le=1)
+    """The candidate's suggestion rate must be at least this share of stable's."""
+    min_suggestion_rate: float = Field(default=0.05, ge=0, le=1)
+    """Absolute floor on the suggestion rate: below it the candidate abstains almost everywhere.
+    Applies only when the candidate is also below stable (a weak stable does not block itself)."""
+    min_length_ratio: float = Field(default=0.5, gt=0)
+    """Mean suggestion length (tokens) of the candidate over stable's: lower bound."""
+    max_length_ratio: float = Field(default=2.0, gt=0)
+    """Upper bound of the same ratio (a model that repeats itself runs to max_tokens)."""
+    max_kl: float = Field(default=0.2, gt=0)
+    """Mean per-token KL (nats; the k3 estimate rl_loss reports as `kl_ref`) from the reference
+    above which the candidate moved too far for one publish."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.min_length_ratio > self.max_length_ratio:
+            raise ValueError(
+                f"min_length_ratio ({self.min_length_ratio}) must not exceed max_length_ratio ({self.max_length_ratio})"
+            )
+        return self
+
+
 class GateSection(GateThresholds):
-    """The gate before publish (learner/train/gate.py): held-out replay against the stable version,
-    and the reward-hacking checks (the thresholds) that block a publish."""
+    """The gate before publish: held-out replay against the stable version (learner/eval.py),
+    and the reward-hacking checks (learner/train/gate.py; the thresholds) that block a publish."""
 
     sites: int = Field(default=48, ge=1)
     """Held-out cursor positions replayed for the candidate and for stable (same sites, fixed seed)."""

@@ -56,9 +56,10 @@ from feedback.core.errors import UserError
 from feedback.core.precision import resolve as resolve_precision
 from learner import fp4 as fp4_codec
 from learner.corpus import Corpus, SourceFile, TrainingData, heldout_windows, load_corpus, token_stream
+from learner.decode import decode
 from learner.export import export_hf, export_packed_fp4, fp4_dequantized, load_hf, verify_packed_roundtrip
 from learner.model import ModelArgs, Transformer, WeightHook
-from learner.tokenizer import EOS_ID, load_tokenizer, save_tokenizer, train_tokenizer
+from learner.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from learner.train.pretrain_settings import PretrainSection
 
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
@@ -205,23 +206,6 @@ def evaluate(
         total_acc += m["accuracy"] * len(w)
     model.train(was_training)
     return {"loss": total_loss / len(windows_NS1), "accuracy": total_acc / len(windows_NS1)}
-
-
-@torch.no_grad()
-def greedy_complete(model: Transformer, prompt_ids: list[int], max_new_tokens: int, stop_ids=(EOS_ID,)) -> list[int]:
-    """Greedy decoding without a KV cache (the model is small); the context keeps its last max_seq_len tokens."""
-    model.eval()
-    ids = list(prompt_ids)
-    out: list[int] = []
-    device = next(model.parameters()).device
-    for _ in range(max_new_tokens):
-        ctx = torch.tensor([ids[-model.args.max_seq_len :]], device=device)
-        nxt = int(model(ctx)[0, -1].argmax())
-        if nxt in stop_ids:
-            break
-        ids.append(nxt)
-        out.append(nxt)
-    return out
 
 
 # --- the run folder ------------------------------------------------------------------------------
@@ -469,7 +453,7 @@ def _finish(
     console.print(f"trained {state.elapsed_s / 60:.1f} min, this run {metrics['this_run_wall_minutes']:.1f} min{extra}")
     if held_prompts:
         prompt = held_prompts[0]
-        completion = tok.decode(greedy_complete(served, tok.encode(prompt).ids, 48))
+        completion = decode(served, tok, tok.encode(prompt).ids, 48).text
         console.print("greedy completion of held-out code ([dim]prompt[/], then the model's continuation):")
         console.print(Text(prompt[-300:], style="dim") + Text(completion))
     return metrics

@@ -11,6 +11,7 @@ from typing import Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from feedback.core.config import FlywheelSettings, Section
+from learner.sizes import SIZES
 
 # Fields that change how long or how visibly a run goes, not which model it makes: they stay
 # out of the cache key, so `--minutes 30` continues a 20-minute base instead of starting over.
@@ -38,7 +39,7 @@ class PretrainSection(Section):
     """Folder of source files to train on. Empty: the running Python's standard library
     (its *.py files minus tests). The cache key uses the files' contents, not this path."""
     size: str = "small"
-    """Named model size from learner.model.SIZES: `tiny` (tests) or `small` (the demo)."""
+    """Named model size from learner.sizes.SIZES: `tiny` (tests) or `small` (the demo)."""
     vocab_size: int = Field(default=4096, ge=262, le=65536)
     """BPE vocabulary size (256 bytes + 6 special tokens at least); also the model's vocabulary."""
     seq_len: int = Field(default=256, ge=16, le=8192)
@@ -100,8 +101,6 @@ class PretrainSection(Section):
     @field_validator("size")
     @classmethod
     def _known_size(cls, v: str) -> str:
-        from learner.model import SIZES
-
         if v not in SIZES:
             raise ValueError(f"unknown size {v!r}; choose one of {sorted(SIZES)}")
         return v

@@ -1,4 +1,5 @@
-"""The RL objective: a pure function from an inputs dataclass to `(loss, metrics)`.
+"""The RL objective: a pure function from an inputs dataclass and the `[learn]` parameters
+(`RLParams`: LearnSection itself in the learner) to `(loss, metrics)`.
 
 Shapes: B completions, T completion tokens (right-padded; `mask_BT` marks real tokens,
 including the final <|endoftext|>, which is the "stop here" action).
@@ -18,20 +19,19 @@ advantage, and the model learns not to suggest where it would be dismissed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 
-@dataclass(frozen=True)
-class RLConfig:
-    importance: Literal["ppo_clip", "tis"] = "ppo_clip"
-    clip_eps: float = 0.2
-    """PPO clip range for the importance ratio."""
-    tis_cap: float = 2.0
-    """Upper bound on the truncated importance weight."""
-    kl_coef: float = 0.05
-    """Weight of the KL penalty to the reference (base) model."""
+class RLParams(Protocol):
+    """What the loss reads of its configuration: the `[learn]` keys of the same names
+    (learner.train.learn_settings.LearnSection, where their defaults and bounds live)."""
+
+    importance: Literal["ppo_clip", "tis"]
+    clip_eps: float  # PPO clip range for the importance ratio
+    tis_cap: float  # upper bound on the truncated importance weight
+    kl_coef: float  # weight of the KL penalty to the reference (base) model
 
 
 @dataclass
@@ -44,7 +44,7 @@ class RLInputs:
     baseline: float | None = None  # None: the batch mean reward
 
 
-def rl_loss(x: RLInputs, cfg: RLConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def rl_loss(x: RLInputs, cfg: RLParams) -> tuple[torch.Tensor, dict[str, float]]:
     mask = x.mask_BT.to(x.logp_BT.dtype)
     n_tokens = mask.sum().clamp_min(1.0)
     baseline = x.reward_B.mean() if x.baseline is None else torch.tensor(x.baseline, dtype=x.reward_B.dtype)

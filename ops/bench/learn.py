@@ -5,9 +5,9 @@ One run, one process, the learner's own code path on simulated editor feedback:
     for each learning rate:                      (the base model is the baseline, replayed in the same run)
       for version 1..K:
         N updates: the FP4 policy (as served) samples completions at cursor sites of the
-                   *training* files, the simulated editor judges them (ops.simulate.judge),
+                   *training* files, the simulated editor judges them (learner.judge),
                    feedback.reward scores them as the sink would, learner.train.learn.rl_update trains
-        publish:   pack to FP4, then the gate's held-out replay on the *held-out* files
+        publish:   pack to FP4, then the gate's held-out replay (learner.eval) on the *held-out* files
 
 Reported per version: held-out reward, accept rate, suggestion rate, accepted characters per
 request and the KL to the base, each beside the base model's. No Kafka, vLLM or HTTP: this
@@ -29,33 +29,6 @@ from rich.table import Table
 from learner.train.learn_settings import LearnSettings
 
 
-@torch.no_grad()
-def sample(
-    served, prompt: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop_text: str, tok
-) -> tuple[list[int], list[float]]:
-    """Sample from the served weights like the replica does (KV cache, raw logprobs of the sampled
-    tokens), stopping at <|endoftext|> or `stop_text`."""
-    from learner.tokenizer import EOS_ID
-    from learner.train.gate import cached_forward
-
-    kv: list = []
-    logits = cached_forward(served, torch.tensor([prompt]), kv)[0]
-    toks, lps = [], []
-    for _ in range(max(1, min(max_tokens, served.args.max_seq_len - len(prompt)))):
-        lp = torch.log_softmax(logits.float(), -1)
-        t = (
-            int(torch.multinomial((lp / temperature).softmax(-1), 1, generator=gen))
-            if temperature > 0
-            else int(lp.argmax())
-        )
-        toks.append(t)
-        lps.append(float(lp[t]))
-        if t == EOS_ID or stop_text in tok.decode(toks):
-            break
-        logits = cached_forward(served, torch.tensor([[t]]), kv)[0]
-    return toks, lps
-
-
 def run_bench(
     s: LearnSettings,
     console: Console,
@@ -70,10 +43,12 @@ def run_bench(
 ) -> dict:
     from feedback.core.errors import UserError
     from feedback.reward import reward
+    from learner import eval as E
     from learner import store as S
+    from learner.decode import decode, room
     from learner.judge import cursor_sites, judge
+    from learner.prompts import EDITOR_STOP
     from learner.tokenizer import load_tokenizer
-    from learner.train import gate as G
     from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update
     from learner.train.pretrain import (
         find_base_model,
@@ -92,17 +67,17 @@ def run_bench(
     hook = fp4_hook(fmt)
     corpus = load_training_corpus(pretrain_section(s))
     g = s.learn.gate
-    held = G.heldout_sites(corpus.heldout, g.sites, seed=g.seed)
+    held = E.heldout_sites(corpus.heldout, g.sites, seed=g.seed)
     train = cursor_sites(corpus.train, train_sites, random.Random(7))
-    builder = G.prompt_builder(tok, args.max_seq_len)
-    prompts = [G.site_prompt(builder, site)[0] for site in train]
+    builder = E.prompt_builder(tok, args.max_seq_len)
+    prompts = [E.site_prompt(builder, site)[0] for site in train]
     from learner.corpus import heldout_windows, token_stream
 
     windows = heldout_windows(token_stream(tok, corpus.heldout), args.max_seq_len - 1, 16)[:, :-1]
 
     base_served = model_from_packed(S.pack_checkpoint(master.state_dict(), fmt), args)
     t0 = time.perf_counter()
-    base_stats = G.heldout_replay(base_served, tok, held, max_tokens=g.max_tokens)
+    base_stats = E.heldout_replay(base_served, tok, held, max_tokens=g.max_tokens)
     console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
     rows = [
         {
@@ -133,10 +108,20 @@ def run_bench(
                         S.pack_checkpoint(policy.state_dict(), fmt), args
                     )  # what serving would run
                     for i in rng.sample(range(len(train)), cfg.batch_size):
-                        toks, lps = sample(behaviour, prompts[i], g.max_tokens, temperature, gen, G.EDITOR_STOP, tok)
-                        text = tok.decode([t for t in toks if t != 0]).split(G.EDITOR_STOP)[0]
-                        r, parts = reward(G.editor_feedback(text, judge(text, train[i].truth)))
-                        batch.append(Sample(step, f"b{step}", 0, v - 1, prompts[i], toks, lps, r, parts["outcome"]))
+                        # Sampled like the replica samples (raw logprobs of the sampled tokens).
+                        c = decode(
+                            behaviour,
+                            tok,
+                            prompts[i],
+                            room(args.max_seq_len, len(prompts[i]), g.max_tokens),
+                            temperature=temperature,
+                            generator=gen,
+                            stop=EDITOR_STOP,
+                        )
+                        r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
+                        batch.append(
+                            Sample(step, f"b{step}", 0, v - 1, prompts[i], c.ids, c.logprobs, r, parts["outcome"])
+                        )
                         rewards.append(r)
                     m = rl_update(policy, ref, opt, make_batch(batch, args), hook=hook, cfg=cfg)
                     mism_replay.append(m["mismatch_kl_replay"])
@@ -147,7 +132,7 @@ def run_bench(
                         f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)"
                     )
                 served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
-                stats = G.heldout_replay(served, tok, held, max_tokens=g.max_tokens)
+                stats = E.heldout_replay(served, tok, held, max_tokens=g.max_tokens)
                 rows.append(
                     {
                         "lr": lr,
@@ -206,7 +191,7 @@ def run_bench(
 
 
 def _summary(st) -> dict:
-    """The curve's columns, from learner.train.gate.ReplayStats' own aggregates."""
+    """The curve's columns, from learner.eval.ReplayStats' own aggregates."""
     return {
         "reward": st.mean_reward,
         "accept_rate": st.accept_rate,

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from learner.corpus import SourceFile
-from learner.judge import cursor_sites, judge
+from learner.judge import cursor_sites, editor_events, judge
 
 CODE = "import os\n\n\ndef join_all(parts):\n    result = os.path.join(*parts)\n    return result.strip()\n\n\nclass Box:\n    size = 3\n"
 
@@ -36,3 +36,25 @@ def test_cursor_sites_split_a_real_line():
         assert CODE.startswith(s.prefix) and s.truth
         assert (s.prefix + s.truth + s.suffix).startswith(CODE.rstrip("\n")[: len(s.prefix) + len(s.truth)])
         assert "\n" not in s.truth and s.language == "python"
+
+
+@pytest.mark.parametrize(
+    "suggestion, truth, events",
+    [
+        (
+            "path.join(*parts)",
+            "path.join(*parts)",
+            [("view", None, None, None), ("select", "full", 17, None), ("edit", None, None, "path.join(*parts)")],
+        ),
+        (
+            "path.split(x)",
+            "path.join(*parts)",
+            [("view", None, None, None), ("select", "word", 5, None), ("edit", None, None, "path.")],
+        ),
+        ("zzz", "path.join(*parts)", [("view", None, None, None), ("dismiss", None, None, None)]),
+        ("", "path.join(*parts)", []),
+    ],
+)
+def test_editor_events_report_the_verdict(suggestion, truth, events):
+    got = editor_events(judge(suggestion, truth))
+    assert [(e.type, e.select_kind, e.accepted_chars, e.kept_text) for e in got] == events

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from learner.model import SIZES, ModelArgs, Transformer
+from learner.model import KVCache, ModelArgs, Transformer
+from learner.sizes import SIZES
 
 V = 300
 
@@ -138,3 +139,53 @@ def test_transformers_config_accepts_ours():
 
 def test_active_params(model):
     assert model.num_params(active=True) < model.num_params()
+
+
+# --- the KV cache: one forward for training, prefill and decoding ----------------------------------------
+
+
+def test_prefill_then_one_token_steps_equal_the_forward_without_cache(model, ids):
+    from learner.train.pretrain import fp4_hook
+
+    for hook in (None, fp4_hook("nvfp4")):
+        with torch.no_grad():
+            want, want_routing = model(ids, fp4=hook, return_routing=True)
+            cache = KVCache()
+            got = [model(ids[:, :8], cache=cache, fp4=hook)]
+            routing = [model(ids[:, :8], return_routing=True, fp4=hook)[1]]
+            for t in range(8, ids.shape[1]):
+                logits, r = model(ids[:, t : t + 1], cache=cache, fp4=hook, return_routing=True)
+                got.append(logits)
+                routing.append(r)
+        assert len(cache) == ids.shape[1] and cache.kv[0][0].shape == (
+            2,
+            model.args.n_kv_heads,
+            12,
+            model.args.head_dim,
+        )
+        torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-5, rtol=1e-4)
+        for i in range(model.args.n_layers):
+            assert torch.equal(torch.cat([r[i] for r in routing], dim=1), want_routing[i])
+
+
+def test_a_prefill_in_chunks_equals_one_prefill(model, ids):
+    with torch.no_grad():
+        want = model(ids)
+        cache = KVCache()
+        first = model(ids[:, :5], cache=cache)
+        rest = model(ids[:, 5:], cache=cache)  # 7 new positions after 5 cached ones: causal within them
+        last = model(ids, cache=KVCache(), logits_to_keep=1)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), want, atol=1e-5, rtol=1e-4)
+    assert last.shape == (2, 1, V)
+    torch.testing.assert_close(last, want[:, -1:], atol=1e-6, rtol=0)
+
+
+def test_the_cache_refuses_positions_past_the_window():
+    torch.manual_seed(0)
+    small = Transformer(ModelArgs.from_name("tiny", vocab_size=V, max_seq_len=16)).eval()
+    cache = KVCache()
+    with torch.no_grad():
+        small(torch.zeros((1, 16), dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="max_seq_len=16 .16 cached, 1 new"):
+            small(torch.zeros((1, 1), dtype=torch.long), cache=cache)
+    assert len(cache) == 16  # unchanged by the refused forward

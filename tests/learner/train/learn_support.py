@@ -91,11 +91,11 @@ def fim_prompts(tok, files, n: int, window: int, seed: int = 3) -> list[list[int
     """Editor-request prompts (serving's FIM layout) at cursor sites of `files`."""
     import random
 
+    from learner import eval as E
     from learner.judge import cursor_sites
-    from learner.train import gate as G
 
-    builder = G.prompt_builder(tok, window)
-    return [G.site_prompt(builder, site)[0] for site in cursor_sites(files, n, random.Random(seed))]
+    builder = E.prompt_builder(tok, window)
+    return [E.site_prompt(builder, site)[0] for site in cursor_sites(files, n, random.Random(seed))]
 
 
 def write_samples(

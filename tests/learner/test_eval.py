@@ -1,0 +1,257 @@
+"""The held-out evaluation: the replay matches serving and the simulated editor, is deterministic,
+and its stats are what the gate blocks on."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import json
+import textwrap
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from feedback.reward import reward
+from learner import eval as E
+from learner.corpus import SourceFile
+from learner.decode import decode
+from learner.fim import fim_header, fim_prompt_ids
+from learner.judge import Site, judge
+from learner.model import ModelArgs, Transformer
+from learner.prompts import EDITOR_STOP
+from learner.tokenizer import EOS_ID, train_tokenizer
+from learner.train import gate as G
+from learner.train.pretrain import fp4_hook
+from serving.api import _to_generate
+from serving.engine import Sample
+from serving.replica import CompletionService
+from serving.schemas import TabbyCompletionRequest
+from serving.settings import ServeSettings
+
+WINDOW = 128
+MAX_TOKENS = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared machine: one thread is faster (see heldout_replay's `threads`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer([inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap)], vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def sites():
+    import bisect
+    import heapq
+
+    files = [SourceFile(f"{m.__name__}.py", inspect.getsource(m)) for m in (bisect, heapq, textwrap)]
+    return E.heldout_sites(files, 16, seed=0)
+
+
+def random_model(tok) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=WINDOW))
+    model.init_weights(0.1)  # clear logit margins: greedy tokens do not hinge on rounding
+    return model.eval()
+
+
+def scripted_model(tok, default: int, after: dict[int, int] | None = None) -> Transformer:
+    """A model whose next token depends only on the current one: `after[t]` after token t,
+    else `default`. Attention and expert outputs are zeroed, so the residual stream is the
+    token's embedding, a one-hot of its class; lm_head maps each class to its next token."""
+    after = after or {}
+    model = random_model(tok)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            for expert in layer.mlp.experts:
+                expert.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.zero_()
+        emb[:, 0] = 1.0
+        head.zero_()
+        head[default, 0] = 1.0
+        for c, (t, nxt) in enumerate(after.items(), start=1):
+            emb[t].zero_()
+            emb[t, c] = 1.0
+            head[nxt, c] = 1.0
+    return model
+
+
+def token_of(tok, text: str) -> int:
+    ids = tok.encode(text).ids
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def failed(result: G.GateResult) -> set[str]:
+    return {r.split(":", 1)[0] for r in result.reasons}
+
+
+# --- the replay ----------------------------------------------------------------------------------------
+
+
+def test_replay_counts_are_consistent_and_deterministic(tok, sites):
+    model = random_model(tok).train()
+    torch.set_num_threads(2)
+    st = E.heldout_replay(model, tok, sites, max_tokens=MAX_TOKENS)
+    assert model.training and torch.get_num_threads() == 2  # both restored
+    torch.set_num_threads(1)
+    assert st.n == len(st.results) == len(sites) == 16
+    assert st.shown == sum(bool(r.text) for r in st.results) and st.accepted <= st.shown
+    assert sum(st.outcomes.values()) == st.n
+    assert st.reward_sum == pytest.approx(sum(r.reward for r in st.results))
+    budget = ServeSettings().fitted_to(WINDOW).context_budget
+    for site, r in zip(sites, st.results):
+        assert r.prompt_tokens <= budget and r.prompt_tokens + r.tokens <= WINDOW and r.tokens <= MAX_TOKENS
+        v = judge(r.text, site.truth)
+        assert (r.verdict, r.accepted_chars) == (v.type, v.accepted_chars)
+        assert r.reward == reward(E.editor_feedback(r.text, v))[0]
+    assert st.length_capped == sum(r.finish == "length" for r in st.results if r.text)
+    summary = st.summary()
+    json.dumps(summary, allow_nan=False)
+    assert summary["n"] == 16 and 0 <= summary["suggestion_rate"] <= 1
+
+    again = E.heldout_replay(model, tok, sites, max_tokens=MAX_TOKENS)
+    assert again.results == st.results
+    assert G.check(again, st, online_reward_trend=None, kl=0.0).passed  # the same model passes its own gate
+
+
+def test_replay_suggestions_are_the_decoders_greedy_middles(tok, sites):
+    model = random_model(tok)
+    st = E.heldout_replay(model, tok, sites[:4], max_tokens=MAX_TOKENS)
+    builder = E.prompt_builder(tok, WINDOW)
+    for site, r in zip(sites, st.results):
+        c = decode(model, tok, E.site_prompt(builder, site)[0], MAX_TOKENS, stop=EDITOR_STOP)
+        assert (r.text, r.tokens, r.finish) == (c.text, len(c.content_ids), c.finish)
+        assert EDITOR_STOP not in r.text
+
+
+def test_an_accepted_suggestion_earns_the_sinks_reward_for_an_edit(tok):
+    assert reward(E.editor_feedback("foo(x)", judge("foo(x)", "foo(x)")))[0] == 0.75  # full accept, kept verbatim
+    partial, parts = reward(E.editor_feedback("foo(y)", judge("foo(y)", "foo(x)")))  # the word `foo(` kept
+    assert parts["outcome"] == "edit" and 0 < partial < 0.75
+    assert reward(E.editor_feedback("bar", judge("bar", "foo")))[0] == -0.25
+    assert reward(E.editor_feedback("", judge("", "foo")))[1]["outcome"] == "no_suggestion"
+
+
+def test_an_always_abstaining_candidate_is_blocked_though_its_reward_is_higher(tok, sites):
+    at = token_of(tok, "@")
+    stable = scripted_model(tok, at, {at: EOS_ID})  # suggests "@" everywhere: dismissed
+    hacked = scripted_model(tok, EOS_ID)  # never suggests: reward 0 beats -0.25
+    stable_stats, cand_stats = E.evaluate_candidate(hacked, stable, tok, sites, max_tokens=MAX_TOKENS)
+    result = G.check(cand_stats, stable_stats, online_reward_trend=0.2, kl=0.01)
+    assert stable_stats.suggestion_rate == 1.0 and stable_stats.outcomes == {"dismiss": 16}
+    assert cand_stats.shown == 0 and cand_stats.outcomes == {"no_suggestion": 16} and cand_stats.mean_reward == 0.0
+    assert cand_stats.mean_reward > stable_stats.mean_reward
+    assert not result.passed and failed(result) == {"suggestion_rate"}
+    assert result.metrics["candidate"]["suggestion_rate"] == 0.0
+
+
+def test_a_candidate_that_repeats_one_token_is_blocked(tok, sites):
+    at = token_of(tok, "@")
+    stable = scripted_model(tok, at, {at: EOS_ID})  # "@", then stop: 1 token
+    stable_stats = E.heldout_replay(stable, tok, sites, max_tokens=MAX_TOKENS)
+    assert stable_stats.mean_completion_tokens == 1.0
+    repeats = scripted_model(tok, at)  # "@@@@@@@@" to max_tokens
+    same_stable, cand_stats = E.evaluate_candidate(
+        repeats, stable, tok, sites, max_tokens=MAX_TOKENS, stable_stats=stable_stats
+    )
+    result = G.check(cand_stats, same_stable, online_reward_trend=None, kl=0.01)
+    assert same_stable is stable_stats
+    assert cand_stats.length_capped == 16 and cand_stats.results[0].text == "@" * MAX_TOKENS
+    assert not result.passed and failed(result) == {"completion_length"}
+
+
+def test_replay_refuses_a_bad_max_tokens_and_clamps_to_the_window(tok, sites):
+    with pytest.raises(ValueError, match="max_tokens"):
+        E.heldout_replay(random_model(tok), tok, sites, max_tokens=0)
+    st = E.heldout_replay(random_model(tok), tok, sites[:4], max_tokens=10 * WINDOW)  # the replica clamps it too
+    assert all(r.prompt_tokens + r.tokens <= WINDOW for r in st.results)
+
+
+def test_base_model_replay_against_itself_passes(tmp_path):
+    """A (tiny) pretrained base against itself, in FP4 as served: identical stats, so the gate passes."""
+    from learner.tokenizer import load_tokenizer
+    from learner.train.pretrain import (
+        ensure_base_model,
+        find_base_model,
+        load_master_weights,
+        load_training_corpus,
+        pretrain_section,
+    )
+    from tests.learner.train.learn_support import make_corpus, tiny_learn_settings
+
+    s = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    ensure_base_model(s, Console(file=io.StringIO()))
+    folder = find_base_model(s)
+    model, _ = load_master_weights(folder)
+    base_tok = load_tokenizer(folder / "tokenizer")
+    held = E.heldout_sites(load_training_corpus(pretrain_section(s)).heldout, 48)
+    stable, cand = E.evaluate_candidate(model, model, base_tok, held, max_tokens=32, fp4_hook=fp4_hook("nvfp4"))
+    result = G.check(cand, stable, online_reward_trend=None, kl=0.0)
+    assert result.passed and cand.results == stable.results and cand.n == 48
+    assert replace(cand, seconds=0.0, results=[]) == replace(stable, seconds=0.0, results=[])
+
+
+# --- the replay prompts what serving prompts -----------------------------------------------------------
+
+
+class _PromptRecorder:
+    """An engine that records the completion prompts and cannot summarize, so serving falls back
+    to truncating a long prefix, the replay's rule."""
+
+    def __init__(self):
+        self.prompts, self.specs = [], []
+
+    async def generate(self, prompt_ids, spec, request_id):
+        if request_id.startswith("sum-"):
+            raise RuntimeError("no summaries here")
+        self.prompts.append(list(prompt_ids))
+        self.specs.append(spec)
+        yield [Sample(index=0, token_ids=[], text="", finish_reason="stop")]
+
+    async def abort(self, request_id):
+        pass
+
+
+def test_replay_prompts_equal_servings_for_editor_requests(tok, sites):
+    cfg = ServeSettings().fitted_to(WINDOW)
+    engine = _PromptRecorder()
+    service = CompletionService(engine, tok, cfg, version=1)
+    builder = E.prompt_builder(tok, WINDOW)
+    short = Site("pkg/m.py", "python", "def f(x):\n    ret", "\n\nprint(f(1))\n", "urn x")
+    for site in [short, *sites]:
+        # The body ops.simulate sends, through serving's own request translation.
+        body = TabbyCompletionRequest(
+            language=site.language, segments={"prefix": site.prefix, "suffix": site.suffix, "filepath": site.path}
+        )
+        req = _to_generate(SimpleNamespace(cfg=cfg), body, "c-1")
+        assert req.spec.stop == (EDITOR_STOP,)
+        asyncio.run(service.complete(req))
+        ids, truncated = E.site_prompt(builder, site)
+        assert engine.prompts[-1] == ids, site.path
+        assert engine.specs[-1].max_tokens == min(cfg.default_max_tokens, WINDOW - len(ids))
+    assert E.site_prompt(builder, short) == (
+        fim_prompt_ids(tok, short.prefix, short.suffix, fim_header(language="python", path="pkg/m.py")),
+        0,
+    )
+    assert any(E.site_prompt(builder, s)[1] > 0 for s in sites)  # long prefixes were truncated, and still matched
+
+
+@pytest.mark.parametrize("window", [64, 128, 256, 1024, 2048, 8192])
+def test_replay_budget_is_servings_fitted_to_the_models_window(tok, window):
+    cfg = ServeSettings().fitted_to(window)
+    builder = E.prompt_builder(tok, window)
+    assert (builder.budget, builder.chunk_tokens) == (cfg.context_budget, cfg.summary_chunk_tokens)

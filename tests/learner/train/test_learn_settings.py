@@ -1,0 +1,32 @@
+"""The learner's settings parse without torch: the CLI validates a config before importing anything heavy."""
+
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+
+def test_the_settings_modules_import_no_torch():
+    code = (
+        "import sys, learner.train.learn_settings, learner.train.pretrain_settings; "
+        "heavy = sorted(m for m in ('torch', 'learner.model', 'learner.train.gate') if m in sys.modules); "
+        "assert not heavy, heavy"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_gate_thresholds_keep_their_keys_and_defaults():
+    from learner.train.learn_settings import GateSection, GateThresholds, LearnSection
+
+    assert LearnSection().gate == GateSection() and isinstance(GateSection(), GateThresholds)
+    assert GateThresholds().model_dump() == {
+        "min_sites": 16,
+        "reward_tolerance": 0.03,
+        "divergence_tolerance": 0.01,
+        "min_suggestion_ratio": 0.5,
+        "min_suggestion_rate": 0.05,
+        "min_length_ratio": 0.5,
+        "max_length_ratio": 2.0,
+        "max_kl": 0.2,
+    }
