@@ -60,13 +60,12 @@ from feedback import db, pools
 from feedback.core.clock import as_utc
 from feedback.core.config import FlywheelSettings, Seconds, Section
 from feedback.core.errors import UserError, first_line
+from feedback.db import ABORTED, ACTIVE_ROLLOUT_STATES, PAUSED, PROMOTED, ROLLED_BACK, RUNNING
 from feedback.schemas import ModelVersion
 from ops.rollout_stats import ADVANCE, HOLD, PROMOTE, ROLLBACK, Arm, Decision, Policy, decide, json_safe
 
 log = logging.getLogger("flywheel.rollout")
 
-RUNNING, PAUSED, PROMOTED, ROLLED_BACK, ABORTED = "running", "paused", "promoted", "rolled_back", "aborted"
-ACTIVE = (RUNNING, PAUSED)
 ERROR_FINISH_REASONS = ("abort", "error")
 ACCEPT_EVENTS = ("select", "edit")
 
@@ -195,7 +194,7 @@ class Rollout:
 
     @property
     def active(self) -> bool:
-        return self.state in ACTIVE
+        return self.state in ACTIVE_ROLLOUT_STATES
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in self.__dict__.items()} | {
@@ -257,7 +256,7 @@ def get(conn: Connection, rollout_id: int) -> Rollout | None:
 
 
 def active(conn: Connection) -> Rollout | None:
-    row = conn.execute(select(R).where(R.c.state.in_(ACTIVE)).order_by(R.c.id.desc()).limit(1)).first()
+    row = conn.execute(select(R).where(R.c.state.in_(ACTIVE_ROLLOUT_STATES)).order_by(R.c.id.desc()).limit(1)).first()
     return Rollout.from_row(row) if row else None
 
 
@@ -399,12 +398,12 @@ def resume(engine: Engine, rollout_id: int | None = None, *, by: str, reason: st
 
 def promote(engine: Engine, rollout_id: int | None = None, *, by: str, reason: str | None = None) -> Rollout:
     """Make the candidate stable now, whatever the step."""
-    return _operator(engine, rollout_id, "promote", ACTIVE, PROMOTED, by=by, reason=reason)
+    return _operator(engine, rollout_id, "promote", ACTIVE_ROLLOUT_STATES, PROMOTED, by=by, reason=reason)
 
 
 def abort(engine: Engine, rollout_id: int | None = None, *, by: str, reason: str | None = None) -> Rollout:
     """Send every user back to stable and end the rollout."""
-    return _operator(engine, rollout_id, "abort", ACTIVE, ABORTED, by=by, reason=reason)
+    return _operator(engine, rollout_id, "abort", ACTIVE_ROLLOUT_STATES, ABORTED, by=by, reason=reason)
 
 
 def _operator(
@@ -433,7 +432,7 @@ def _operator(
         said = reason or f"{decision} by {by}"
         evidence = {"by": by, "rule": "operator", "reason": said, "from_state": r.state}
         if not _compare_and_set(
-            conn, r, state=to, reason=said, updated_at=now, finished_at=now if to not in ACTIVE else None
+            conn, r, state=to, reason=said, updated_at=now, finished_at=now if to not in ACTIVE_ROLLOUT_STATES else None
         ):
             raise RolloutError(
                 f"rollout {r.id} changed meanwhile; look again (flywheel rollout status) and retry", code="changed"
