@@ -25,7 +25,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.engine import Engine
 
-from ops import rollout
+from ops.rollout import commands, rows
+from ops.rollout.settings import RolloutSection
 from serving.api import OpsToken, StateDep
 
 _engines: dict[str, Engine] = {}
@@ -74,7 +75,7 @@ def who(token: str) -> str:
 
 def router(
     engine_for: Callable[..., Engine] = state_engine,
-    defaults: Callable[[], rollout.RolloutSection] = rollout.RolloutSection,
+    defaults: Callable[[], RolloutSection] = RolloutSection,
 ) -> APIRouter:
     """The /ops/rollouts routes. `engine_for` is a FastAPI dependency returning the database engine;
     `defaults()` gives the policy a started rollout gets where the request leaves it unset."""
@@ -89,7 +90,7 @@ def router(
         limit: Annotated[int, Query(ge=1, le=500)] = 20,
     ) -> dict[str, Any]:
         """The active rollout (else the latest, or `?id=`), its recent steps, recent rollouts, and the serving pools."""
-        return _call(lambda: rollout.status(engine, rollout_id, limit=limit).as_dict())
+        return _call(lambda: rows.status(engine, rollout_id, limit=limit).as_dict())
 
     @api.post("", status_code=201)
     def start(body: RolloutCreate, token: OpsToken, engine: EngineDep) -> dict[str, Any]:
@@ -97,16 +98,16 @@ def router(
         section = _section(defaults(), body)
         by = who(token)
         return _call(
-            lambda: rollout.start_rollout(
+            lambda: commands.start_rollout(
                 engine, body.version, section=section, force=body.force, stable=body.stable, by=by
             ).as_dict()
         )
 
     for name, fn in (
-        ("pause", rollout.pause),
-        ("resume", rollout.resume),
-        ("promote", rollout.promote),
-        ("abort", rollout.abort),
+        ("pause", commands.pause),
+        ("resume", commands.resume),
+        ("promote", commands.promote),
+        ("abort", commands.abort),
     ):
         _operator_route(api, name, fn, EngineDep)
     return api
@@ -123,7 +124,7 @@ def _operator_route(api: APIRouter, name: str, fn, EngineDep) -> None:
     api.post("/{rollout_id}/" + name)(action)
 
 
-def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.RolloutSection:
+def _section(defaults: RolloutSection, body: RolloutCreate) -> RolloutSection:
     data = defaults.model_dump()
     for key in ("weights", "interval_s", "min_samples", "alpha", "max_holds", "require_reward", "mode"):
         if getattr(body, key) is not None:
@@ -131,7 +132,7 @@ def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.R
     if body.thresholds:
         data["thresholds"] = data["thresholds"] | body.thresholds
     try:
-        return rollout.RolloutSection.model_validate(data)
+        return RolloutSection.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         raise HTTPException(422, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
@@ -140,5 +141,5 @@ def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.R
 def _call(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
-    except rollout.RolloutError as e:
+    except rows.RolloutError as e:
         raise HTTPException(e.status, str(e)) from None

@@ -1,6 +1,6 @@
 """The canary's statistics and decision rules: pure functions, no I/O.
 
-The controller (ops/rollout.py) reads one `Arm` per version from SQL for a step's time
+The controller (controller.py) reads one `Arm` per version from SQL (arms.py) for a step's time
 window and asks `decide()` what to do. Everything here is arithmetic on those counts, so it
 is tested with hand-computed numbers.
 

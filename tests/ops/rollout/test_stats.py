@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ops.rollout_stats import (
+from ops.rollout.stats import (
     ADVANCE,
     HOLD,
     PROMOTE,
