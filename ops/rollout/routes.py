@@ -7,43 +7,36 @@
     POST /ops/rollouts/{id}/promote        make the candidate stable now
     POST /ops/rollouts/{id}/abort          every user back to stable
 
-Every route needs an ops token (serving.api.OpsToken: 401 without one, 403 for an editor
-token). The database comes from the dependency `engine_for`; by default the URL in the app's
-ApiState (`database_url`), one engine per URL for the life of the process. Routes are plain
-`def`: SQL blocks, so FastAPI runs them in its thread pool.
+Every route needs an ops token (feedback.core.auth.OpsToken, read from `app.state.tokens`:
+401 without one, 403 for an editor token). The database comes from the dependency
+`engine_for`; by default the app's `app.state.database_url`, through `db.shared_engine` (one
+pool per URL for the life of the process). Routes are plain `def`: SQL blocks, so FastAPI
+runs them in its thread pool.
 
 No `from __future__ import annotations` here: FastAPI must see the route annotations, and
 `EngineDep` is local to `router()`.
 """
 
 import hashlib
-import threading
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.engine import Engine
 
+from feedback import db
+from feedback.core.auth import OpsToken
 from ops.rollout import commands, rows
 from ops.rollout.settings import RolloutSection
-from serving.api import OpsToken, StateDep
-
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
 
 
-def state_engine(st: StateDep) -> Engine:
-    """The engine for the ApiState's `database_url` (503 when the API was started without one)."""
-    url = getattr(st, "database_url", None)
+def app_engine(request: Request) -> Engine:
+    """The engine for the app's `database_url` (503 when the API was started without one)."""
+    url = getattr(request.app.state, "database_url", None)
     if not url:
         raise HTTPException(503, "rollout endpoints need the database: the API was started without a database URL")
-    with _engines_lock:
-        if url not in _engines:
-            from feedback import db
-
-            _engines[url] = db.make_engine(url)
-        return _engines[url]
+    return db.shared_engine(url)
 
 
 class RolloutCreate(BaseModel):
@@ -74,7 +67,7 @@ def who(token: str) -> str:
 
 
 def router(
-    engine_for: Callable[..., Engine] = state_engine,
+    engine_for: Callable[..., Engine] = app_engine,
     defaults: Callable[[], RolloutSection] = RolloutSection,
 ) -> APIRouter:
     """The /ops/rollouts routes. `engine_for` is a FastAPI dependency returning the database engine;

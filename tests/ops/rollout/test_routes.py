@@ -6,31 +6,20 @@ import pytest
 from fastapi.testclient import TestClient
 
 from feedback import pools
+from feedback.core.auth import Tokens
 from tests.ops.rollout.traffic import CANDIDATE, GATE_FAILED, STABLE
 
 
 @pytest.fixture
 def api(sqlite_engine):
-    from serving.api import ApiState, build_app
-    from serving.settings import ServeSettings
+    """The API app with what the rollout routes read from its state: the tokens and the database."""
+    from serving.api import build_app
 
-    class Sink:
-        def send(self, topic, msg):
-            return True
-
-    state = dict(
-        cfg=ServeSettings(),
-        replicas={},
-        producer=Sink(),
-        editor_tokens={"ed"},
-        decode=lambda ids, **kw: "",
-        ops_tokens={"ops"},
-        database_url=sqlite_engine.url.render_as_string(hide_password=False),
-    )
     app = build_app()
-    app.state.api = ApiState(**state)
+    app.state.tokens = Tokens(editor=frozenset({"ed"}), ops=frozenset({"ops"}))
+    app.state.database_url = sqlite_engine.url.render_as_string(hide_password=False)
     pools.set_stable(sqlite_engine, STABLE)
-    return TestClient(app), app.state.api
+    return TestClient(app), app
 
 
 @pytest.mark.parametrize(
@@ -86,7 +75,7 @@ def test_http_rollout_lifecycle(api, sqlite_engine):
 
 
 def test_http_without_a_database_says_so(api):
-    client, st = api
-    st.database_url = None
+    client, app = api
+    app.state.database_url = None
     r = client.get("/ops/rollouts", headers={"Authorization": "Bearer ops"})
     assert r.status_code == 503 and "database" in r.json()["error"]["message"]
