@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 from feedback import db, pools
 from feedback.core.clock import utcnow
 from feedback.db import ABORTED, ACTIVE_ROLLOUT_STATES, PAUSED, PROMOTED, RUNNING
-from ops.rollout.rows import Rollout, RolloutError, active, compare_and_set, get, insert_step
+from ops.rollout.rows import Rollout, RolloutError, active, compare_and_set, get, insert_step, recorded_version
 from ops.rollout.settings import RolloutSection
 from ops.rollout.stats import PROMOTE
 from ops.rollout.topology import apply_pools
@@ -48,7 +48,7 @@ def start_rollout(
     now = now or utcnow()
     with engine.begin() as conn:
         _serialize(conn)
-        mv = conn.execute(select(db.model_versions).where(db.model_versions.c.version == version)).first()
+        mv = recorded_version(conn, version=version)
         if mv is None:
             raise RolloutError(
                 f"unknown version {version}: it is not in model_versions (the learner records each version it publishes)",

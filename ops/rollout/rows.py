@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, Row
 
 from feedback import db, pools
 from feedback.core.clock import as_utc
@@ -112,6 +112,11 @@ class Status:
 
 R = db.rollouts
 S = db.rollout_steps
+
+
+def recorded_version(conn: Connection, *, version: int) -> Row | None:
+    """The learner's record of `version` (its model_versions row: gate result, sha256), or None."""
+    return conn.execute(select(db.model_versions).where(db.model_versions.c.version == version)).first()
 
 
 def get(conn: Connection, rollout_id: int) -> Rollout | None:

@@ -19,9 +19,13 @@ STABLE, CANDIDATE, GATE_FAILED = 1, 2, 3
 SECTION = RolloutSection(weights=[5, 25, 50, 100], interval_s=60, min_samples=100, max_holds=2)
 
 
-def record_versions(engine, *extra: tuple[int, bool]):
-    """Versions in model_versions as the learner records them (`extra`: (version, gate passed))."""
-    versions = [(STABLE, True), (CANDIDATE, True), (GATE_FAILED, False), *extra]
+def sha256_of(version: int) -> str:
+    """The manifest digest record_versions gives `version`."""
+    return hashlib.sha256(str(version).encode()).hexdigest()
+
+
+def record_versions(engine, versions=((STABLE, True), (CANDIDATE, True), (GATE_FAILED, False))):
+    """(version, gate passed) pairs into model_versions, as the learner records them."""
     with engine.begin() as conn:
         for v, passed in versions:
             conn.execute(
@@ -30,7 +34,7 @@ def record_versions(engine, *extra: tuple[int, bool]):
                     parent=None,
                     kind="full",
                     uri=f"file:///w/v{v}",
-                    sha256=hashlib.sha256(str(v).encode()).hexdigest(),
+                    sha256=sha256_of(v),
                     size_bytes=1,
                     full_size_bytes=1,
                     gate_passed=passed,
