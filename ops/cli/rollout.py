@@ -189,7 +189,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     s = _settings(args)
     engine = _engine(s)
     try:
-        st = rows.status(engine, args.id, limit=args.steps)
+        st = rows.status(engine, rollout_id=args.id, limit=args.steps)
     finally:
         engine.dispose()
     if args.json:

@@ -20,7 +20,7 @@ ERROR_FINISH_REASONS = ("abort", "error")
 ACCEPT_EVENTS = ("select", "edit")
 
 
-def read_arm(conn: Connection, version: int, since: datetime, until: datetime) -> Arm:
+def read_arm(conn: Connection, *, version: int, since: datetime, until: datetime) -> Arm:
     """One version's traffic among completions created in [since, until)."""
     c, ch, ev, rw = db.completions, db.completion_choices, db.events, db.rewards
     window = and_(c.c.model_version == version, c.c.created_at >= since, c.c.created_at < until)

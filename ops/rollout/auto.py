@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import logging
 
-from sqlalchemy import select
 from sqlalchemy.engine import Engine, Row
 
-from feedback import db, pools
+from feedback import pools
 from feedback.schemas import ModelVersion
 from ops.rollout.commands import start_rollout
-from ops.rollout.rows import Rollout, RolloutError, active, recorded_version
+from ops.rollout.rows import Rollout, RolloutError, active, latest, recorded_version
 from ops.rollout.settings import RolloutSection, RolloutSettings
 
 log = logging.getLogger("flywheel.rollout")
-
-R = db.rollouts
 
 
 def refusal(msg: ModelVersion, recorded: Row | None) -> str | None:
@@ -54,7 +51,7 @@ def start_announced(engine: Engine, msg: ModelVersion, section: RolloutSection) 
         why = refusal(msg, recorded_version(conn, version=msg.version))
         if why is not None:
             return "skipped", None, why
-        if conn.execute(select(R.c.id).where(R.c.candidate_version == msg.version).limit(1)).first() is not None:
+        if latest(conn, version=msg.version) is not None:
             return "skipped", None, f"version {msg.version} already has a rollout"
         stable = pools.current_stable(conn, candidate=msg.version)
         if stable is not None and msg.version <= stable:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from sqlalchemy import select
 from sqlalchemy import text as sql_text
 from sqlalchemy.engine import Connection, Engine
 
 from feedback import db, pools
 from feedback.core.clock import utcnow
 from feedback.db import ABORTED, ACTIVE_ROLLOUT_STATES, PAUSED, PROMOTED, RUNNING
-from ops.rollout.rows import Rollout, RolloutError, active, compare_and_set, get, insert_step, recorded_version
+from ops.rollout.rows import Rollout, RolloutError, active, compare_and_set, get, insert_step, latest, recorded_version
 from ops.rollout.settings import RolloutSection
 from ops.rollout.stats import PROMOTE
 from ops.rollout.topology import apply_pools
@@ -67,9 +66,7 @@ def start_rollout(
                 f"rollout {busy.id} of version {busy.candidate_version} is {busy.state}; finish it first (flywheel rollout promote|abort {busy.id})",
                 code="busy",
             )
-        before = conn.execute(
-            select(R.c.id, R.c.state).where(R.c.candidate_version == version).order_by(R.c.id.desc()).limit(1)
-        ).first()
+        before = latest(conn, version=version)
         if before is not None and not force:
             raise RolloutError(
                 f"version {version} was rolled out before (rollout {before.id}: {before.state}); use --force to roll it out again",
@@ -101,10 +98,11 @@ def start_rollout(
         )
         rollout_id = conn.execute(R.insert().values(**row).returning(R.c.id)).scalar_one()
         if section.mode == "all":
+            evidence = {"by": by, "rule": "mode_all", "reason": row["reason"]}
             insert_step(
-                conn, rollout_id, 0, 100.0, PROMOTE, {"by": by, "rule": "mode_all", "reason": row["reason"]}, now
+                conn, rollout_id=rollout_id, step_index=0, weight=100.0, decision=PROMOTE, evidence=evidence, at=now
             )
-        r = get(conn, rollout_id)
+        r = get(conn, rollout_id=rollout_id)
     assert r is not None
     log.info("rollout %d: version %d against stable %d, weights %s", r.id, version, r.stable_version, r.weights)
     apply_pools(engine, r)
@@ -155,7 +153,7 @@ def _operator(
 ) -> Rollout:
     now = utcnow()
     with engine.begin() as conn:
-        r = get(conn, rollout_id) if rollout_id is not None else active(conn)
+        r = get(conn, rollout_id=rollout_id) if rollout_id is not None else active(conn)
         if r is None:
             raise RolloutError(
                 f"no rollout {rollout_id}" if rollout_id is not None else "no active rollout",
@@ -174,8 +172,16 @@ def _operator(
             raise RolloutError(
                 f"rollout {r.id} changed meanwhile; look again (flywheel rollout status) and retry", code="changed"
             )
-        insert_step(conn, r.id, r.step_index, r.weight, decision, evidence, now)
-        r = get(conn, r.id)
+        insert_step(
+            conn,
+            rollout_id=r.id,
+            step_index=r.step_index,
+            weight=r.weight,
+            decision=decision,
+            evidence=evidence,
+            at=now,
+        )
+        r = get(conn, rollout_id=r.id)
     assert r is not None
     log.info("rollout %d: %s by %s", r.id, decision, by)
     apply_pools(engine, r)

@@ -103,8 +103,8 @@ def tick(engine: Engine, *, now: datetime | None = None) -> Outcome | None:
         # At 100% stable serves nobody: compare with all of stable's traffic since one interval
         # before the rollout began (when it served everyone), so even weights [100] have a control.
         stable_since = r.started_at - timedelta(seconds=r.interval_s) if r.weight >= 100 else clock.window_start
-        canary = read_arm(conn, r.candidate_version, clock.window_start, now)
-        stable = read_arm(conn, r.stable_version, stable_since, now)
+        canary = read_arm(conn, version=r.candidate_version, since=clock.window_start, until=now)
+        stable = read_arm(conn, version=r.stable_version, since=stable_since, until=now)
     d = decide(canary, stable, r.policy, holds=clock.holds, last_step=r.step_index >= len(r.weights) - 1)
     evidence = d.evidence | {
         "by": "controller",
@@ -123,8 +123,16 @@ def tick(engine: Engine, *, now: datetime | None = None) -> Outcome | None:
     with engine.begin() as conn:
         if not compare_and_set(conn, r, **values):
             return None  # an operator or another controller acted on this step first
-        insert_step(conn, r.id, r.step_index, r.weight, d.action, evidence, now)
-        after = get(conn, r.id)
+        insert_step(
+            conn,
+            rollout_id=r.id,
+            step_index=r.step_index,
+            weight=r.weight,
+            decision=d.action,
+            evidence=evidence,
+            at=now,
+        )
+        after = get(conn, rollout_id=r.id)
     assert after is not None
     if d.action != HOLD:
         try:

@@ -83,7 +83,7 @@ def router(
         limit: Annotated[int, Query(ge=1, le=500)] = 20,
     ) -> dict[str, Any]:
         """The active rollout (else the latest, or `?id=`), its recent steps, recent rollouts, and the serving pools."""
-        return _call(lambda: rows.status(engine, rollout_id, limit=limit).as_dict())
+        return _call(lambda: rows.status(engine, rollout_id=rollout_id, limit=limit).as_dict())
 
     @api.post("", status_code=201)
     def start(body: RolloutCreate, token: OpsToken, engine: EngineDep) -> dict[str, Any]:

@@ -69,9 +69,7 @@ class Rollout:
         return self.state in ACTIVE_ROLLOUT_STATES
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in self.__dict__.items()} | {
-            "weight": self.weight
-        }
+        return _plain(self) | {"weight": self.weight}
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ class Step:
     decided_at: datetime
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in self.__dict__.items()}
+        return _plain(self)
 
 
 @dataclass(frozen=True)
@@ -110,6 +108,11 @@ class Status:
         }
 
 
+def _plain(row: Rollout | Step) -> dict[str, Any]:
+    """The fields as JSON values: timestamps in ISO 8601."""
+    return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in row.__dict__.items()}
+
+
 R = db.rollouts
 S = db.rollout_steps
 
@@ -119,41 +122,48 @@ def recorded_version(conn: Connection, *, version: int) -> Row | None:
     return conn.execute(select(db.model_versions).where(db.model_versions.c.version == version)).first()
 
 
-def get(conn: Connection, rollout_id: int) -> Rollout | None:
+def get(conn: Connection, *, rollout_id: int) -> Rollout | None:
+    """The rollout `rollout_id`, or None."""
     row = conn.execute(select(R).where(R.c.id == rollout_id)).first()
     return Rollout.from_row(row) if row else None
 
 
 def active(conn: Connection) -> Rollout | None:
+    """The active (running or paused) rollout, or None: there is at most one."""
     row = conn.execute(select(R).where(R.c.state.in_(ACTIVE_ROLLOUT_STATES)).order_by(R.c.id.desc()).limit(1)).first()
     return Rollout.from_row(row) if row else None
 
 
-def latest(conn: Connection) -> Rollout | None:
-    row = conn.execute(select(R).order_by(R.c.id.desc()).limit(1)).first()
+def latest(conn: Connection, *, version: int | None = None) -> Rollout | None:
+    """The newest rollout (of candidate `version`, if given), or None."""
+    q = select(R) if version is None else select(R).where(R.c.candidate_version == version)
+    row = conn.execute(q.order_by(R.c.id.desc()).limit(1)).first()
     return Rollout.from_row(row) if row else None
 
 
-def steps(conn: Connection, rollout_id: int, *, limit: int | None = None) -> list[Step]:
+def steps(conn: Connection, *, rollout_id: int, limit: int | None = None) -> list[Step]:
     """The rollout's decisions, oldest first (the newest `limit` of them)."""
     q = select(S).where(S.c.rollout_id == rollout_id).order_by(S.c.id.desc())
     rows = conn.execute(q.limit(limit) if limit else q).all()
     return [Step(**(dict(r._mapping) | {"decided_at": as_utc(r.decided_at)})) for r in reversed(rows)]
 
 
-def status(engine: Engine, rollout_id: int | None = None, *, limit: int = 20) -> Status:
+def status(engine: Engine, *, rollout_id: int | None = None, limit: int = 20) -> Status:
     """The rollout `rollout_id` (default: the active one, else the latest), its last `limit` steps,
     the `limit` most recent rollouts and the serving pools."""
     with engine.connect() as conn:
         if rollout_id is not None:
-            r = get(conn, rollout_id)
+            r = get(conn, rollout_id=rollout_id)
             if r is None:
                 raise RolloutError(f"no rollout {rollout_id}", status=404, code="not_found")
         else:
             r = active(conn) or latest(conn)
         recent = [Rollout.from_row(x) for x in conn.execute(select(R).order_by(R.c.id.desc()).limit(limit))]
         return Status(
-            rollout=r, steps=steps(conn, r.id, limit=limit) if r else [], recent=recent, routes=pools.read(engine)
+            rollout=r,
+            steps=steps(conn, rollout_id=r.id, limit=limit) if r else [],
+            recent=recent,
+            routes=pools.read(engine),
         )
 
 
@@ -166,14 +176,15 @@ def compare_and_set(conn: Connection, r: Rollout, **values) -> bool:
 
 
 def insert_step(
-    conn: Connection, rollout_id: int, step_index: int, weight: float, decision: str, evidence: dict, now: datetime
+    conn: Connection, *, rollout_id: int, step_index: int, weight: float, decision: str, evidence: dict, at: datetime
 ) -> None:
+    """Record one decision with its evidence (made JSON-safe), decided `at`."""
     row = dict(
         rollout_id=rollout_id,
         step_index=step_index,
         weight=weight,
         decision=decision,
         evidence=json_safe(evidence),
-        decided_at=now,
+        decided_at=at,
     )
     conn.execute(S.insert().values(**row))

@@ -46,7 +46,7 @@ def test_a_good_candidate_advances_through_every_step_and_is_promoted(engine):
     assert out.decision.action == "promote", out.decision.reason
 
     with engine.connect() as conn:
-        r = rows.get(conn, r.id)
+        r = rows.get(conn, rollout_id=r.id)
     assert r.state == "promoted" and r.finished_at is not None
     assert pools.read(engine) == pools.Routes(stable=CANDIDATE, canary=None, canary_percent=0.0)
     history = steps_of(engine, r.id)

@@ -117,7 +117,7 @@ def both_arms(engine, start, weight, *, total=4000, canary_accept=0.4, stable_ac
 
 def steps_of(engine, rollout_id):
     with engine.connect() as conn:
-        return rows.steps(conn, rollout_id)
+        return rows.steps(conn, rollout_id=rollout_id)
 
 
 def start(engine, section=SECTION, **kw):
