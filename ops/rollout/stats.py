@@ -164,15 +164,6 @@ def _one_sided(excess: float, se: float) -> tuple[float | None, float]:
     return z, normal_sf(z)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest rank: the smallest value with at least a share `q` of the values at or below it (as v_latency)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
-    return ordered[rank - 1]
-
-
 # --- decisions ------------------------------------------------------------------------------------
 
 
