@@ -33,8 +33,8 @@ controller and an operator, never both act on the same step. One rollout may be 
 
 The modules, bottom to top (each imports only those above it):
 
-  settings    the `[rollout]` section: the policy new rollouts get, how the controller runs
   stats       the statistics and decision rules: pure functions, no I/O
+  settings    the `[rollout]` section: the policy new rollouts get, how the controller runs
   rows        the rollouts and rollout_steps tables: reads, and the guarded writes
   topology    the serving pools a rollout's state asks for: apply, and repair
   arms        one version's traffic in a time window, from the sink's tables

@@ -21,7 +21,7 @@ import logging
 from sqlalchemy.engine import Engine, Row
 
 from feedback import pools
-from feedback.schemas import ModelVersion
+from feedback.schemas import MalformedMessage, ModelVersion, decode
 from ops.rollout.commands import start_rollout
 from ops.rollout.rows import Rollout, RolloutError, active, latest, recorded_version
 from ops.rollout.settings import RolloutSection, RolloutSettings
@@ -83,10 +83,10 @@ class AutoStarter:
         self.offsets: dict = {}  # TopicPartition -> next offset to commit
 
     def poll(self) -> list[str]:
+        # Late: kafka-python loads only where auto mode runs, not for every `flywheel rollout` command.
         from kafka import TopicPartition
 
         from feedback import bus
-        from feedback.schemas import MalformedMessage, decode
 
         if self.consumer is None:
             self.consumer = bus.consumer(self.settings.kafka, bus.VERSIONS, group_id=self.settings.rollout.group_id)
