@@ -197,13 +197,20 @@ model_versions = Table(
     Column("created_at", TS, nullable=False),
 )
 
+# The states of a rollout (`rollouts.state`), spelled once: the controller (ops/rollout) writes
+# them, and feedback/pools.current_stable reads what a finished one left stable.
+RUNNING, PAUSED, PROMOTED, ROLLED_BACK, ABORTED = "running", "paused", "promoted", "rolled_back", "aborted"
+ROLLOUT_STATES = (RUNNING, PAUSED, PROMOTED, ROLLED_BACK, ABORTED)
+ACTIVE_ROLLOUT_STATES = (RUNNING, PAUSED)
+"""An active rollout owns the canary pool; at most one is active at a time."""
+
 rollouts = Table(
     "rollouts",
     metadata,
     Column("id", Id, primary_key=True, autoincrement=True),
     Column("candidate_version", Integer, nullable=False, index=True),
     Column("stable_version", Integer, nullable=False),
-    Column("state", String(16), nullable=False, comment="running | paused | promoted | rolled_back | aborted"),
+    Column("state", String(16), nullable=False, comment=" | ".join(ROLLOUT_STATES)),
     Column("step_index", Integer, nullable=False),
     Column("weights", JSON, nullable=False, comment="canary traffic share per step, percent"),
     Column("interval_s", Float, nullable=False),

@@ -62,8 +62,8 @@ def current_stable(conn: Connection, *, candidate: int | None = None) -> int | N
         return target
     r = db.rollouts.c
     last = conn.execute(select(r.state, r.candidate_version, r.stable_version).order_by(r.id.desc()).limit(1)).first()
-    if last is not None and last.state not in ("running", "paused"):
-        return last.candidate_version if last.state == "promoted" else last.stable_version
+    if last is not None and last.state not in db.ACTIVE_ROLLOUT_STATES:
+        return last.candidate_version if last.state == db.PROMOTED else last.stable_version
     c = db.completions.c
     served = conn.execute(select(c.model_version).order_by(c.created_at.desc()).limit(1)).scalar()
     if served is not None and served != candidate:

@@ -39,7 +39,7 @@ from feedback.core.config import Section
 from feedback.sink.loop import SinkSection, SinkSettings
 from learner.train.learn_settings import GateSection, LearnSection, LearnSettings
 from ops import stack
-from ops.rollout import RolloutSection, RolloutSettings
+from ops.rollout.settings import RolloutSection, RolloutSettings
 from ops.simulate import SimulateSection, SimulateSettings
 
 log = logging.getLogger("flywheel.demo")
@@ -79,8 +79,8 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     from learner.judge import cursor_sites
     from learner.train.learn import Learner, describe
     from learner.train.pretrain import ensure_base_model
-    from ops import rollout
     from ops.dashboard import write_static
+    from ops.rollout.controller import run_controller
     from ops.simulate import run_sessions
     from serving import app
 
@@ -130,7 +130,7 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
             "rollout controller",
             console,
             events,
-            rollout.run_controller,
+            run_controller,
             s,
             stop,
             progress=lambda m: _say(console, events, m),
@@ -276,16 +276,16 @@ def _inject_degraded(learner, engine, stop: threading.Event, console: Console, e
     from sqlalchemy import select
 
     from feedback import db
-    from ops import rollout
+    from ops.rollout import rows
 
     while not stop.wait(2.0):
         with engine.connect() as conn:
             promoted = conn.execute(
                 select(db.rollouts.c.candidate_version)
-                .where(db.rollouts.c.state == rollout.PROMOTED)
+                .where(db.rollouts.c.state == db.PROMOTED)
                 .order_by(db.rollouts.c.id.desc())
             ).first()
-            busy = rollout.active(conn)
+            busy = rows.active(conn)
         if promoted is None or busy is not None:
             continue
         msg = publish_degraded(learner, engine, parent=promoted[0])

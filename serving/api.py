@@ -498,7 +498,7 @@ def build_app() -> FastAPI:
     from ops.dashboard import router as dashboard_router  # late: ops.dashboard imports this module
 
     app.include_router(dashboard_router)
-    from ops.rollout_api import router as rollout_router  # late, likewise; its database: ApiState.database_url
+    from ops.rollout.routes import router as rollout_router  # late, likewise; its database: app.state.database_url
 
     app.include_router(rollout_router())
     return app

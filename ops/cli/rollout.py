@@ -92,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace, extra: list[str] | None = None):
-    from ops.rollout import RolloutSettings
+    from ops.rollout.settings import RolloutSettings
 
     return RolloutSettings.load(args.config, [*args.overrides, *(extra or [])])
 
@@ -114,7 +114,7 @@ def _by() -> str:
 
 def _start_overrides(args: argparse.Namespace) -> list[str]:
     from feedback.core.config import parse_duration
-    from ops.rollout import parse_weights
+    from ops.rollout.settings import parse_weights
 
     out = []
     try:
@@ -138,17 +138,16 @@ def _start_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from ops import rollout
+    from feedback import db
+    from ops.rollout.commands import start_rollout
 
     s = _settings(args, _start_overrides(args))
     engine = _engine(s)
     try:
-        r = rollout.start_rollout(
-            engine, args.version, section=s.rollout, force=args.force, stable=args.stable, by=_by()
-        )
+        r = start_rollout(engine, args.version, section=s.rollout, force=args.force, stable=args.stable, by=_by())
     finally:
         engine.dispose()
-    if r.state == rollout.PROMOTED:
+    if r.state == db.PROMOTED:
         console.print(
             f"[green]rollout {r.id}[/]: version {r.candidate_version} is stable now (mode all, no canary)",
             soft_wrap=True,
@@ -165,7 +164,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import threading
 
-    from ops import rollout
+    from ops.rollout.controller import run_controller
 
     s = _settings(args, ["rollout.auto=true"] if args.auto else [])
     print_config(s, "flywheel rollout run")
@@ -178,19 +177,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = _engine(s)  # migrate once, and say so now if the database is unreachable
     try:
         progress = lambda m: console.print(m, markup=False, soft_wrap=True)  # noqa: E731
-        rollout.run_controller(s, threading.Event(), engine=engine, handle_signals=True, progress=progress)
+        run_controller(s, threading.Event(), engine=engine, handle_signals=True, progress=progress)
     finally:
         engine.dispose()
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ops import rollout
+    from ops.rollout import rows
 
     s = _settings(args)
     engine = _engine(s)
     try:
-        st = rollout.status(engine, args.id, limit=args.steps)
+        st = rows.status(engine, rollout_id=args.id, limit=args.steps)
     finally:
         engine.dispose()
     if args.json:
@@ -224,12 +223,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
-    from ops import rollout
+    from ops.rollout import commands
 
     s = _settings(args)
     engine = _engine(s)
     try:
-        r = getattr(rollout, args.action)(engine, args.id, by=_by(), reason=args.reason)
+        r = getattr(commands, args.action)(engine, args.id, by=_by(), reason=args.reason)
     finally:
         engine.dispose()
     console.print(f"rollout {r.id} (v{r.candidate_version}): [bold]{r.state}[/]")

@@ -79,7 +79,7 @@ def test_example_config_is_valid_and_complete():
     sim = SimulateSettings.load(example)
     from learner.train.learn_settings import LearnSettings
     from ops.demo import DemoSettings
-    from ops.rollout import RolloutSettings
+    from ops.rollout.settings import RolloutSettings
 
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
     assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48

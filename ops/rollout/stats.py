@@ -1,6 +1,6 @@
 """The canary's statistics and decision rules: pure functions, no I/O.
 
-The controller (ops/rollout.py) reads one `Arm` per version from SQL for a step's time
+The controller (controller.py) reads one `Arm` per version from SQL (arms.py) for a step's time
 window and asks `decide()` what to do. Everything here is arithmetic on those counts, so it
 is tested with hand-computed numbers.
 
@@ -162,15 +162,6 @@ def _one_sided(excess: float, se: float) -> tuple[float | None, float]:
         return None, 0.0 if excess > 0 else 1.0
     z = excess / se
     return z, normal_sf(z)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest rank: the smallest value with at least a share `q` of the values at or below it (as v_latency)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
-    return ordered[rank - 1]
 
 
 # --- decisions ------------------------------------------------------------------------------------

@@ -7,42 +7,36 @@
     POST /ops/rollouts/{id}/promote        make the candidate stable now
     POST /ops/rollouts/{id}/abort          every user back to stable
 
-Every route needs an ops token (serving.api.OpsToken: 401 without one, 403 for an editor
-token). The database comes from the dependency `engine_for`; by default the URL in the app's
-ApiState (`database_url`), one engine per URL for the life of the process. Routes are plain
-`def`: SQL blocks, so FastAPI runs them in its thread pool.
+Every route needs an ops token (feedback.core.auth.OpsToken, read from `app.state.tokens`:
+401 without one, 403 for an editor token). The database comes from the dependency
+`engine_for`; by default the app's `app.state.database_url`, through `db.shared_engine` (one
+pool per URL for the life of the process). Routes are plain `def`: SQL blocks, so FastAPI
+runs them in its thread pool.
 
 No `from __future__ import annotations` here: FastAPI must see the route annotations, and
 `EngineDep` is local to `router()`.
 """
 
 import hashlib
-import threading
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.engine import Engine
 
-from ops import rollout
-from serving.api import OpsToken, StateDep
+from feedback import db
+from feedback.core.auth import OpsToken
+from ops.rollout import commands, rows
+from ops.rollout.settings import RolloutSection
 
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
 
-
-def state_engine(st: StateDep) -> Engine:
-    """The engine for the ApiState's `database_url` (503 when the API was started without one)."""
-    url = getattr(st, "database_url", None)
+def app_engine(request: Request) -> Engine:
+    """The engine for the app's `database_url` (503 when the API was started without one)."""
+    url = getattr(request.app.state, "database_url", None)
     if not url:
         raise HTTPException(503, "rollout endpoints need the database: the API was started without a database URL")
-    with _engines_lock:
-        if url not in _engines:
-            from feedback import db
-
-            _engines[url] = db.make_engine(url)
-        return _engines[url]
+    return db.shared_engine(url)
 
 
 class RolloutCreate(BaseModel):
@@ -73,8 +67,8 @@ def who(token: str) -> str:
 
 
 def router(
-    engine_for: Callable[..., Engine] = state_engine,
-    defaults: Callable[[], rollout.RolloutSection] = rollout.RolloutSection,
+    engine_for: Callable[..., Engine] = app_engine,
+    defaults: Callable[[], RolloutSection] = RolloutSection,
 ) -> APIRouter:
     """The /ops/rollouts routes. `engine_for` is a FastAPI dependency returning the database engine;
     `defaults()` gives the policy a started rollout gets where the request leaves it unset."""
@@ -89,7 +83,7 @@ def router(
         limit: Annotated[int, Query(ge=1, le=500)] = 20,
     ) -> dict[str, Any]:
         """The active rollout (else the latest, or `?id=`), its recent steps, recent rollouts, and the serving pools."""
-        return _call(lambda: rollout.status(engine, rollout_id, limit=limit).as_dict())
+        return _call(lambda: rows.status(engine, rollout_id=rollout_id, limit=limit).as_dict())
 
     @api.post("", status_code=201)
     def start(body: RolloutCreate, token: OpsToken, engine: EngineDep) -> dict[str, Any]:
@@ -97,16 +91,16 @@ def router(
         section = _section(defaults(), body)
         by = who(token)
         return _call(
-            lambda: rollout.start_rollout(
+            lambda: commands.start_rollout(
                 engine, body.version, section=section, force=body.force, stable=body.stable, by=by
             ).as_dict()
         )
 
     for name, fn in (
-        ("pause", rollout.pause),
-        ("resume", rollout.resume),
-        ("promote", rollout.promote),
-        ("abort", rollout.abort),
+        ("pause", commands.pause),
+        ("resume", commands.resume),
+        ("promote", commands.promote),
+        ("abort", commands.abort),
     ):
         _operator_route(api, name, fn, EngineDep)
     return api
@@ -123,7 +117,7 @@ def _operator_route(api: APIRouter, name: str, fn, EngineDep) -> None:
     api.post("/{rollout_id}/" + name)(action)
 
 
-def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.RolloutSection:
+def _section(defaults: RolloutSection, body: RolloutCreate) -> RolloutSection:
     data = defaults.model_dump()
     for key in ("weights", "interval_s", "min_samples", "alpha", "max_holds", "require_reward", "mode"):
         if getattr(body, key) is not None:
@@ -131,7 +125,7 @@ def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.R
     if body.thresholds:
         data["thresholds"] = data["thresholds"] | body.thresholds
     try:
-        return rollout.RolloutSection.model_validate(data)
+        return RolloutSection.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         raise HTTPException(422, f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
@@ -140,5 +134,5 @@ def _section(defaults: rollout.RolloutSection, body: RolloutCreate) -> rollout.R
 def _call(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
-    except rollout.RolloutError as e:
+    except rows.RolloutError as e:
         raise HTTPException(e.status, str(e)) from None

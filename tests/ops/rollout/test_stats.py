@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ops.rollout_stats import (
+from ops.rollout.stats import (
     ADVANCE,
     HOLD,
     PROMOTE,
@@ -14,7 +14,6 @@ from ops.rollout_stats import (
     Policy,
     decide,
     normal_sf,
-    percentile,
     t_sf,
     two_proportion_ztest,
     welch_ttest,
@@ -86,13 +85,6 @@ def test_welch_by_hand():
     assert t.p > normal_sf(t.stat)  # Student's tail is heavier than the normal's
     shifted = welch_ttest(0.1, 0.04, 50, 0.2, 0.09, 60, margin=0.05)
     assert shifted.stat == pytest.approx(0.05 / math.sqrt(0.0023))
-
-
-def test_percentile_nearest_rank():
-    assert percentile(list(range(1, 101)), 0.99) == 99
-    assert percentile(list(range(1, 11)), 0.99) == 10
-    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert percentile([], 0.99) is None
 
 
 # --- decisions ------------------------------------------------------------------------------------

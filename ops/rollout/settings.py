@@ -1,0 +1,89 @@
+"""The `[rollout]` section: the policy a new rollout begins with, and how the controller runs.
+
+A rollout copies its policy (weights, interval, min_samples, thresholds) into its row when it
+starts, so changing these settings affects the rollouts started afterwards, never a running one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+
+from feedback.core.config import FlywheelSettings, Seconds, Section
+from ops.rollout.stats import Policy
+
+
+class Thresholds(Section):
+    """How much worse than stable the canary may look before a significant difference counts as harm."""
+
+    accept_rate_drop: float = Field(default=0.02, ge=0, le=1)
+    """Tolerated drop in accept rate (accepted / shown), absolute: 0.02 is 2 percentage points."""
+    reward_drop: float = Field(default=0.05, ge=0)
+    """Tolerated drop in mean reward per choice, in reward units (sink.reward: accepted = 0.75)."""
+    error_rate_increase: float = Field(default=0.01, ge=0, le=1)
+    """Tolerated rise in the share of aborted choices, absolute."""
+    p99_latency_ratio: float = Field(default=1.5, ge=1)
+    """Roll back when the canary's latency is significantly above stable's times this factor (Welch's t-test on
+    log latency: a ratio of geometric means); each arm's p99 is kept in the evidence."""
+
+
+class RolloutSection(Section):
+    """Section `[rollout]`: the policy new rollouts get, and how the controller runs."""
+
+    mode: Literal["canary", "all"] = "canary"
+    """`canary`: step through `weights`, testing at each; `all`: make the version stable at once (no canary)."""
+    weights: list[float] = [5.0, 25.0, 50.0, 100.0]
+    """Canary share of users per step, percent, increasing; passing the last step promotes."""
+    interval_s: Seconds = Field(default=60.0, gt=0)
+    """How long each step runs before it is evaluated (and between evaluations of a holding step)."""
+    min_samples: int = Field(default=200, ge=2)
+    """Observations per arm below which a metric is not tested; the step holds until the accept rate has them."""
+    alpha: float = Field(default=0.05, gt=0, lt=0.5)
+    """Significance level of each one-sided test (canary worse than stable beyond the threshold)."""
+    max_holds: int = Field(default=30, ge=0)
+    """Under-sampled evaluations a step may hold before the rollout is rolled back for insufficient traffic."""
+    require_reward: bool = False
+    """Also hold until mean reward has `min_samples` per arm. Rewards appear sink.feedback_window_s after
+    a completion, so set this only with `interval_s` well above that window; otherwise reward still guards
+    (rolls back) whenever it has the samples."""
+    thresholds: Thresholds = Thresholds()
+    """Tolerances of the guarded metrics (section `[rollout.thresholds]`)."""
+    poll_s: float = Field(default=5.0, gt=0)
+    """How often the controller checks the active rollout (and, in auto mode, the versions topic)."""
+    auto: bool = False
+    """Start a rollout for every version announced on flywheel.versions that passed the learner's gate."""
+    group_id: str = Field(default="flywheel-rollout", min_length=1)
+    """Kafka consumer group of the auto-mode controller (a restart resumes from its committed offset)."""
+
+    @model_validator(mode="after")
+    def _weights_increase(self) -> Self:
+        w = self.weights
+        if not w or any(not 0 < x <= 100 for x in w) or any(b <= a for a, b in zip(w, w[1:])):
+            raise ValueError(
+                f"rollout.weights must be increasing percentages in (0, 100], e.g. [5, 25, 50, 100]; got {w}"
+            )
+        return self
+
+    def policy(self) -> Policy:
+        return Policy(
+            min_samples=self.min_samples,
+            alpha=self.alpha,
+            max_holds=self.max_holds,
+            require_reward=self.require_reward,
+            **self.thresholds.model_dump(),
+        )
+
+
+class RolloutSettings(FlywheelSettings):
+    """`flywheel rollout`: the canary controller and its commands."""
+
+    rollout: RolloutSection = RolloutSection()
+
+
+def parse_weights(value: str) -> list[float]:
+    """`5,25,50,100` -> [5.0, 25.0, 50.0, 100.0]; ValueError otherwise."""
+    try:
+        return [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"bad weights {value!r}: expected comma-separated percentages, e.g. 5,25,50,100") from None

@@ -1,0 +1,57 @@
+"""One arm's traffic read from SQL (arms.read_arm), against rows whose counts are known."""
+
+import math
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import insert
+
+from feedback import db
+from ops.rollout.arms import read_arm
+from tests.ops.rollout.traffic import CANDIDATE, STABLE, T0, serve
+
+
+def latencies(engine, version, values, *, at=T0):
+    """Completions of `version` with these latencies (ms), one a second from `at`, no choices."""
+    rows = [
+        dict(
+            completion_id=f"lat{version}-{at.isoformat()}-{i}",
+            model_version=version,
+            user_hash="u",
+            prompt_token_ids=[1],
+            summary_ids=[],
+            n_choices=1,
+            latency_ms=float(v),
+            created_at=at + timedelta(seconds=i),
+        )
+        for i, v in enumerate(values)
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(db.completions), rows)
+
+
+def test_p99_is_the_nearest_rank_and_the_log_moments_come_from_the_window(engine):
+    """The p99 as v_latency computes it: the smallest value with 99% of the values at or below it."""
+    latencies(engine, STABLE, range(1, 101))
+    latencies(engine, CANDIDATE, [7.0, 3.0, 10.0, 1.0, 2.0, 4.0, 9.0, 5.0, 6.0, 8.0])
+    latencies(engine, CANDIDATE, [5000.0], at=T0 + timedelta(seconds=200))  # outside the window
+    until = T0 + timedelta(seconds=200)
+    with engine.connect() as conn:
+        stable = read_arm(conn, version=STABLE, since=T0, until=until)
+        canary = read_arm(conn, version=CANDIDATE, since=T0, until=until)
+        empty = read_arm(conn, version=99, since=T0, until=until)
+    assert (stable.completions, stable.p99_latency_ms) == (100, 99.0)
+    assert (canary.completions, canary.p99_latency_ms) == (10, 10.0)
+    logs = [math.log(v) for v in range(1, 11)]
+    mean = sum(logs) / len(logs)
+    assert canary.log_latency_mean == pytest.approx(mean)
+    assert canary.log_latency_var == pytest.approx(sum((x - mean) ** 2 for x in logs) / 9)
+    assert (empty.completions, empty.p99_latency_ms, empty.log_latency_mean, empty.choices) == (0, None, None, 0)
+
+
+def test_choices_feedback_and_rewards(sqlite_engine):
+    serve(sqlite_engine, STABLE, 200, start=T0, accept=0.4, errors=0.1)
+    with sqlite_engine.connect() as conn:
+        arm = read_arm(conn, version=STABLE, since=T0, until=T0 + timedelta(minutes=1))
+    assert (arm.choices, arm.shown, arm.accepted, arm.errors, arm.rewards) == (200, 200, 80, 20, 200)
+    assert arm.reward_mean == pytest.approx(0.4 * 0.75 + 0.6 * -0.25)
