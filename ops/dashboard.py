@@ -4,16 +4,18 @@
     render_html(data) -> str         one page of plotly charts and tables; pure, and self-contained
                                      unless `script_src` points at the served script
     write_static(engine, path)       both, to a file (`flywheel dashboard --out PATH`)
-    router                           GET /ops/dashboard (HTML), GET /ops/dashboard.json,
-                                     POST /ops/login and /ops/logout, mounted by serving.api.build_app
+    router()                         GET /ops/dashboard (HTML), GET /ops/dashboard.json,
+                                     POST /ops/login and /ops/logout, for the app `flywheel serve`
+                                     builds (serving.http.app.build_app)
 
 The charts are plotly.js, bundled in the `plotly` Python package, so the page needs no CDN:
 the served page loads it from `/ops/dashboard/app.js` (cached), the static copy inlines it.
 
-Authentication is serving.api's ops token. A browser cannot add a bearer header to a page
-load, so `POST /ops/login` (a form) sets an HttpOnly, SameSite=Strict cookie instead. The
-cookie holds an HMAC of the token, not the token: it opens the dashboard and nothing else,
-and stops working when the token is removed from serve.ops_tokens. Tokens never go in URLs.
+Authentication is the app's ops token (feedback.core.auth, `app.state.tokens`). A browser
+cannot add a bearer header to a page load, so `POST /ops/login` (a form) sets an HttpOnly,
+SameSite=Strict cookie instead. The cookie holds an HMAC of the token, not the token: it opens
+the dashboard and nothing else, and stops working when the token is removed from
+serve.ops_tokens. Tokens never go in URLs. The database is `app.state.database_url`.
 
 Time series are bucketed in SQL by whole seconds since the epoch; the bucket grows with the
 span of the data (a minute for a short demo, a day for months) so a chart has at most
@@ -39,9 +41,9 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from feedback import db
+from feedback.core.auth import matches, require_ops, tokens
 from feedback.core.clock import as_utc
 from feedback.core.errors import first_line
-from serving.api import _state, require_ops
 
 MAX_BUCKETS = 96
 NICE_BUCKETS_S = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400)
@@ -770,31 +772,25 @@ def session_value(token: str) -> str:
 
 
 def require_ops_session(request: Request) -> str:
-    """serving.api.require_ops (bearer header: 401 / 403 / ok), or else the session cookie set by
-    `POST /ops/login`."""
+    """feedback.core.auth.require_ops (bearer header: 401 / 403 / ok), or else the session cookie
+    set by `POST /ops/login`."""
     cookie = request.cookies.get(COOKIE)
     if request.headers.get("authorization") or not cookie:
         return require_ops(request)
-    for token in _state(request).ops_tokens:
-        if hmac.compare_digest(cookie, session_value(token)):
+    for token in tokens(request).ops:
+        if matches(cookie, (session_value(token),)):
             return token
     raise HTTPException(401, "the dashboard session is no longer valid (was the ops token removed?): log in again")
 
 
 OpsSession = Annotated[str, Depends(require_ops_session)]
 
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
-
 
 def _engine(request: Request) -> Engine:
-    url = getattr(_state(request), "database_url", None)
+    url = getattr(request.app.state, "database_url", None)
     if not url:
         raise HTTPException(503, "the dashboard needs the database: this API was started without a database URL")
-    with _engines_lock:
-        if url not in _engines:
-            _engines[url] = db.make_engine(url)
-        return _engines[url]
+    return db.shared_engine(url)
 
 
 def _data(request: Request) -> dict:
@@ -807,11 +803,18 @@ def _data(request: Request) -> dict:
         ) from None
 
 
-router = APIRouter(prefix="/ops", tags=["ops"])
+def router() -> APIRouter:
+    """The dashboard's routes (under /ops)."""
+    api = APIRouter(prefix="/ops", tags=["ops"])
+    # Sync routes: FastAPI runs them in its thread pool, so the SQL never blocks the event loop.
+    api.get("/dashboard", response_class=HTMLResponse, responses={401: {}, 403: {}, 503: {}})(dashboard)
+    api.get("/dashboard.json", responses={401: {}, 403: {}, 503: {}})(dashboard_json)
+    api.get("/dashboard/app.js", responses={401: {}, 403: {}})(dashboard_script)
+    api.post("/login", response_class=HTMLResponse, responses={303: {}, 401: {}, 403: {}})(login)
+    api.post("/logout", responses={303: {}})(logout)
+    return api
 
 
-# Sync routes: FastAPI runs them in its thread pool, so the SQL never blocks the event loop.
-@router.get("/dashboard", response_class=HTMLResponse, responses={401: {}, 403: {}, 503: {}})
 def dashboard(request: Request) -> Response:
     """The ops dashboard (HTML); without a valid ops token or session, the login form."""
     try:
@@ -825,25 +828,22 @@ def dashboard(request: Request) -> Response:
     return HTMLResponse(page, headers=PAGE_HEADERS)
 
 
-@router.get("/dashboard.json", responses={401: {}, 403: {}, 503: {}})
 def dashboard_json(request: Request, _token: OpsSession) -> JSONResponse:
     """The dashboard's numbers as JSON."""
     return JSONResponse(_data(request), headers={"Cache-Control": "no-store"})
 
 
-@router.get("/dashboard/app.js", responses={401: {}, 403: {}})
 def dashboard_script(_token: OpsSession) -> Response:
     """plotly.js and the code that draws the dashboard's charts."""
     return Response(_app_js_cached(), media_type="text/javascript", headers={"Cache-Control": "private, max-age=86400"})
 
 
-@router.post("/login", response_class=HTMLResponse, responses={303: {}, 401: {}, 403: {}})
 async def login(request: Request) -> Response:
     """Exchange an ops token (form field `token`) for a dashboard session cookie."""
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
-    st = _state(request)
-    if token and any(hmac.compare_digest(token.encode(), t.encode()) for t in st.ops_tokens):
+    allowed = tokens(request)
+    if token and matches(token, allowed.ops):
         resp = RedirectResponse("dashboard", status_code=303)
         resp.set_cookie(
             COOKIE,
@@ -855,12 +855,11 @@ async def login(request: Request) -> Response:
             secure=request.url.scheme == "https",
         )
         return resp
-    if token and any(hmac.compare_digest(token.encode(), t.encode()) for t in st.editor_tokens):
+    if token and matches(token, allowed.editor):
         return _login_page(403, "that is an editor token; the dashboard needs an ops token (serve.ops_tokens)")
     return _login_page(401, "wrong token" if token else "enter an ops token")
 
 
-@router.post("/logout", responses={303: {}})
 def logout() -> Response:
     """Forget the dashboard session."""
     resp = RedirectResponse("dashboard", status_code=303)

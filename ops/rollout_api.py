@@ -25,8 +25,9 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy.engine import Engine
 
+from feedback.core.auth import OpsToken
 from ops import rollout
-from serving.api import OpsToken, StateDep
+from serving.http.deps import StateDep
 
 _engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()

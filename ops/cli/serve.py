@@ -7,9 +7,13 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from feedback.core.errors import UserError
 from ops.cli.console import add_config_args, bench_subcommands, console, print_config, progress_line
+
+if TYPE_CHECKING:
+    from serving.app import RouterFactory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -119,6 +123,16 @@ def resolve_model_dir(s) -> Path:
     return Path(model_dir)
 
 
+def ops_routers() -> tuple[RouterFactory, ...]:
+    """The route groups the served API has besides serving's own: the ops dashboard and the
+    rollout routes, as router factories for serving.app.start (what the demo, the serving
+    benchmark and the end-to-end tests serve too)."""
+    from ops.dashboard import router as dashboard_router
+    from ops.rollout_api import router as rollout_router
+
+    return (dashboard_router, rollout_router)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     s = load_settings(args)
     model_dir = check_ready(s)
@@ -127,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     update, status = progress_line()
     with status:
-        url = app.start(s, model_dir, s.serve.model_version, update)
+        url = app.start(s, model_dir, s.serve.model_version, update, routers=ops_routers())
     console.print(
         f"[green]serving[/] model v{s.serve.model_version} at {url}/v1/completions (health: {url}/v1/health, metrics: {url}/metrics)"
     )

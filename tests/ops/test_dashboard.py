@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 
 from feedback import db
 from ops import dashboard
-from serving.api import ApiState, build_app
+from serving.http.app import build_app
+from serving.http.deps import ApiState
 from serving.settings import ServeSettings
 from tests.helpers import flywheel, free_port, scaled
 
@@ -263,7 +264,7 @@ def filled(sqlite_url):
 
 
 def make_app(database_url: str | None):
-    app = build_app()
+    app = build_app(routers=[dashboard.router()])
     app.state.api = ApiState(
         cfg=ServeSettings(),
         replicas={},

@@ -43,6 +43,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_dir):
+    from ops.cli.serve import ops_routers
     from serving import app
     from serving.settings import ServingSettings
 
@@ -66,7 +67,7 @@ def stack(tmp_path_factory, model_dir):
             "engine": {"max_model_len": 512},
         },
     )
-    url = app.start(s, model_dir, version=0)
+    url = app.start(s, model_dir, version=0, routers=ops_routers())  # the route groups `flywheel serve` adds
     client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=scaled(120))
     try:
         yield s, url, client
