@@ -127,7 +127,7 @@ def ops_routers() -> tuple[RouterFactory, ...]:
     """The route groups the served API has besides serving's own: the ops dashboard and the
     rollout routes, as router factories for serving.app.start (what the demo, the serving
     benchmark and the end-to-end tests serve too)."""
-    from ops.dashboard import router as dashboard_router
+    from ops.dashboard.routes import router as dashboard_router
     from ops.rollout_api import router as rollout_router
 
     return (dashboard_router, rollout_router)
