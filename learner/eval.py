@@ -12,7 +12,7 @@ take, so the replay scores a model as users would:
               serving does, would take minutes per site here)
     decode    learner.decode, greedy, up to `max_tokens` (clamped to the window, as the replica
               does), stopping at <|endoftext|> or at "\\n\\n" (the stop string serving gives
-              editor requests, serving/api.py)
+              editor requests, serving/http/completions.py)
     judge     learner.judge against the true continuation: accept fully, by line or by word,
               or dismiss; an empty completion is not shown (the model abstained)
     reward    feedback.reward on the events the simulated editor sends for that verdict

@@ -81,6 +81,7 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     from learner.train.pretrain import ensure_base_model
     from ops.dashboard import write_static
     from ops.rollout.controller import run_controller
+    from ops.routes import ops_routers
     from ops.simulate import run_sessions
     from serving import app
 
@@ -117,7 +118,7 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
     )
     serving = s.model_copy(update={"serve": serve})
     with console.status("starting Ray Serve and vLLM (stable and canary pools)") as status:
-        url = app.start(serving, model_dir, 0, status.update)
+        url = app.start(serving, model_dir, 0, status.update, routers=ops_routers())
     console.print(f"API at {url}; stable and canary pools start on v0 and follow serving_pools")
 
     console.rule(f"4/6 the loop: {s.demo.minutes:g} minutes of simulated editors")

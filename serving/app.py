@@ -8,8 +8,14 @@ The same code runs on a local Ray (`serve.ray_address` empty) and on a Ray clust
 the `[serve]` section. Both pools start from the same model folder and version. Which
 version each pool should serve, and the canary's share of users, live in SQL
 (feedback/pools.py): every replica polls its pool's target and hot-swaps itself in place
-(`PoolReconciler`), and the ingress polls the same table to route users (serving/api.py),
+(`PoolReconciler`), and the ingress polls the same table to route users (serving/http/routing.py),
 so whoever decides (the rollout controller, `flywheel swap`) only writes a row.
+
+The ingress serves serving's own routes (serving/http) and the route groups its caller passes
+in as router factories: plain importable functions returning an APIRouter (`flywheel serve`
+passes the ops dashboard's and the rollout routes'). Ray pickles them by reference and the
+ingress calls them in its replica, where it builds its FastAPI app, so this module never
+imports the route groups it serves.
 """
 
 from __future__ import annotations
@@ -18,19 +24,25 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+from fastapi import APIRouter, FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from feedback import pools
 from feedback.core.errors import first_line
-from serving.api import ApiState, RoutingState, build_app, install, poll_routing
+from serving.http.app import build_app
+from serving.http.deps import ApiState
+from serving.http.routing import RoutingState, poll_routing
 from serving.replica import GenerateRequest, GenerateResult
 from serving.settings import ServeSettings, ServingSettings
 
 log = logging.getLogger(__name__)
+
+RouterFactory = Callable[[], APIRouter]
+"""A route group for the ingress's app: an importable function (Ray pickles it by reference)."""
 
 APP_NAME = "flywheel"
 
@@ -228,14 +240,20 @@ class RayReplica:
             yield r
 
     async def served_version(self) -> int:
-        # One replica of the pool answers: a sample, see serving.api.RoutingState.
+        # One replica of the pool answers: a sample, see serving.http.routing.RoutingState.
         return await self.handle.version.remote()
 
 
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
-@serve.ingress(build_app)  # built inside the replica process, so `install` reaches its routes
+@serve.ingress()  # the app is built in the replica, after __init__: __serve_build_asgi_app__
 class Ingress:
-    def __init__(self, settings: ServingSettings, replicas: dict[str, DeploymentHandle], tokenizer_dir: str):
+    def __init__(
+        self,
+        settings: ServingSettings,
+        replicas: dict[str, DeploymentHandle],
+        tokenizer_dir: str,
+        routers: Sequence[RouterFactory] = (),
+    ):
         from feedback.db import make_engine
         from feedback.producer import BufferedProducer
         from learner.tokenizer import load_tokenizer
@@ -251,14 +269,20 @@ class Ingress:
             editor_tokens=cfg.editor_tokens(),
             decode=tok.decode,
             ops_tokens=cfg.ops_token_set(),
-            database_url=settings.database_url,  # the ops endpoints' database (ops/rollout_api.py)
+            database_url=settings.database_url,  # the ops routes' database (app.state.database_url)
         )
-        install(self.state)
+        self.routers = tuple(routers)
         engine = make_engine(settings.database_url)
         # Ray Serve runs __init__ on the replica's event loop, where the routes run too.
         self._poller = asyncio.get_running_loop().create_task(
             poll_routing(self.state, lambda: pools.read(engine), cfg.pool_poll_s)
         )
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The ingress's app: serving's routes and the route groups passed in, over this replica's state."""
+        app = build_app(routers=[make() for make in self.routers])
+        app.state.api = self.state
+        return app
 
     def __del__(self):
         producer = getattr(self, "producer", None)
@@ -266,8 +290,9 @@ class Ingress:
             producer.close(timeout_s=5)
 
 
-def build(settings: ServingSettings, model_dir: Path, version: int):
-    """The bound application, ready for `serve.run`: both pools start on `version` of `model_dir`."""
+def build(settings: ServingSettings, model_dir: Path, version: int, routers: Sequence[RouterFactory] = ()):
+    """The bound application, ready for `serve.run`: both pools start on `version` of `model_dir`;
+    the ingress serves serving's routes and those of `routers`."""
     eng = settings.serve.engine
     handles = {
         pool: ModelReplica.options(
@@ -277,11 +302,19 @@ def build(settings: ServingSettings, model_dir: Path, version: int):
         ).bind(str(model_dir), settings, version, pool)
         for pool, n in pool_sizes(settings.serve).items()
     }
-    return Ingress.bind(settings, handles, str(model_dir))
+    return Ingress.bind(settings, handles, str(model_dir), tuple(routers))
 
 
-def start(settings: ServingSettings, model_dir: Path, version: int, progress=lambda msg: None) -> str:
-    """Start (or join) Ray, deploy the app, and return the API's base URL once it answers."""
+def start(
+    settings: ServingSettings,
+    model_dir: Path,
+    version: int,
+    progress=lambda msg: None,
+    *,
+    routers: Sequence[RouterFactory] = (),
+) -> str:
+    """Start (or join) Ray, deploy the app, and return the API's base URL once it answers. The API
+    serves serving's routes and those of `routers` (factories, see `RouterFactory`)."""
     import ray
 
     cfg = settings.serve
@@ -305,7 +338,7 @@ def start(settings: ServingSettings, model_dir: Path, version: int, progress=lam
     sizes = pool_sizes(cfg)
     where = ", ".join(f"{n} {pool}" for pool, n in sizes.items())
     progress(f"deploying model v{version} from {model_dir} ({where} replica(s); vLLM start-up takes ~30 s)")
-    serve.run(build(settings, model_dir, version), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build(settings, model_dir, version, routers), name=APP_NAME, route_prefix="/", blocking=False)
     progress("warming up the engines (vLLM's first step is slow)")
     warm_up(sizes)
     return f"http://{cfg.host}:{cfg.port}"

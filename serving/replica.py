@@ -86,7 +86,7 @@ class CompletionService:
         yield self._result(req, prompt, samples, t0, done=True)
 
     async def served_version(self) -> int:
-        """The version it serves (an in-process service is a pool of one: serving.api.ReplicaClient)."""
+        """The version it serves (an in-process service is a pool of one: serving.http.deps.ReplicaClient)."""
         return self.version
 
     async def complete(self, req: GenerateRequest) -> GenerateResult:

@@ -1,7 +1,7 @@
 """Which model version serves a user: sticky by a hash of the user id.
 
 A user's bucket (0 <= b < 100) comes from a hash of their pseudonymous id, so it never
-changes; the canary pool with traffic share w serves the buckets below w (serving/api.py,
+changes; the canary pool with traffic share w serves the buckets below w (serving/http/routing.py,
 RoutingState.pick). Raising a canary's share from 5 to 25 keeps the first 5% of users on it
 and adds the next 20%: nobody flips back and forth while a rollout advances.
 """

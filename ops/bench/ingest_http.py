@@ -86,14 +86,16 @@ def _serve(port: int) -> None:
 
     from feedback.core.config import KafkaSettings
     from feedback.producer import BufferedProducer
-    from serving.api import ApiState, build_app
+    from ops.routes import ops_routers
+    from serving.http.app import build_app
+    from serving.http.deps import ApiState
     from serving.settings import ServeSettings
 
     token = os.environ["FLYWHEEL_BENCH_TOKEN"]
     producer = BufferedProducer(
         KafkaSettings.model_validate(json.loads(os.environ["FLYWHEEL_BENCH_KAFKA"])), max_buffered=1_000_000
     )
-    app = build_app()
+    app = build_app(routers=[make() for make in ops_routers()])
     cfg = ServeSettings(port=port, auth_tokens=[SecretStr(token)])
     app.state.api = ApiState(cfg=cfg, replicas={}, producer=producer, editor_tokens={token}, decode=str)
     try:

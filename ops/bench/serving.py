@@ -130,6 +130,7 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
 def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int, progress) -> dict:
     import secrets
 
+    from ops.routes import ops_routers
     from serving import app
 
     progress(f"baseline: bare AsyncLLM, {n} requests x {max_tokens} tokens, concurrency {concurrency}")
@@ -146,7 +147,7 @@ def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int,
         }
     )
     progress("Flywheel: starting Ray Serve with one vLLM replica")
-    url = app.start(s, model_dir, s.serve.model_version, progress)
+    url = app.start(s, model_dir, s.serve.model_version, progress, routers=ops_routers())
     try:
         progress(f"Flywheel: {n} requests over HTTP")
         fly = asyncio.run(flywheel_http(url, token, n, concurrency, max_tokens))

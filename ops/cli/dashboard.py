@@ -29,7 +29,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     from feedback import db
     from feedback.core.config import StackSettings
-    from ops import dashboard
+    from ops.dashboard import write_static
 
     s = StackSettings.load(args.config, args.overrides)
     url = make_url(s.database_url)
@@ -46,7 +46,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
                 f"the dashboard needs {head}: run `flywheel db upgrade`"
             )
         try:
-            out = dashboard.write_static(engine, args.out)
+            out = write_static(engine, args.out)
         except OSError as e:
             raise UserError(f"cannot write {args.out}: {e.strerror}") from None
     finally:

@@ -123,11 +123,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     s = load_settings(args)
     model_dir = check_ready(s)
     print_config(s, "flywheel serve")
+    from ops.routes import ops_routers
     from serving import app
 
     update, status = progress_line()
     with status:
-        url = app.start(s, model_dir, s.serve.model_version, update)
+        url = app.start(s, model_dir, s.serve.model_version, update, routers=ops_routers())
     console.print(
         f"[green]serving[/] model v{s.serve.model_version} at {url}/v1/completions (health: {url}/v1/health, metrics: {url}/metrics)"
     )

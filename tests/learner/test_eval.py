@@ -26,8 +26,8 @@ from learner.prompts import EDITOR_STOP
 from learner.tokenizer import EOS_ID, train_tokenizer
 from learner.train import gate as G
 from learner.train.pretrain import fp4_hook
-from serving.api import _to_generate
 from serving.engine import Sample
+from serving.http.completions import _to_generate
 from serving.replica import CompletionService
 from serving.schemas import TabbyCompletionRequest
 from serving.settings import ServeSettings

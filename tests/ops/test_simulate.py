@@ -34,7 +34,9 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     from learner.judge import Site
     from learner.tokenizer import train_tokenizer
     from ops.simulate import run_sessions
-    from serving.api import ApiState, RoutingState, build_app
+    from serving.http.app import build_app
+    from serving.http.deps import ApiState
+    from serving.http.routing import RoutingState
     from serving.replica import CompletionService
     from serving.settings import ServeSettings
     from tests.helpers import free_port

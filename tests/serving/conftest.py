@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from fastapi.testclient import TestClient
 
 from feedback.pools import STABLE
-from serving.api import ApiState, RoutingState, build_app
 from serving.engine import Sample, SamplingSpec
+from serving.http.app import build_app
+from serving.http.deps import ApiState
+from serving.http.routing import RoutingState
 from serving.replica import CompletionService
 from serving.settings import ServeSettings
 
@@ -73,12 +75,13 @@ class ListSink:
         return True
 
 
-def make_client(tok, engine=None, **cfg_overrides):
+def make_client(tok, engine=None, routers=(), **cfg_overrides):
+    """A client of an app of serving's routes and `routers` over a FakeEngine pool on v3, its sink, its engine."""
     cfg = ServeSettings(**({"auth_tokens": [TOKEN]} | cfg_overrides))
     engine = engine or FakeEngine(tok)
     service = CompletionService(engine, tok, cfg, version=3)
     sink = ListSink()
-    app = build_app()
+    app = build_app(routers=routers)
     app.state.api = ApiState(
         cfg=cfg,
         replicas={STABLE: LocalPool(service)},

@@ -12,9 +12,11 @@ from sqlalchemy import select
 from feedback import db, pools
 from feedback.pools import CANARY, STABLE, Routes
 from learner import store as S
-from serving.api import ApiState, RoutingState, build_app, refresh_routing
 from serving.app import PoolReconciler, pool_sizes
 from serving.hotswap import HotSwapper
+from serving.http.app import build_app
+from serving.http.deps import ApiState
+from serving.http.routing import RoutingState, refresh_routing
 from serving.replica import CompletionService
 from serving.routing import bucket, user_hash
 from serving.settings import ServeSettings

@@ -25,6 +25,7 @@ from tests.helpers import free_port, make_settings, scaled, served_logprob_toler
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 TOKEN = "e2e-editor-token"
+OPS_TOKEN = "e2e-ops-token"
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_dir):
+    from ops.routes import ops_routers
     from serving import app
     from serving.settings import ServingSettings
 
@@ -60,13 +62,14 @@ def stack(tmp_path_factory, model_dir):
             "port": port,
             "model_dir": str(model_dir),
             "auth_tokens": [TOKEN],
+            "ops_tokens": [OPS_TOKEN],
             "ray_num_cpus": 2,
             "context_budget": 256,
             "summary_chunk_tokens": 64,
             "engine": {"max_model_len": 512},
         },
     )
-    url = app.start(s, model_dir, version=0)
+    url = app.start(s, model_dir, version=0, routers=ops_routers())  # the route groups `flywheel serve` adds
     client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=scaled(120))
     try:
         yield s, url, client
@@ -216,6 +219,27 @@ def _wait_for(client, cond, what: str, timeout_s: float = 180):
             return health
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}: {health}")
+
+
+def test_ops_routes_are_served(stack):
+    """The dashboard and rollout routes, built by the ingress in its replica, behind ops tokens."""
+    _, url, client = stack
+    ops = {"Authorization": f"Bearer {OPS_TOKEN}"}
+    r = client.get("/ops/rollouts", headers=ops)
+    assert r.status_code == 200, r.text
+    assert r.json()["rollout"] is None and r.json()["pools"]["stable"] == 0
+    r = client.get("/ops/rollouts")  # the editor token
+    assert r.status_code == 403 and "editor token" in r.json()["error"]["message"]
+    r = client.get("/ops/dashboard.json", headers=ops)
+    assert r.status_code == 200, r.text
+    assert {p["pool"]: p["version"] for p in r.json()["pools"]}["stable"] == 0  # what serve.start recorded
+    with httpx.Client(base_url=url, timeout=scaled(60), follow_redirects=False) as browser:
+        r = browser.get("/ops/dashboard")
+        assert r.status_code == 401 and '<form method="post" action="login">' in r.text
+        r = browser.post("/ops/login", data={"token": OPS_TOKEN})
+        assert r.status_code == 303 and "flywheel_ops=" in r.headers["set-cookie"]
+        r = browser.get("/ops/dashboard")
+        assert r.status_code == 200 and '<script src="dashboard/app.js"></script>' in r.text
 
 
 def test_pools_swap_in_place_to_their_targets(stack, model_dir):

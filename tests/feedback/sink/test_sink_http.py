@@ -81,7 +81,8 @@ def database_url(request, tmp_path):
 def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, tok):
     from fastapi.testclient import TestClient
 
-    from serving.api import ApiState, build_app
+    from serving.http.app import build_app
+    from serving.http.deps import ApiState
     from serving.replica import CompletionService
     from serving.settings import ServeSettings
 

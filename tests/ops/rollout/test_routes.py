@@ -13,9 +13,10 @@ from tests.ops.rollout.traffic import CANDIDATE, GATE_FAILED, STABLE
 @pytest.fixture
 def api(sqlite_engine):
     """The API app with what the rollout routes read from its state: the tokens and the database."""
-    from serving.api import build_app
+    from ops.rollout.routes import router
+    from serving.http.app import build_app
 
-    app = build_app()
+    app = build_app(routers=[router()])
     app.state.tokens = Tokens(editor=frozenset({"ed"}), ops=frozenset({"ops"}))
     app.state.database_url = sqlite_engine.url.render_as_string(hide_password=False)
     pools.set_stable(sqlite_engine, STABLE)

@@ -15,8 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from feedback import db
-from ops import dashboard
-from serving.api import ApiState, build_app
+from ops.dashboard import write_static
+from ops.dashboard.data import dashboard_data, pick_bucket
+from ops.dashboard.page import render_html
+from ops.dashboard.routes import router, session_value
+from serving.http.app import build_app
+from serving.http.deps import ApiState
 from serving.settings import ServeSettings
 from tests.helpers import flywheel, free_port, scaled
 
@@ -263,7 +267,7 @@ def filled(sqlite_url):
 
 
 def make_app(database_url: str | None):
-    app = build_app()
+    app = build_app(routers=[router()])
     app.state.api = ApiState(
         cfg=ServeSettings(),
         replicas={},
@@ -316,7 +320,7 @@ def check_data(data: dict, expect: dict) -> None:
 
 def test_dashboard_data_sqlite(filled):
     engine, expect = filled
-    check_data(dashboard.dashboard_data(engine), expect)
+    check_data(dashboard_data(engine), expect)
 
 
 @pytest.mark.postgres
@@ -326,9 +330,9 @@ def test_dashboard_data_postgres_matches_sqlite(postgres_url, filled):
     try:
         db.upgrade(pg)
         fill(pg)
-        got = dashboard.dashboard_data(pg)
+        got = dashboard_data(pg)
         check_data(got, expect)
-        assert _comparable(got) == _comparable(dashboard.dashboard_data(engine))
+        assert _comparable(got) == _comparable(dashboard_data(engine))
     finally:
         pg.dispose()
 
@@ -351,34 +355,34 @@ def _comparable(data: dict):
 def test_empty_database_renders(sqlite_url):
     engine = db.make_engine(sqlite_url)
     db.upgrade(engine)
-    data = dashboard.dashboard_data(engine)
+    data = dashboard_data(engine)
     assert data["versions"] == [] and data["rollout"] is None and data["totals"]["completions"] == 0
-    page = dashboard.render_html(data, script_src="dashboard/app.js")
+    page = render_html(data, script_src="dashboard/app.js")
     assert "no data yet" in page and "no rollout yet" in page
 
 
 def test_pick_bucket():
     t = datetime(2026, 1, 1, tzinfo=UTC)
-    assert dashboard.pick_bucket(None, None) == 60
-    assert dashboard.pick_bucket(t, t + timedelta(minutes=30)) == 60
-    assert dashboard.pick_bucket(t, t + timedelta(hours=2)) == 300
-    assert dashboard.pick_bucket(t, t + timedelta(days=3)) == 3600
-    assert dashboard.pick_bucket(t, t + timedelta(days=400)) == 7 * 86400
+    assert pick_bucket(None, None) == 60
+    assert pick_bucket(t, t + timedelta(minutes=30)) == 60
+    assert pick_bucket(t, t + timedelta(hours=2)) == 300
+    assert pick_bucket(t, t + timedelta(days=3)) == 3600
+    assert pick_bucket(t, t + timedelta(days=400)) == 7 * 86400
 
 
 def test_render_escapes_database_text(filled):
     engine, _ = filled
-    data = dashboard.dashboard_data(engine)
+    data = dashboard_data(engine)
     data["rollout"]["reason"] = "<script>alert(1)</script>"
     data["rollout"]["steps"][0]["evidence"] = {"note": "</script><b>x</b>"}
-    page = dashboard.render_html(data, script_src="dashboard/app.js")
+    page = render_html(data, script_src="dashboard/app.js")
     assert "<script>alert(1)" not in page and "</script><b>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
 def test_write_static_is_self_contained(filled, tmp_path):
     engine, _ = filled
-    out = dashboard.write_static(engine, tmp_path / "out" / "dashboard.html")
+    out = write_static(engine, tmp_path / "out" / "dashboard.html")
     page = out.read_text()
     assert "<script src=" not in page and "http://" not in page.split("<script>", 1)[0]
     assert "Plotly" in page and len(page) > 1_000_000  # plotly.js is inlined
@@ -460,7 +464,7 @@ def test_login_cookie(filled, sqlite_url):
     assert client.get("/ops/dashboard.json").status_code == 200
     # the cookie opens only the dashboard, not the bearer-token ops endpoints
     value = re.search(r"flywheel_ops=([0-9a-f]+)", cookie).group(1)
-    assert value == dashboard.session_value(OPS)
+    assert value == session_value(OPS)
     # revoking the ops token ends the session
     client.app.state.api.ops_tokens = {"another-ops-token"}
     assert client.get("/ops/dashboard.json").status_code == 401
@@ -603,7 +607,7 @@ def test_static_copy_in_chromium(filled, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    path = dashboard.write_static(filled[0], tmp_path / "dashboard.html")
+    path = write_static(filled[0], tmp_path / "dashboard.html")
     browser.get(path.as_uri())  # file://, no server and no network: plotly.js is in the page
     WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg")) >= 12)
     assert "step 2 of 4" in browser.find_element(By.ID, "rollout-summary").text

@@ -1,0 +1,82 @@
+"""`build_app(routers)`: the FastAPI app of serving's routes, plus the route groups passed in.
+
+Serving's own routes (completions, events, health/models/metrics) are always there; other
+route groups (the ops dashboard and rollout routes) are added by whoever builds the app:
+`flywheel serve` through serving/app.py's ingress, the demo, benchmarks and tests. Every
+error answers `{"error": {"message", "type"}}` (OpenAI's shape), and every request is
+counted and timed by route in Prometheus.
+
+The app's `state` is an `AppState`: routes read its `api` (an ApiState), the token checks
+its `tokens`, the ops routes its `database_url`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving import metrics
+from serving.http import completions, events, info
+from serving.http.deps import AppState
+
+
+def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
+    """Serving's routes, then `routers` in order. Set `app.state.api` before the first request."""
+    app = FastAPI(
+        title="Flywheel",
+        version="0.1.0",
+        description="Code completion that learns from its users. OpenAI- and Tabby-compatible.",
+    )
+    app.state = AppState()
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.REQUESTS.labels(path, str(response.status_code)).inc()
+        metrics.LATENCY.labels(path).observe(time.perf_counter() - t0)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "openai", "tabby"))
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return JSONResponse(
+            status_code=422,
+            content={
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "details": json.loads(json.dumps(errors, default=str)),
+                }
+            },
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = (
+            "authentication_error"
+            if exc.status_code == 401
+            else "invalid_request_error"
+            if exc.status_code < 500
+            else "server_error"
+        )
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"error": {"message": exc.detail, "type": kind}},
+            headers=getattr(exc, "headers", None),
+        )
+
+    for r in (completions.router, events.router, info.router, *routers):
+        app.include_router(r)
+    return app

@@ -1,0 +1,228 @@
+"""POST /v1/completions: OpenAI's and Tabby's request shapes, answered whole or as SSE.
+
+Every served completion is recorded to `flywheel.completions`, tagged with the version that
+produced it, through a buffered producer that never holds up a request. The pool comes from
+the routing state (serving/http/routing.py), or from a pinned `model: name@vN`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Discriminator, Tag
+
+from feedback import bus
+from feedback.core.auth import EditorToken
+from feedback.schemas import CompletionChoice, CompletionRecord
+from learner.fim import fim_header
+from learner.prompts import EDITOR_STOP
+from serving import metrics
+from serving.engine import SamplingSpec
+from serving.http.deps import ApiState, ReplicaClient, StateDep
+from serving.replica import GenerateRequest, GenerateResult
+from serving.routing import user_hash
+from serving.schemas import (
+    Choice,
+    CompletionResponse,
+    LogProbs,
+    OpenAICompletionRequest,
+    TabbyCompletionRequest,
+    Usage,
+)
+
+
+def _shape(body: Any) -> str:
+    return (
+        "tabby"
+        if isinstance(body, dict) and ("segments" in body or ("language" in body and "prompt" not in body))
+        else "openai"
+    )
+
+
+CompletionBody = Annotated[
+    Annotated[OpenAICompletionRequest, Tag("openai")] | Annotated[TabbyCompletionRequest, Tag("tabby")],
+    Discriminator(_shape),
+]
+
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/completions", response_model=CompletionResponse, responses={401: {}, 404: {}, 413: {}, 422: {}, 503: {}}
+)
+async def completions(body: CompletionBody, st: StateDep, token: EditorToken, request: Request):
+    """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
+    shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    uhash = user_hash(body.user, fallback=token)
+    gen = _to_generate(st, body, completion_id)
+    replica = _pick(st, body, uhash)
+    created = int(time.time())
+    if isinstance(body, OpenAICompletionRequest) and body.stream:
+        return StreamingResponse(_sse(st, replica, gen, body, uhash, created), media_type="text/event-stream")
+    try:
+        r = await replica.complete(gen)
+    except Exception as e:  # the engine or its replica is down: the client may retry
+        raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
+    _record(st, r, uhash, body, shape)
+    return _response(st, r, body, created)
+
+
+# --- request translation -----------------------------------------------------------------------
+
+
+def _to_generate(
+    st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRequest, completion_id: str
+) -> GenerateRequest:
+    cfg = st.cfg
+    if isinstance(body, TabbyCompletionRequest):
+        seg = body.segments
+        prefix, suffix = seg.prefix, seg.suffix or ""
+        header = fim_header(language=body.language, path=seg.filepath)
+        temperature = body.temperature if body.temperature is not None else 0.2
+        spec = SamplingSpec(
+            n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=(EDITOR_STOP,)
+        )
+    else:
+        prefix, suffix, header = body.prompt_text, body.suffix, ""
+        if body.n > cfg.max_n:
+            raise HTTPException(400, f"n={body.n} exceeds the limit of {cfg.max_n}")
+        max_tokens = body.max_tokens or cfg.default_max_tokens
+        if max_tokens > cfg.max_tokens_limit:
+            raise HTTPException(400, f"max_tokens={max_tokens} exceeds the limit of {cfg.max_tokens_limit}")
+        spec = SamplingSpec(
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=tuple(body.stop_list),
+            top_logprobs=body.logprobs or 0,
+        )
+    if len(prefix) + len(suffix or "") > cfg.max_prompt_chars:
+        raise HTTPException(
+            413, f"prompt of {len(prefix) + len(suffix or '')} characters exceeds the limit of {cfg.max_prompt_chars}"
+        )
+    return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
+
+
+def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
+    """The pool for this request: the one serving a pinned `model: name@vN`, else the user's route."""
+    model = getattr(body, "model", None) or ""
+    if "@v" in model:
+        try:
+            pinned = int(model.rsplit("@v", 1)[1])
+        except ValueError:
+            raise HTTPException(400, f"bad model {model!r}: expected {st.cfg.model_name}@v<version>") from None
+        pool = st.routing.pool_serving(pinned)
+        if pool is None or pool not in st.replicas:
+            raise HTTPException(404, f"model version {pinned} is not served (serving: {st.routing.versions})")
+    else:
+        pool = st.routing.pick(uhash)
+    if pool not in st.replicas:
+        raise HTTPException(503, f"no {pool} replica pool is deployed")
+    return st.replicas[pool]
+
+
+def _response(st: ApiState, r: GenerateResult, body, created: int) -> CompletionResponse:
+    want_lp = isinstance(body, OpenAICompletionRequest) and body.logprobs is not None
+    choices = []
+    for s in r.samples:
+        lp = None
+        if want_lp:
+            pieces = [st.decode([t]) for t in s.token_ids]
+            offsets, pos = [], 0
+            for p in pieces:
+                offsets.append(pos)
+                pos += len(p)
+            top = [{st.decode([t]): v for t, v in alt.items()} for alt in s.top_logprobs] if body.logprobs else None
+            lp = LogProbs(tokens=pieces, token_logprobs=s.logprobs, top_logprobs=top, text_offset=offsets)
+        finish = s.finish_reason if s.finish_reason in ("stop", "length") else None
+        choices.append(Choice(index=s.index, text=s.text, logprobs=lp, finish_reason=finish))
+    completion_tokens = sum(len(s.token_ids) for s in r.samples)
+    return CompletionResponse(
+        id=r.completion_id,
+        created=created,
+        model=f"{st.cfg.model_name}@v{r.model_version}",
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=len(r.prompt_token_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(r.prompt_token_ids) + completion_tokens,
+        ),
+        system_fingerprint=f"v{r.model_version}",
+    )
+
+
+def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> None:
+    """Count the completion and hand its record to the producer (never blocks, never raises)."""
+    language = filepath = None
+    if isinstance(body, TabbyCompletionRequest):
+        language, filepath = body.language, body.segments.filepath
+    record = CompletionRecord(
+        completion_id=r.completion_id,
+        model_version=r.model_version,
+        user_hash=uhash,
+        language=language,
+        filepath=filepath,
+        prompt_token_ids=r.prompt_token_ids,
+        choices=[
+            CompletionChoice(
+                index=s.index,
+                token_ids=s.token_ids,
+                logprobs=[min(lp, 0.0) for lp in s.logprobs],
+                text=s.text,
+                finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "abort") else None,
+            )
+            for s in r.samples
+        ],
+        summary_ids=r.summary_ids,
+        latency_ms=r.latency_ms,
+        prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
+    )
+    st.producer.send(bus.COMPLETIONS, record)
+    v = str(r.model_version)
+    metrics.COMPLETIONS.labels(v, shape).inc()
+    metrics.TOKENS.labels("prompt").inc(len(r.prompt_token_ids))
+    metrics.TOKENS.labels("completion").inc(sum(len(s.token_ids) for s in r.samples))
+    if all(not s.text for s in r.samples):
+        metrics.EMPTY.labels(v).inc()
+    metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
+    metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
+    metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
+    if r.summary_fallback:
+        metrics.SUMMARY_FALLBACKS.inc()
+
+
+async def _sse(st: ApiState, replica: ReplicaClient, gen: GenerateRequest, body, uhash: str, created: int):
+    """OpenAI server-sent events: one chunk per text delta per choice, then `[DONE]`."""
+    sent = {}
+    final = None
+    try:
+        async for r in replica.stream(gen):
+            final = r
+            for s in r.samples:
+                delta = s.text[len(sent.get(s.index, "")) :]
+                finish = (s.finish_reason if s.finish_reason in ("stop", "length") else None) if r.done else None
+                if delta or finish:
+                    sent[s.index] = s.text
+                    chunk = {
+                        "id": r.completion_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": f"{st.cfg.model_name}@v{r.model_version}",
+                        "choices": [{"index": s.index, "text": delta, "logprobs": None, "finish_reason": finish}],
+                    }
+                    yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as e:  # headers are sent: report in-band, as OpenAI does
+        yield f"data: {json.dumps({'error': {'message': f'model replica failed: {type(e).__name__}', 'type': 'server_error'}})}\n\n"
+        return
+    if final is not None:
+        _record(st, final, uhash, body, "openai")
+    yield "data: [DONE]\n\n"

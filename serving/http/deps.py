@@ -1,0 +1,86 @@
+"""What the serving routes read: the `ApiState`, and the app state other route groups read.
+
+The Ray Serve ingress sets `app.state.api` on the app it builds in its replica
+(serving/app.py); unit tests set it on the app they build. Tokens are checked by
+feedback.core.auth, which reads `app.state.tokens`; route groups that are not serving's own
+(the ops routes) read `app.state.database_url`. On the serving app both follow its ApiState
+(`AppState`), so changing the ApiState's tokens takes effect on the next request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, HTTPException, Request
+from starlette.datastructures import State
+
+from feedback.core.auth import Tokens
+from serving.http.routing import RoutingState
+from serving.replica import GenerateRequest, GenerateResult
+from serving.settings import ServeSettings
+
+
+class ReplicaClient(Protocol):
+    """One replica pool, as the ingress sees it (serving.app.RayReplica over a deployment handle)."""
+
+    async def complete(self, req: GenerateRequest) -> GenerateResult: ...
+
+    def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]: ...
+
+    async def served_version(self) -> int: ...
+
+
+class RecordSink(Protocol):
+    def send(self, topic: str, msg: Any) -> bool: ...
+
+
+@dataclass
+class ApiState:
+    cfg: ServeSettings
+    replicas: dict[str, ReplicaClient]  # by pool name: feedback.pools.STABLE, CANARY (absent: not deployed)
+    producer: RecordSink
+    editor_tokens: set[str]
+    decode: Any  # token ids -> text (the served model's tokenizer)
+    routing: RoutingState = field(default_factory=RoutingState)
+    started: float = field(default_factory=time.time)
+    ops_tokens: set[str] = field(default_factory=set)
+    database_url: str | None = None
+
+    @property
+    def tokens(self) -> Tokens:
+        """The editor and ops tokens, as feedback.core.auth checks them."""
+        return Tokens(
+            editor=frozenset(self.editor_tokens),
+            ops=frozenset(self.ops_tokens),
+            allow_anonymous=self.cfg.allow_anonymous,
+        )
+
+
+class AppState(State):
+    """The serving app's `app.state`: `api` is its ApiState; `tokens` and `database_url`, unless
+    set on their own, are the ApiState's (absent while it is not set, so the token checks
+    answer 503 "the API is starting up")."""
+
+    FOLLOW_API = ("tokens", "database_url")
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            api = self._state.get("api")
+            if api is None or key not in self.FOLLOW_API:
+                raise
+            return getattr(api, key)
+
+
+def api_state(request: Request) -> ApiState:
+    st = getattr(request.app.state, "api", None)
+    if st is None:
+        raise HTTPException(503, "the API is starting up")
+    return st
+
+
+StateDep = Annotated[ApiState, Depends(api_state)]
