@@ -42,6 +42,7 @@ test: install lint
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 demo: install
 	$(BIN)/flywheel demo

@@ -41,6 +41,7 @@ from learner.train.learn_settings import GateSection, LearnSection, LearnSetting
 from ops import stack
 from ops.rollout.settings import RolloutSection, RolloutSettings
 from ops.simulate import SimulateSection, SimulateSettings
+from serving.settings import ServingSettings
 
 log = logging.getLogger("flywheel.demo")
 
@@ -54,7 +55,7 @@ class DemoSection(Section):
     """Where the static dashboard goes. Empty: <data_dir>/dashboard.html."""
 
 
-class DemoSettings(SimulateSettings, SinkSettings, LearnSettings, RolloutSettings):
+class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSettings, RolloutSettings):
     """`flywheel demo`: every section the loop uses, with defaults sized for one 2-core machine
     and about ten minutes: short feedback windows, a version every 90 s, 20-second canary steps."""
 

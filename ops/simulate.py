@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 
 from pydantic import Field, SecretStr
 
-from feedback.core.config import Section
+from feedback.core.config import FlywheelSettings, Section
 from feedback.reward import Event
 from learner.judge import Site, editor_events, judge
-from serving.settings import ServingSettings
 
 
 class SimulateSection(Section):
@@ -52,15 +51,11 @@ class SimulateSection(Section):
     """Folder of source files whose held-out split is replayed. Empty: the standard library."""
 
 
-class SimulateSettings(ServingSettings):
-    """`flywheel simulate`: editor traffic against a running API."""
+class SimulateSettings(FlywheelSettings):
+    """The `[simulate]` section on top of the shared settings (`flywheel simulate` adds `[serve]`,
+    to find the API and an editor token when the section names none)."""
 
     simulate: SimulateSection = SimulateSection()
-
-    def target(self) -> tuple[str, str]:
-        url = self.simulate.url or f"http://{self.serve.host}:{self.serve.port}"
-        token = self.simulate.token.get_secret_value() or next(iter(sorted(self.serve.editor_tokens())), "")
-        return url, token
 
 
 @dataclass

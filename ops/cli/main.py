@@ -127,11 +127,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from learner.corpus import load_corpus
     from learner.judge import cursor_sites
     from ops.simulate import SimulateSettings, run_sessions
+    from serving.settings import ServingSettings
 
-    s = SimulateSettings.load(args.config, args.overrides)
+    class Settings(SimulateSettings, ServingSettings):
+        """`flywheel simulate`: editor traffic against a running API."""
+
+    s = Settings.load(args.config, args.overrides)
     print_config(s, "flywheel simulate")
     sim = s.simulate
-    url, token = s.target()
+    url = sim.url or f"http://{s.serve.host}:{s.serve.port}"
+    token = sim.token.get_secret_value() or next(iter(sorted(s.serve.editor_tokens())), "")
     if not token:
         raise UserError("no editor token: set simulate.token, or serve.auth_tokens / serve.auth_tokens_file")
     try:

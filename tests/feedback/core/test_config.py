@@ -74,14 +74,12 @@ def test_example_config_is_valid_and_complete():
     example = REPO / "flywheel.example.toml"
     s = StackSettings.load(example)
     text = example.read_text()
-    from ops.simulate import SimulateSettings
-
-    sim = SimulateSettings.load(example)
     from learner.train.learn_settings import LearnSettings
     from ops.demo import DemoSettings
     from ops.rollout.settings import RolloutSettings
 
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
+    sim = demo  # every section the loop uses, [serve] and [simulate] among them
     assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48
     sections = (
         ("kafka", s.kafka),
