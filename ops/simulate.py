@@ -14,7 +14,6 @@ are pure: the learner's held-out replay uses the same ones; this module only put
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 import uuid
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pydantic import Field, SecretStr
 
 from feedback.core.config import FlywheelSettings, Section
+from feedback.core.stats import percentile
 from feedback.reward import Event
 from learner.judge import Site, editor_events, judge
 
@@ -95,18 +95,10 @@ class SimStats:
     def latency_summary(self) -> dict[str, dict[str, float]]:
         """Per version: answered requests, p50 and p99 completion latency in ms (nearest rank)."""
         return {
-            v: {"n": len(xs), "p50_ms": percentile(xs, 50), "p99_ms": percentile(xs, 99)}
+            v: {"n": len(xs), "p50_ms": percentile(xs, 0.50, empty=0.0), "p99_ms": percentile(xs, 0.99, empty=0.0)}
             for v, xs in sorted(self.latency_ms.items())
             if xs
         }
-
-
-def percentile(xs: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (as the SQL views compute it), 0.0 for no values."""
-    if not xs:
-        return 0.0
-    ordered = sorted(xs)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def failure_reason(exc: BaseException | None = None, status: int | None = None) -> str:

@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from kafka.errors import KafkaError
 
 from feedback.core.errors import UserError
+from feedback.core.stats import percentile
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent
 
 EventSender = Callable[[list[FeedbackEvent]], None]
@@ -98,14 +99,6 @@ def make_events(cids: list[str], n: int, offset: int = 0) -> list[FeedbackEvent]
         FeedbackEvent(completion_id=cids[(offset + i) % len(cids)], type=types[(offset + i) % 4], created_at=now)
         for i in range(n)
     ]
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest rank, as the v_latency view computes it."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p * len(ordered)) - 1)]
 
 
 def measure(engine, prefix: str, path: str, offered: float | None = None, from_first_row: bool = False) -> PathResult:

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from feedback.core.stats import percentile
 from serving.engine import SamplingSpec
 
 # (prefix, suffix): fill-in-the-middle, what editors send.
@@ -48,11 +49,6 @@ class Side:
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds
-
-
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int, int]:
@@ -98,7 +94,7 @@ async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tok
     finally:
         engine.shutdown()
     return Side(
-        "bare vLLM AsyncLLM (in-process)", n, secs, tokens, statistics.median(lat), _percentile(lat, 0.99), errors
+        "bare vLLM AsyncLLM (in-process)", n, secs, tokens, statistics.median(lat), percentile(lat, 0.99), errors
     )
 
 
@@ -122,7 +118,7 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
         secs,
         tokens,
         statistics.median(lat),
-        _percentile(lat, 0.99),
+        percentile(lat, 0.99),
         errors,
     )
 
