@@ -164,12 +164,7 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
                     url,
                     editor,
                     sites,
-                    users=sim.users,
-                    rate=sim.rate,
-                    edit_delay_s=sim.edit_delay_s,
-                    max_tokens=sim.max_tokens,
-                    seed=sim.seed,
-                    timeout_s=sim.timeout_s,
+                    sim,
                     progress=show,
                     deadline=t0 + s.demo.minutes * 60,
                 )

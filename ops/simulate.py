@@ -135,26 +135,22 @@ async def run_sessions(
     url: str,
     token: str,
     sites: Sequence[Site],
+    cfg: SimulateSection,
     *,
-    users: int = 4,
-    rate: float = 4.0,
-    edit_delay_s: float = 2.0,
-    max_tokens: int = 32,
-    seed: int = 0,
-    timeout_s: float = 30.0,
     progress=lambda stats: None,
     deadline: float | None = None,
 ) -> SimStats:
-    """Replay `sites` as `users` editors at about `rate` requests/s in all, over the real HTTP API.
+    """Replay `sites` as `cfg.users` editors at about `cfg.rate` requests/s in all, over the real HTTP API.
 
-    A call that times out (`timeout_s`), cannot connect, or gets an error status is counted in
+    A call that times out (`cfg.timeout_s`), cannot connect, or gets an error status is counted in
     `stats.failures` with its reason and the session goes on, as an editor would: a slow or
     restarting replica costs that suggestion, not the run. `deadline` (time.monotonic()): start no
     request after it; the sites left are counted as skipped."""
     import httpx
 
+    users, rate, edit_delay_s, timeout_s = cfg.users, cfg.rate, cfg.edit_delay_s, cfg.timeout_s
     stats = SimStats()
-    rng = random.Random(seed)
+    rng = random.Random(cfg.seed)
     pending_edits: list[asyncio.Task] = []
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s

@@ -151,12 +151,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 url,
                 token,
                 sites,
-                users=sim.users,
-                rate=sim.rate,
-                edit_delay_s=sim.edit_delay_s,
-                max_tokens=sim.max_tokens,
-                seed=sim.seed,
-                timeout_s=sim.timeout_s,
+                sim,
                 progress=lambda st: update(
                     f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, failed: {st.failure_line()}"
                 ),

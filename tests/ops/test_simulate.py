@@ -11,11 +11,13 @@ def test_sessions_start_nothing_after_their_deadline():
     import time
 
     from learner.judge import Site
-    from ops.simulate import run_sessions
+    from ops.simulate import SimulateSection, run_sessions
 
     sites = [Site("a.py", "python", "x = ", "\n", "1")] * 5
     # the deadline has passed: no request is sent (nothing listens at this URL), all are counted
-    stats = asyncio.run(run_sessions("http://127.0.0.1:9", "t", sites, rate=1000.0, deadline=time.monotonic() - 1))
+    stats = asyncio.run(
+        run_sessions("http://127.0.0.1:9", "t", sites, SimulateSection(rate=1000.0), deadline=time.monotonic() - 1)
+    )
     assert (stats.requests, stats.skipped, stats.errors) == (0, 5, 0)
 
 
@@ -33,7 +35,7 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     from feedback.pools import STABLE
     from learner.judge import Site
     from learner.tokenizer import train_tokenizer
-    from ops.simulate import run_sessions
+    from ops.simulate import SimulateSection, run_sessions
     from serving.http.app import build_app
     from serving.http.deps import ApiState
     from serving.http.routing import RoutingState
@@ -89,10 +91,7 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
                 f"http://127.0.0.1:{port}",
                 "t",
                 sites,
-                users=3,
-                rate=100.0,
-                edit_delay_s=0.0,
-                timeout_s=timeout_s,
+                SimulateSection(users=3, rate=100.0, edit_delay_s=0.0, timeout_s=timeout_s),
                 progress=lambda st: seen.append(st.errors),
             )
         )
