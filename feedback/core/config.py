@@ -89,6 +89,10 @@ class KafkaSettings(Section):
     """How long `up` waits for the broker to answer."""
     request_timeout_ms: int = Field(default=10_000, ge=100)
     """Client timeout for admin and produce requests."""
+    producer_buffer_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Bytes of records (keys and values) a process holds in memory while Kafka is unreachable
+    (serving's completion records and events, the learner's announcements); beyond, like beyond
+    `serve.producer_buffer` records, new ones are dropped and counted."""
     completions: TopicSettings = TopicSettings(partitions=3, retention_ms=7 * 24 * 3600 * 1000)
     """Topic `flywheel.completions`: one record per served completion (key: completion_id)."""
     events: TopicSettings = TopicSettings(partitions=3, retention_ms=7 * 24 * 3600 * 1000)

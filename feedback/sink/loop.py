@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Self
 
 from prometheus_client import Counter, Gauge, Histogram
-from pydantic import Field
+from pydantic import Field, model_validator
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -80,8 +81,16 @@ class SinkSection(Section):
     """Reward per outcome (feedback/reward.py)."""
     retention_days: int = Field(default=30, ge=0)
     """Prompt and completion text (and edited text, dead-letter payloads) older than this is set to NULL; token ids stay. 0 keeps text forever."""
+    dead_letter_retention_days: int = Field(default=30, ge=0)
+    """Dead letters older than this (by `dead_at`) are deleted, rows and all. 0 keeps them forever."""
+    dead_letter_max_rows: int = Field(default=1_000_000, ge=0)
+    """Most dead letters kept: beyond, the oldest are deleted at each retention pass, so a flood of bad
+    messages cannot fill the disk within the retention period. 0: no cap."""
+    pending_retention_days: int = Field(default=7, ge=0)
+    """Held events older than this (by `held_at`) are deleted. A backstop: the sweep turns them into
+    dead letters after `grace_period_s`, which must be shorter. 0 keeps them until the sweep does."""
     retention_interval_s: float = Field(default=3600.0, gt=0)
-    """How often the sink applies retention."""
+    """How often the sink applies retention (text, dead letters, held events)."""
     sweep_interval_s: float = Field(default=1.0, gt=0)
     """How often held events, dead letters and due rewards are processed."""
     progress_interval_s: float = Field(default=10.0, gt=0)
@@ -90,6 +99,15 @@ class SinkSection(Section):
     """Wait between attempts while the database is unreachable (the batch is kept, offsets are not committed)."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Serve Prometheus metrics on this port; 0 serves none."""
+
+    @model_validator(mode="after")
+    def _held_events_outlive_the_grace_period(self) -> Self:
+        if self.pending_retention_days and self.pending_retention_days * 86400 <= self.grace_period_s:
+            raise ValueError(
+                f"sink.pending_retention_days ({self.pending_retention_days}) must be longer than "
+                f"sink.grace_period_s ({self.grace_period_s:g}s), or 0: held events would be deleted before the grace period ends"
+            )
+        return self
 
 
 class SinkSettings(FlywheelSettings):
@@ -189,9 +207,11 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
         if now_m >= next_sweep:
             next_sweep = now_m + cfg.sweep_interval_s
             _record(stats, _sweep(engine, settings))
-        if cfg.retention_days and now_m >= next_retention:
+        if now_m >= next_retention:
             next_retention = now_m + cfg.retention_interval_s
-            _retention(engine, cfg.retention_days, progress)
+            if cfg.retention_days:
+                _retention(engine, cfg.retention_days, progress)
+            _purge(engine, cfg, progress)  # also when text is kept forever: bookkeeping rows must not pile up
         if now_m - last_report >= cfg.progress_interval_s:
             stats.lag = _lag(consumer)
             progress(_progress_line(stats, reported, now_m - last_report))
@@ -405,8 +425,34 @@ def _retention(engine, days: int, progress) -> None:
             dropped = retention.apply_retention(conn, now=datetime.now(UTC), retention_days=days)
         if any(dropped.values()):
             progress(f"sink: retention dropped text older than {days} days: {retention.describe(dropped)}")
-    except OperationalError as e:
-        log.warning("retention skipped: database unavailable (%s)", first_line(e, with_type=False))
+    except Exception as e:
+        _retention_failed(e)
+
+
+def _purge(engine, cfg: SinkSection, progress) -> None:
+    from feedback.sink import retention
+
+    try:
+        with engine.begin() as conn:
+            deleted = retention.delete_bookkeeping(
+                conn,
+                now=datetime.now(UTC),
+                dead_letter_days=cfg.dead_letter_retention_days,
+                dead_letter_max_rows=cfg.dead_letter_max_rows,
+                pending_days=cfg.pending_retention_days,
+            )
+        if any(deleted.values()):
+            progress(f"sink: retention deleted {retention.describe(deleted)}")
+    except Exception as e:
+        _retention_failed(e)
+
+
+def _retention_failed(e: Exception) -> None:
+    if not database_unavailable(e):
+        SWEEP_ERRORS.labels("retention").inc()
+        log.error("retention failed (%s); it runs again next interval", first_line(e))
+        return
+    log.warning("retention skipped: database unavailable (%s)", first_line(e, with_type=False))
 
 
 def _record(stats: SinkStats, counts: Counts) -> None:

@@ -77,15 +77,21 @@ def test_example_config_is_valid_and_complete():
     from ops.simulate import SimulateSettings
 
     sim = SimulateSettings.load(example)
+    from feedback.query import QuerySettings
+    from feedback.sink.loop import SinkSettings
     from learner.train.learn_settings import LearnSettings
     from ops.demo import DemoSettings
     from ops.rollout import RolloutSettings
 
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
+    sink, query = SinkSettings.load(example), QuerySettings.load(example)
     assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48
     sections = (
         ("kafka", s.kafka),
         ("database", s.database),
+        ("sink", sink.sink),
+        ("sink.reward", sink.sink.reward),
+        ("query", query.query),
         ("serve", sim.serve),
         ("serve.engine", sim.serve.engine),
         ("simulate", sim.simulate),
