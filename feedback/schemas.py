@@ -10,7 +10,8 @@ Every integer is bounded by the SQL column that stores it (`NonNegInt32` for INT
 both databases. A value SQLite or PostgreSQL cannot hold (2**63, the year 9999) would
 otherwise pass validation here and then fail inside the sink; refused here, it is a 422 at
 the HTTP layer and a `malformed` dead letter at the sink. The HTTP request bodies
-(serving/schemas.py) reuse these types for the same reason.
+(serving/schemas.py `EventRequest`) are meant to use these types too, so a request is
+refused by its own schema with the field named, before a FeedbackEvent is built from it.
 """
 
 from __future__ import annotations
