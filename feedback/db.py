@@ -16,6 +16,7 @@ the single description both the migrations and the code read.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 from sqlalchemy import (
@@ -38,8 +39,8 @@ from sqlalchemy import (
     event,
     func,
 )
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from feedback.core.errors import UserError, first_line
@@ -289,22 +290,35 @@ def upsert_insert(bind, table: Table):
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
-    """An engine for `url`; SQLite gets WAL and a busy timeout so the sink and readers coexist."""
+    """An engine for `url`; SQLite gets WAL and a busy timeout so the sink and readers coexist.
+
+    A URL that does not parse, names another database or a driver that is not installed is a
+    UserError whose message shows the URL with its password masked (UserError masks it even
+    where the URL is too malformed for SQLAlchemy to render)."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
+        why = "" if isinstance(e, ArgumentError) else f" ({first_line(e, with_type=False)})"
+        # Too malformed to know its parts: whatever sits between a ':' and an '@' may be a password.
+        masked = re.sub(r":[^:@/\s]*@", ":***@", url)
         raise UserError(
-            f"bad database URL {url!r}: expected e.g. sqlite:///path.db or postgresql+psycopg://..."
+            f"bad database URL {masked!r}{why}: expected e.g. sqlite:///path.db or postgresql+psycopg://..."
         ) from None
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise UserError(f"bad database URL {shown}: Flywheel supports SQLite and PostgreSQL")
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is the driver we ship
-    if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, echo=echo, poolclass=NullPool, connect_args={"timeout": 30})
-        event.listen(engine, "connect", _sqlite_pragmas)
-        return engine
-    return create_engine(parsed, echo=echo, pool_pre_ping=True)
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(parsed, echo=echo, poolclass=NullPool, connect_args={"timeout": 30})
+            event.listen(engine, "connect", _sqlite_pragmas)
+            return engine
+        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+    except (NoSuchModuleError, ImportError, ArgumentError, TypeError) as e:
+        raise UserError(f"bad database URL {shown}: {first_line(e, with_type=False)}") from None
 
 
 @functools.cache
@@ -336,26 +350,37 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     from alembic import command
 
     try:
-        with engine.begin() as conn:
+        with connect(engine) as conn, conn.begin():
             cfg = _alembic_config(engine)
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
-    except OperationalError as e:
-        raise UserError(
-            f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}"
-        ) from None
+    except OperationalError as e:  # the connection lost midway
+        raise _unreachable(engine, e) from None
 
 
 def current_revision(engine: Engine) -> str | None:
     from alembic.runtime.migration import MigrationContext
 
     try:
-        with engine.connect() as conn:
+        with connect(engine) as conn:
             return MigrationContext.configure(conn).get_current_revision()
     except OperationalError as e:
-        raise UserError(
-            f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}"
-        ) from None
+        raise _unreachable(engine, e) from None
+
+
+def connect(engine: Engine) -> Connection:
+    """A connection, or a UserError naming the database (password masked) and why it refused:
+    unreachable, wrong password, an unknown connection option; every one happens before any SQL."""
+    try:
+        return engine.connect()
+    except DBAPIError as e:
+        raise _unreachable(engine, e) from None
+
+
+def _unreachable(engine: Engine, e: Exception) -> UserError:
+    return UserError(
+        f"database {engine.url.render_as_string(hide_password=True)} is unreachable: {first_line(e, with_type=False)}"
+    )
 
 
 def head_revision() -> str:

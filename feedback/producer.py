@@ -3,7 +3,10 @@
 `send()` only appends to a bounded in-memory buffer and returns at once. A background
 thread delivers the buffer to Kafka with acks=all and retries, in order. While the broker
 is down, records wait (and the thread keeps reconnecting); when it returns, they go out.
-When the buffer is full, the new record is dropped, counted, and logged: never silent.
+The buffer is bounded twice: in records (`max_buffered`) and in bytes (`max_buffered_bytes`,
+`kafka.producer_buffer_bytes` by default), since one completion record can carry a prompt of
+hundreds of kilobytes and ten thousand of them would exhaust the process's memory. When the
+buffer is full, the new record is dropped, counted, and logged: never silent.
 
 Delivery is at least once (a record whose ack was lost is sent again); the sink's unique
 keys make the rows exactly once.
@@ -27,6 +30,7 @@ from feedback.schemas import Message, encode, key_of
 log = logging.getLogger(__name__)
 
 BUFFERED = Gauge("flywheel_records_buffered", "Records waiting in the producer buffer for Kafka")
+BUFFERED_BYTES = Gauge("flywheel_records_buffered_bytes", "Bytes (keys and values) waiting in the producer buffer")
 DELIVERED = Counter("flywheel_records_delivered_total", "Records acknowledged by Kafka", ["topic"])
 DROPPED = Counter("flywheel_records_dropped_total", "Records dropped because the producer buffer was full", ["topic"])
 SEND_ERRORS = Counter("flywheel_producer_errors_total", "Failed delivery attempts (the records are retried)")
@@ -38,13 +42,25 @@ class _Pending:
     key: bytes
     value: bytes
 
+    @property
+    def size(self) -> int:
+        return len(self.key) + len(self.value)
+
 
 class BufferedProducer:
     def __init__(
-        self, kafka: KafkaSettings, *, max_buffered: int = 10_000, batch: int = 500, retry_backoff_s: float = 1.0
+        self,
+        kafka: KafkaSettings,
+        *,
+        max_buffered: int = 10_000,
+        max_buffered_bytes: int | None = None,
+        batch: int = 500,
+        retry_backoff_s: float = 1.0,
     ):
         self._kafka = kafka
         self._max = max_buffered
+        self._max_bytes = max_buffered_bytes or kafka.producer_buffer_bytes
+        self._bytes = 0
         self._batch = batch
         self._backoff = retry_backoff_s
         self._buf: deque[_Pending] = deque()
@@ -63,19 +79,28 @@ class BufferedProducer:
         """Queue `msg` for `topic`; False if the buffer was full and it was dropped."""
         item = _Pending(topic, key_of(msg), encode(msg))
         with self._cv:
-            if len(self._buf) >= self._max:
+            if len(self._buf) >= self._max or self._bytes + item.size > self._max_bytes:
                 self.dropped += 1
                 DROPPED.labels(topic).inc()
                 self._log_drop()
                 return False
             self._buf.append(item)
-            BUFFERED.set(len(self._buf))
+            self._bytes += item.size
+            self._gauges()
             self._cv.notify()
         return True
 
     @property
     def buffered(self) -> int:
         return len(self._buf)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._bytes
+
+    def _gauges(self) -> None:
+        BUFFERED.set(len(self._buf))
+        BUFFERED_BYTES.set(self._bytes)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until the buffer is empty (or `timeout_s`); True if everything was delivered."""
@@ -99,8 +124,12 @@ class BufferedProducer:
         if now - self._last_drop_log > 10:
             self._last_drop_log = now
             log.warning(
-                "producer buffer full (%d records): dropped %d records so far; is Kafka at %s up?",
+                "producer buffer full (%d records, %d bytes; at most %d records, %d bytes): "
+                "dropped %d records so far; is Kafka at %s up?",
+                len(self._buf),
+                self._bytes,
                 self._max,
+                self._max_bytes,
                 self.dropped,
                 self._kafka.bootstrap,
             )
@@ -118,8 +147,8 @@ class BufferedProducer:
             if self._deliver(batch):
                 with self._cv:
                     for _ in batch:  # only this thread removes, so the head is still `batch`
-                        self._buf.popleft()
-                    BUFFERED.set(len(self._buf))
+                        self._bytes -= self._buf.popleft().size
+                    self._gauges()
                     self._cv.notify_all()
             else:
                 with self._cv:

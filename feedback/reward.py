@@ -9,7 +9,11 @@ Outcomes, in order of precedence (the first that applies decides):
   2. `edit`: the user accepted, then changed the text; an `edit` event carries what was kept.
      reward = accepted * similarity(suggested, kept), where similarity is difflib's
      `SequenceMatcher(None, suggested, kept, autojunk=False).ratio()`: 2*M / (len(a)+len(b)),
-     M the characters of the matching blocks. Kept verbatim: 1.0; all deleted: 0.0. The last
+     M the characters of the matching blocks. Kept verbatim: 1.0; all deleted: 0.0. The
+     matcher's time grows with len(a) * len(b), so beyond `EXACT_BUDGET` the texts' common
+     start and end are matched directly and the matcher sees only a bounded window of what
+     lies between (`similarity`): a kept text of 100,000 characters is scored in
+     milliseconds, not the tens of seconds that held up the sink's single loop. The last
      `edit` (by created_at) wins: it is the latest view of what survived. The kept text is
      compared with the whole suggestion, also after a partial accept. When retention has
      dropped either text, the edit scores as a select: its selects, or a full accept.
@@ -85,9 +89,58 @@ class ChoiceFeedback:
     events: Sequence[Event] = field(default_factory=tuple)
 
 
+EXACT_BUDGET = 1_000_000
+"""Largest len(a) * len(b) compared exactly: about 0.1 s in the worst case measured (few distinct
+characters); a suggestion and its edit are far below it (256 tokens against their edit)."""
+WINDOW = 1_000
+"""Beyond the budget, the changed middle of the shorter text is cut to this many characters and
+that of the longer one to twice as many (and 64): at most about 2e6, 0.3 s in the worst case."""
+
+
 def similarity(suggested: str, kept: str) -> float:
-    """difflib's ratio, 2*M / (len(a) + len(b)); 1.0 for two empty strings."""
-    return difflib.SequenceMatcher(None, suggested, kept, autojunk=False).ratio()
+    """difflib's ratio, 2*M / (len(a) + len(b)); 1.0 for two empty strings. Bounded in time.
+
+    Exact (SequenceMatcher on the whole texts) while len(a) * len(b) <= EXACT_BUDGET. Beyond,
+    M = the common prefix + the common suffix + SequenceMatcher's matches between what lies
+    between them, each cut to its head and tail (`WINDOW`) so that their product stays bounded.
+    The denominator is always the full lengths, so a long kept text still scores what it
+    shares with the suggestion: characters outside the window count as unmatched (M is never
+    more than the texts' longest common subsequence), and the result stays in [0, 1], 1.0 only
+    for identical texts.
+    """
+    if suggested == kept:
+        return 1.0
+    if len(suggested) * len(kept) <= EXACT_BUDGET:
+        return difflib.SequenceMatcher(None, suggested, kept, autojunk=False).ratio()
+    head = _common_prefix(suggested, kept)
+    tail = _common_prefix(suggested[head:][::-1], kept[head:][::-1])
+    a, b = suggested[head : len(suggested) - tail], kept[head : len(kept) - tail]
+    short, long_ = sorted((a, b), key=len)
+    short = _window(short, WINDOW)
+    # Room for all of `short` at either end of `long_`: where an edit's surviving text lies.
+    long_ = _window(long_, 2 * len(short) + 64)
+    matched = sum(m.size for m in difflib.SequenceMatcher(None, short, long_, autojunk=False).get_matching_blocks())
+    return 2 * (head + tail + matched) / (len(suggested) + len(kept))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix, by bisection on slice equality (C-speed comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _window(text: str, size: int) -> str:
+    """`text` if it is at most `size` characters, else its first and last size/2: an edit changes
+    the suggestion near where the kept text starts to differ, or near where it rejoins it."""
+    if len(text) <= size:
+        return text
+    return text[: size - size // 2] + text[len(text) - size // 2 :]
 
 
 def reward(choice: ChoiceFeedback, weights: RewardWeights | None = None) -> tuple[float, dict[str, Any]]:

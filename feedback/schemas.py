@@ -4,17 +4,55 @@ Each class states its invariants in its docstring and enforces them in validatio
 message that exists at all is well-formed. On Kafka they travel as JSON (`encode` and
 `decode`), keyed so that one completion's record and events stay in order on one partition:
 completions and events by `completion_id`, versions by `version`.
+
+Every integer is bounded by the SQL column that stores it (`NonNegInt32` for INTEGER columns,
+`NonNegInt64` for BIGINT; feedback/db.py) and every timestamp by a sane window (`Timestamp`), on
+both databases. A value SQLite or PostgreSQL cannot hold (2**63, the year 9999) would
+otherwise pass validation here and then fail inside the sink; refused here, it is a 422 at
+the HTTP layer and a `malformed` dead letter at the sink. The HTTP request bodies
+(serving/schemas.py `EventRequest`) are meant to use these types too, so a request is
+refused by its own schema with the field named, before a FeedbackEvent is built from it.
 """
 
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from feedback.core.clock import utcnow
+from feedback.core.clock import as_utc, utcnow
+
+INT32_MAX = 2**31 - 1
+"""The largest value of an SQL INTEGER column (PostgreSQL's int4; SQLite stores 64 bits)."""
+INT64_MAX = 2**63 - 1
+"""The largest value of an SQL BIGINT column (and of any SQLite integer)."""
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST = datetime(2100, 1, 1, tzinfo=UTC)
+"""Timestamps must fall in [EARLIEST, LATEST): far from both ends of Python's datetime range, so
+arithmetic on them (a feedback window added, a time zone converted) cannot overflow."""
+
+NonNegInt32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+"""A count, index or version stored in an INTEGER column: 0 <= value < 2**31."""
+NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+"""A size stored in a BIGINT column: 0 <= value < 2**63."""
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+"""A vocabulary id (token, expert): stored inside JSON, read back by the learner as int32/int64."""
+
+
+def _sane_time(value: datetime) -> datetime:
+    try:
+        utc = as_utc(value)
+    except OverflowError:  # an offset that moves it outside datetime's range
+        raise ValueError(f"timestamp {value.isoformat()} is out of range") from None
+    if not EARLIEST <= utc < LATEST:
+        raise ValueError(f"timestamp {value.isoformat()} is outside {EARLIEST.year}-01-01..{LATEST.year}-01-01 (UTC)")
+    return value
+
+
+Timestamp = Annotated[datetime, AfterValidator(_sane_time)]
+"""A datetime between EARLIEST and LATEST (a naive one is taken to be UTC, as `as_utc` does)."""
 
 CompletionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -34,8 +72,8 @@ class CompletionChoice(Message):
     An empty `token_ids` is the "abstain" action (immediate end of text, no suggestion).
     """
 
-    index: int = Field(ge=0)
-    token_ids: list[int]
+    index: NonNegInt32
+    token_ids: list[TokenId]
     logprobs: list[float]
     text: str | None = None
     """Subject to the retention setting: None once dropped; token ids stay for training."""
@@ -61,20 +99,20 @@ class CompletionRecord(Message):
     """
 
     completion_id: CompletionId
-    model_version: int = Field(ge=0)
+    model_version: NonNegInt32
     user_hash: str = Field(max_length=128)
     session_id: str | None = Field(default=None, max_length=128)
     language: str | None = Field(default=None, max_length=64)
     filepath: str | None = Field(default=None, max_length=1024)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
     choices: list[CompletionChoice] = Field(min_length=1)
     summary_ids: list[str] = []
     """Content hashes of the self-summaries that replaced older prefix chunks."""
     latency_ms: float = Field(ge=0)
     prompt_text: str | None = None
     """Subject to the retention setting (see `completion_text`)."""
-    routing: list[list[list[int]]] | None = None
-    created_at: datetime = Field(default_factory=utcnow)
+    routing: list[list[list[TokenId]]] | None = None
+    created_at: Timestamp = Field(default_factory=utcnow)
 
     @model_validator(mode="after")
     def _choices_in_order(self) -> Self:
@@ -95,13 +133,13 @@ class FeedbackEvent(Message):
     event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
     completion_id: CompletionId
     type: EventType
-    choice_index: int = Field(default=0, ge=0)
+    choice_index: NonNegInt32 = 0
     select_kind: SelectKind | None = None
-    accepted_chars: int | None = Field(default=None, ge=0)
+    accepted_chars: NonNegInt32 | None = None
     kept_text: str | None = Field(default=None, max_length=100_000)
     view_id: str | None = Field(default=None, max_length=128)
-    elapsed_ms: int | None = Field(default=None, ge=0)
-    created_at: datetime = Field(default_factory=utcnow)
+    elapsed_ms: NonNegInt32 | None = None
+    created_at: Timestamp = Field(default_factory=utcnow)
 
     @model_validator(mode="before")
     @classmethod
@@ -127,17 +165,17 @@ class ModelVersion(Message):
     a version is announced only after its `STABLE` marker is written.
     """
 
-    version: int = Field(ge=0)
-    parent: int | None = Field(default=None, ge=0)
+    version: NonNegInt32
+    parent: NonNegInt32 | None = None
     kind: Literal["full", "delta"]
     uri: str = Field(min_length=1)
     sha256: Sha256
-    size_bytes: int = Field(default=0, ge=0)
-    full_size_bytes: int = Field(default=0, ge=0)
+    size_bytes: NonNegInt64 = 0
+    full_size_bytes: NonNegInt64 = 0
     gate_passed: bool = True
     gate_reason: str | None = None
     metrics: dict[str, float] = {}
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: Timestamp = Field(default_factory=utcnow)
 
     @model_validator(mode="after")
     def _parent_consistent(self) -> Self:
@@ -165,7 +203,9 @@ def decode(cls: type[M], payload: bytes | None) -> M:
     try:
         return cls.model_validate_json(payload)
     except ValidationError as e:
-        raise MalformedMessage(f"invalid {cls.__name__}: {e.errors()[0]['msg']}") from None
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise MalformedMessage(f"invalid {cls.__name__}: {where + ': ' if where else ''}{first['msg']}") from None
 
 
 def key_of(msg: Message) -> bytes:

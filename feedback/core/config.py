@@ -18,10 +18,19 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, get_args
 
 import platformdirs
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretBytes,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from feedback.core.errors import UserError
@@ -89,6 +98,10 @@ class KafkaSettings(Section):
     """How long `up` waits for the broker to answer."""
     request_timeout_ms: int = Field(default=10_000, ge=100)
     """Client timeout for admin and produce requests."""
+    producer_buffer_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Bytes of records (keys and values) a process holds in memory while Kafka is unreachable
+    (serving's completion records and events, the learner's announcements); beyond, like beyond
+    `serve.producer_buffer` records, new ones are dropped and counted."""
     completions: TopicSettings = TopicSettings(partitions=3, retention_ms=7 * 24 * 3600 * 1000)
     """Topic `flywheel.completions`: one record per served completion (key: completion_id)."""
     events: TopicSettings = TopicSettings(partitions=3, retention_ms=7 * 24 * 3600 * 1000)
@@ -168,7 +181,7 @@ class FlywheelSettings(BaseSettings):
         try:
             return cls(**parse_overrides(overrides or []))
         except ValidationError as e:
-            raise UserError(f"bad configuration: {_one_line(e)}") from None
+            raise UserError(f"bad configuration: {_one_line(e, cls)}") from None
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"bad configuration file {path}: {e}") from None
         finally:
@@ -228,17 +241,60 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _one_line(e: ValidationError) -> str:
+def _one_line(e: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """Every error of `e` on one line, with the rejected value, unless it is a secret: a field
+    whose name says token, password or secret, or whose type is SecretStr (found through
+    `model`). A URL in a shown value has its password masked (by UserError, which every
+    message passes: feedback/core/errors.py)."""
     parts = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "config"
         given = err.get("input")
-        shown = "" if isinstance(given, dict) or given is None else f" (got {given!r})"
-        parts.append(f"{loc}: {err['msg']}{shown}")
+        msg = err["msg"]
+        if isinstance(given, dict) or given is None:
+            shown = ""
+        elif _is_secret(model, err["loc"]):
+            shown = " (value hidden: secret)"
+            msg = msg.replace(repr(given), "***")  # a validator may quote it (as parse_duration does)
+        else:
+            shown = f" (got {given!r})"
+        parts.append(f"{loc}: {msg}{shown}")
     return "; ".join(parts)
 
 
 _SECRET_WORDS = ("token", "password", "secret")
+
+
+def _is_secret(model: type[BaseModel] | None, loc: tuple) -> bool:
+    """Does the field at `loc` (names and list indexes) hold a secret, by its name or its type?"""
+    if any(isinstance(part, str) and any(w in part.lower() for w in _SECRET_WORDS) for part in loc):
+        return True
+    annotation: Any = model
+    for part in loc:
+        if not isinstance(part, str):
+            continue  # a list index or a union branch: the annotation already covers it
+        found = _model_in(annotation)
+        if found is None or part not in found.model_fields:
+            break
+        annotation = found.model_fields[part].annotation
+        if _mentions(annotation, (SecretStr, SecretBytes)):
+            return True
+    return False
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if found := _model_in(arg):
+            return found
+    return None
+
+
+def _mentions(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, kinds):
+        return True
+    return any(_mentions(arg, kinds) for arg in get_args(annotation))
 
 
 def _redact(value: Any, key: str = "") -> Any:

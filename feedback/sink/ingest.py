@@ -11,7 +11,11 @@ That, with offsets committed only after the database commit, makes the rows exac
   `pending_events` (an event may overtake its completion record: they travel on different
   topics) until its completion arrives, or the grace period ends and it becomes a dead letter.
 - A malformed message becomes a dead letter with its raw bytes, topic, partition, offset
-  and the error.
+  and the error. So does a held event whose payload no longer validates when its completion
+  arrives (held by a sink whose schemas were looser): it never takes its completion down
+  with it.
+- What the database refuses is set aside by the caller (feedback/sink/loop.py), one
+  message at a time, as a `rejected` dead letter: `reject_pending` for a held event.
 
 Functions take the connection of a transaction the caller owns and `now` from the caller,
 so that tests control time. Timestamps are stored in UTC (SQLite keeps no time zone).
@@ -29,6 +33,7 @@ from sqlalchemy.engine import Connection
 
 from feedback import db
 from feedback.core.clock import as_utc
+from feedback.core.errors import first_line
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
 from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode, encode
 
@@ -105,6 +110,8 @@ def decode_batch(messages: Iterable[RawMessage], *, completions_topic: str, even
                 out.malformed.append((origin, f"unexpected topic {m.topic!r}"))
         except MalformedMessage as e:
             out.malformed.append((origin, str(e)))
+        except Exception as e:  # whatever else a hostile payload provokes (deep nesting...): one message, not the sink
+            out.malformed.append((origin, f"undecodable: {first_line(e)}"))
     return out
 
 
@@ -169,16 +176,23 @@ def pending_row(ev: FeedbackEvent, origin: Origin, now: datetime) -> dict[str, A
     )
 
 
+def storable_text(text: str) -> str:
+    """`text` as every backend stores it: PostgreSQL text cannot hold NUL, so it is spelled out."""
+    return text.replace("\x00", "\\x00")
+
+
 def dead_letter_row(
     origin: Origin, reason: str, error: str, now: datetime, *, completion_id=None, event_id=None
 ) -> dict[str, Any]:
+    # The error and the key quote what the sender wrote: made storable, so that setting a
+    # message aside can never fail the way the message did.
     return dict(
         reason=reason,
-        error=error[:2000],
+        error=storable_text(error[:2000]),
         kafka_topic=origin.topic,
         kafka_partition=origin.partition,
         kafka_offset=origin.offset,
-        key=origin.key.decode(errors="backslashreplace") if origin.key is not None else None,
+        key=storable_text(origin.key.decode(errors="backslashreplace")) if origin.key is not None else None,
         payload=origin.payload,
         completion_id=completion_id,
         event_id=event_id,
@@ -214,8 +228,12 @@ def existing(conn: Connection, column, values: Iterable) -> set:
     return found
 
 
-def write_batch(conn: Connection, batch: Batch, *, now: datetime, feedback_window_s: float) -> Counts:
-    """Write one decoded batch inside the caller's transaction."""
+def write_batch(
+    conn: Connection, batch: Batch, *, now: datetime, feedback_window_s: float, promote: bool = True
+) -> Counts:
+    """Write one decoded batch inside the caller's transaction. `promote=False` leaves the
+    events held for its new completions in `pending_events` (the caller promotes them one by
+    one, so that one the database refuses cannot take a completion down with it)."""
     counts = Counts()
     new_ids = _write_completions(conn, batch.completions, now=now, feedback_window_s=feedback_window_s)
     counts.completions = len(new_ids)
@@ -238,11 +256,14 @@ def write_batch(conn: Connection, batch: Batch, *, now: datetime, feedback_windo
             conn, db.pending_events, [pending_row(ev, o, now) for ev, o in held], returning=db.pending_events.c.event_id
         )
     )
-    counts.promoted = promote_pending(conn, completion_ids=new_ids, now=now)
+    if promote:
+        promoted = promote_pending(conn, completion_ids=new_ids, now=now)
+        counts.promoted = promoted.promoted
+        counts.add(Counts(dead_letters=promoted.dead_letters))
 
     dead = [dead_letter_row(o, "malformed", err, now) for o, err in batch.malformed]
     if n := len(insert_new(conn, db.dead_letters, dead, returning=db.dead_letters.c.id)):
-        counts.dead_letters["malformed"] = n
+        counts.dead_letters["malformed"] = counts.dead_letters.get("malformed", 0) + n
     return counts
 
 
@@ -276,29 +297,78 @@ def _requeue_rewarded(conn: Connection, completion_ids: Iterable[str], *, now: d
 # --- sweeps: pending events, rewards -----------------------------------------------------------
 
 
-def promote_pending(conn: Connection, *, now: datetime, completion_ids: Sequence[str] | None = None) -> int:
-    """Move held events whose completion has arrived into `events`; all of them when ids is None."""
+def promote_pending(
+    conn: Connection,
+    *,
+    now: datetime,
+    completion_ids: Sequence[str] | None = None,
+    pending_ids: Sequence[int] | None = None,
+) -> Counts:
+    """Move held events whose completion has arrived into `events`: those of `completion_ids`,
+    or the held rows `pending_ids`, or all of them when both are None. A held payload that no
+    longer validates becomes a `malformed` dead letter instead. Returns `promoted` and those
+    dead letters."""
     p, c = db.pending_events, db.completions
-    if completion_ids is not None and not completion_ids:
-        return 0
-    query = select(p.c.id, p.c.payload).join(c, c.c.completion_id == p.c.completion_id)
-    batches = (
-        [query.where(p.c.completion_id.in_(part)) for part in _chunks(list(completion_ids))]
-        if completion_ids
-        else [query]
-    )
-    moved = 0
+    out = Counts()
+    if (completion_ids is not None and not completion_ids) or (pending_ids is not None and not pending_ids):
+        return out
+    query = select(p).join(c, c.c.completion_id == p.c.completion_id)
+    if completion_ids:
+        batches = [query.where(p.c.completion_id.in_(part)) for part in _chunks(list(completion_ids))]
+    elif pending_ids:
+        batches = [query.where(p.c.id.in_(part)) for part in _chunks(list(pending_ids))]
+    else:
+        batches = [query]
     for q in batches:
         found = conn.execute(q).all()
         if not found:
             continue
-        rows = [event_row(decode(FeedbackEvent, payload), now) for _, payload in found]
+        rows, dead = [], []
+        for r in found:
+            try:
+                rows.append(event_row(decode(FeedbackEvent, r.payload), now))
+            except MalformedMessage as e:
+                dead.append(_held_dead_letter(r, "malformed", f"held event no longer valid: {e}", now))
         inserted = insert_new(conn, db.events, rows, returning=db.events.c.completion_id)
         _requeue_rewarded(conn, inserted, now=now)
-        for part in _chunks([i for i, _ in found]):
+        if n := len(insert_new(conn, db.dead_letters, dead, returning=db.dead_letters.c.id)):
+            out.dead_letters["malformed"] = out.dead_letters.get("malformed", 0) + n
+        for part in _chunks([r.id for r in found]):
             conn.execute(delete(p).where(p.c.id.in_(part)))
-        moved += len(found)
-    return moved
+        out.promoted += len(rows)
+    return out
+
+
+def promotable(conn: Connection, *, completion_ids: Sequence[str] | None = None) -> list[int]:
+    """Ids of the held events whose completion has arrived (of `completion_ids`, or all)."""
+    p, c = db.pending_events, db.completions
+    if completion_ids is not None and not completion_ids:
+        return []
+    query = select(p.c.id).join(c, c.c.completion_id == p.c.completion_id).order_by(p.c.id)
+    if completion_ids is None:
+        return list(conn.execute(query).scalars())
+    found: list[int] = []
+    for part in _chunks(list(completion_ids)):
+        found += conn.execute(query.where(p.c.completion_id.in_(part))).scalars()
+    return found
+
+
+def reject_pending(conn: Connection, pending_id: int, error: str, *, now: datetime) -> int:
+    """A held event the database refused to promote becomes a `rejected` dead letter; 1 if it
+    was still held (0: another sink member moved it meanwhile)."""
+    p = db.pending_events
+    r = conn.execute(select(p).where(p.c.id == pending_id)).one_or_none()
+    if r is None:
+        return 0
+    row = _held_dead_letter(r, "rejected", f"database refused it: {error}", now)
+    n = len(insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id))
+    conn.execute(delete(p).where(p.c.id == pending_id))
+    return n
+
+
+def _held_dead_letter(r, reason: str, error: str, now: datetime) -> dict[str, Any]:
+    origin = Origin(r.kafka_topic, r.kafka_partition, r.kafka_offset, r.completion_id.encode(), r.payload)
+    return dead_letter_row(origin, reason, error, now, completion_id=r.completion_id, event_id=r.event_id)
 
 
 def expire_pending(conn: Connection, *, now: datetime, grace_s: float) -> int:
@@ -311,13 +381,8 @@ def expire_pending(conn: Connection, *, now: datetime, grace_s: float) -> int:
     if not expired:
         return 0
     rows = [
-        dead_letter_row(
-            Origin(r.kafka_topic, r.kafka_partition, r.kafka_offset, r.completion_id.encode(), r.payload),
-            "unknown_completion",
-            f"no completion record {r.completion_id!r} arrived within {grace_s:g}s",
-            now,
-            completion_id=r.completion_id,
-            event_id=r.event_id,
+        _held_dead_letter(
+            r, "unknown_completion", f"no completion record {r.completion_id!r} arrived within {grace_s:g}s", now
         )
         for r in expired
     ]

@@ -11,6 +11,12 @@ Between batches it sweeps: held events whose completion arrived are promoted, th
 the grace period become dead letters, rewards whose feedback window closed are computed,
 and text older than `retention_days` is dropped. SIGTERM or SIGINT finishes the batch in
 hand, commits it and exits.
+
+A poison message never stops the sink: only "database unavailable" (`database_unavailable`:
+connection refused or lost, server shutting down, database locked) keeps a batch and retries
+it. Anything else the database (or its driver) refuses, an OverflowError as much as a
+DataError, sends the batch through again message by message; the refused message becomes a
+`rejected` dead letter with the reason, the rest is written, and the offsets are committed.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Self
 
 from prometheus_client import Counter, Gauge, Histogram
-from pydantic import Field
-from sqlalchemy.exc import DBAPIError, OperationalError
+from pydantic import Field, model_validator
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from feedback import db
 from feedback.core.config import FlywheelSettings, Section
@@ -40,6 +48,11 @@ MESSAGES = Counter("flywheel_sink_messages_total", "Kafka messages the sink cons
 ROWS = Counter("flywheel_sink_rows_total", "New rows the sink wrote (duplicates excluded)", ["table"])
 DEAD_LETTERS = Counter("flywheel_sink_dead_letters_total", "Messages the sink sent to dead_letters", ["reason"])
 DB_ERRORS = Counter("flywheel_sink_db_errors_total", "Database failures the sink retried")
+SWEEP_ERRORS = Counter(
+    "flywheel_sink_sweep_errors_total",
+    "Sweep steps that failed for a reason other than the database being down",
+    ["step"],
+)
 LAG = Gauge("flywheel_sink_lag_messages", "Messages between the sink's position and the end of its partitions")
 BATCH_SECONDS = Histogram("flywheel_sink_batch_seconds", "Time to write a batch and commit its offsets")
 
@@ -68,8 +81,16 @@ class SinkSection(Section):
     """Reward per outcome (feedback/reward.py)."""
     retention_days: int = Field(default=30, ge=0)
     """Prompt and completion text (and edited text, dead-letter payloads) older than this is set to NULL; token ids stay. 0 keeps text forever."""
+    dead_letter_retention_days: int = Field(default=30, ge=0)
+    """Dead letters older than this (by `dead_at`) are deleted, rows and all. 0 keeps them forever."""
+    dead_letter_max_rows: int = Field(default=1_000_000, ge=0)
+    """Most dead letters kept: beyond, the oldest are deleted at each retention pass, so a flood of bad
+    messages cannot fill the disk within the retention period. 0: no cap."""
+    pending_retention_days: int = Field(default=7, ge=0)
+    """Held events older than this (by `held_at`) are deleted. A backstop: the sweep turns them into
+    dead letters after `grace_period_s`, which must be shorter. 0 keeps them until the sweep does."""
     retention_interval_s: float = Field(default=3600.0, gt=0)
-    """How often the sink applies retention."""
+    """How often the sink applies retention (text, dead letters, held events)."""
     sweep_interval_s: float = Field(default=1.0, gt=0)
     """How often held events, dead letters and due rewards are processed."""
     progress_interval_s: float = Field(default=10.0, gt=0)
@@ -78,6 +99,15 @@ class SinkSection(Section):
     """Wait between attempts while the database is unreachable (the batch is kept, offsets are not committed)."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Serve Prometheus metrics on this port; 0 serves none."""
+
+    @model_validator(mode="after")
+    def _held_events_outlive_the_grace_period(self) -> Self:
+        if self.pending_retention_days and self.pending_retention_days * 86400 <= self.grace_period_s:
+            raise ValueError(
+                f"sink.pending_retention_days ({self.pending_retention_days}) must be longer than "
+                f"sink.grace_period_s ({self.grace_period_s:g}s), or 0: held events would be deleted before the grace period ends"
+            )
+        return self
 
 
 class SinkSettings(FlywheelSettings):
@@ -177,9 +207,11 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
         if now_m >= next_sweep:
             next_sweep = now_m + cfg.sweep_interval_s
             _record(stats, _sweep(engine, settings))
-        if cfg.retention_days and now_m >= next_retention:
+        if now_m >= next_retention:
             next_retention = now_m + cfg.retention_interval_s
-            _retention(engine, cfg.retention_days, progress)
+            if cfg.retention_days:
+                _retention(engine, cfg.retention_days, progress)
+            _purge(engine, cfg, progress)  # also when text is kept forever: bookkeeping rows must not pile up
         if now_m - last_report >= cfg.progress_interval_s:
             stats.lag = _lag(consumer)
             progress(_progress_line(stats, reported, now_m - last_report))
@@ -210,12 +242,35 @@ def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event
     return records
 
 
+def database_unavailable(e: BaseException) -> bool:
+    """True when the database could not do any work (connection refused or lost, server shutting
+    down, database locked, disk full): the batch is kept, its offsets stay uncommitted, and it is
+    retried. Anything else (OverflowError, DataError, IntegrityError, a ValueError from decoding,
+    PostgreSQL refusing a NUL character...) is a refusal of the data itself: the message is set
+    aside as a dead letter and the sink goes on, so one message can never stop it."""
+    if isinstance(e, (DisconnectionError, PoolTimeout)):
+        return True
+    if isinstance(e, DBAPIError) and e.connection_invalidated:
+        return True
+    if isinstance(e, OperationalError):
+        sqlstate = getattr(e.orig, "sqlstate", None) or ""
+        return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
+    return False
+
+
+# PostgreSQL reports these as OperationalError, yet they depend on the data written, not on the
+# server's state: 54, program_limit_exceeded (a value too large for an index, say).
+_DATA_SQLSTATE_CLASSES = ("54",)
+
+
 def _write_until_done(engine, batch: Batch, settings: SinkSettings, stop: threading.Event) -> Counts | None:
-    """Write the batch, retrying while the database is unreachable; None if stopped meanwhile."""
+    """Write the batch, retrying while the database is unavailable; None if stopped meanwhile."""
     while True:
         try:
             return _write(engine, batch, settings)
-        except OperationalError as e:
+        except Exception as e:
+            if not database_unavailable(e):
+                raise  # not even its dead letters could be stored: stop before committing anything
             DB_ERRORS.inc()
             log.warning(
                 "database unavailable (%s); retrying the batch in %gs",
@@ -232,21 +287,49 @@ def _write(engine, batch: Batch, settings: SinkSettings) -> Counts:
     try:
         with engine.begin() as conn:
             return ingest.write_batch(conn, batch, now=now, feedback_window_s=window)
-    except OperationalError:
-        raise
-    except DBAPIError as e:
-        # A message the database refuses though it passed validation (say a NUL character,
-        # which PostgreSQL text cannot hold): write one by one so only that one is set aside.
-        log.warning("batch refused by the database (%s); writing it message by message", first_line(e, with_type=False))
+    except Exception as e:
+        if database_unavailable(e):
+            raise
+        # A message the database refuses though it passed validation (a NUL character, which
+        # PostgreSQL text cannot hold; a value a driver cannot convert): write one by one so
+        # only that one is set aside. Held events are promoted after, one by one too.
+        log.warning("batch refused by the database (%s); writing it message by message", first_line(e))
     counts = Counts()
     for one in _singles(batch):
         try:
             with engine.begin() as conn:
-                counts.add(ingest.write_batch(conn, one, now=now, feedback_window_s=window))
-        except OperationalError:
+                counts.add(ingest.write_batch(conn, one, now=now, feedback_window_s=window, promote=False))
+        except Exception as e:
+            if database_unavailable(e):
+                raise
+            counts.add(_reject(engine, one, first_line(e), now))
+    counts.add(_promote(engine, now, completion_ids=[rec.completion_id for rec, _ in batch.completions]))
+    return counts
+
+
+def _promote(engine, now: datetime, completion_ids: list[str] | None = None) -> Counts:
+    """Promote the held events of `completion_ids` (all when None) in one transaction; if the
+    database refuses one, one by one, and the refused ones become `rejected` dead letters."""
+    try:
+        with engine.begin() as conn:
+            return ingest.promote_pending(conn, now=now, completion_ids=completion_ids)
+    except Exception as e:
+        if database_unavailable(e):
             raise
-        except DBAPIError as e:
-            counts.add(_reject(engine, one, first_line(e, with_type=False), now))
+        log.warning("promoting held events refused by the database (%s); one by one", first_line(e))
+    with engine.begin() as conn:
+        ids = ingest.promotable(conn, completion_ids=completion_ids)
+    counts = Counts()
+    for pending_id in ids:
+        try:
+            with engine.begin() as conn:
+                counts.add(ingest.promote_pending(conn, now=now, pending_ids=[pending_id]))
+        except Exception as e:
+            if database_unavailable(e):
+                raise
+            with engine.begin() as conn:
+                if n := ingest.reject_pending(conn, pending_id, first_line(e), now=now):
+                    counts.add(Counts(dead_letters={"rejected": n}))
     return counts
 
 
@@ -268,8 +351,18 @@ def _reject(engine, one: Batch, error: str, now: datetime) -> Counts:
     row = ingest.dead_letter_row(
         origin, "rejected", f"database refused it: {error}", now, completion_id=cid, event_id=eid
     )
-    with engine.begin() as conn:
-        n = len(ingest.insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id))
+    try:
+        with engine.begin() as conn:
+            n = len(ingest.insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id))
+    except Exception as e:
+        if database_unavailable(e):
+            raise
+        # Not even its raw bytes can be stored: keep where it is in Kafka and why.
+        row |= dict(
+            payload=None, error=ingest.storable_text(f"{row['error']}; its bytes were refused too: {first_line(e)}")
+        )
+        with engine.begin() as conn:
+            n = len(ingest.insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id))
     return Counts(dead_letters={"rejected": n} if n else {})
 
 
@@ -294,18 +387,33 @@ def _sweep(engine, settings: SinkSettings) -> Counts:
     cfg = settings.sink
     now = datetime.now(UTC)
     counts = Counts()
-    try:
+
+    def expire() -> None:
         with engine.begin() as conn:
-            counts.promoted = ingest.promote_pending(conn, now=now)
             if n := ingest.expire_pending(conn, now=now, grace_s=cfg.grace_period_s):
-                counts.dead_letters["unknown_completion"] = n
+                counts.add(Counts(dead_letters={"unknown_completion": n}))
+
+    def rewards() -> None:
         with engine.begin() as conn:
             counts.rewards = ingest.compute_due_rewards(
                 conn, now=now, feedback_window_s=cfg.feedback_window_s, weights=cfg.reward
             )
-    except OperationalError as e:
-        DB_ERRORS.inc()
-        log.warning("sweep skipped: database unavailable (%s)", first_line(e, with_type=False))
+
+    for step, run in (
+        ("promotion", lambda: counts.add(_promote(engine, now))),
+        ("expiry", expire),
+        ("rewards", rewards),
+    ):
+        try:
+            run()
+        except Exception as e:
+            if database_unavailable(e):
+                DB_ERRORS.inc()
+                log.warning("sweep skipped: database unavailable (%s)", first_line(e, with_type=False))
+                break
+            # Whatever failed stays where it is (held, due) for the next sweep; ingestion goes on.
+            SWEEP_ERRORS.labels(step).inc()
+            log.error("sweep step %s failed (%s); ingestion goes on", step, first_line(e))
     return counts
 
 
@@ -317,8 +425,34 @@ def _retention(engine, days: int, progress) -> None:
             dropped = retention.apply_retention(conn, now=datetime.now(UTC), retention_days=days)
         if any(dropped.values()):
             progress(f"sink: retention dropped text older than {days} days: {retention.describe(dropped)}")
-    except OperationalError as e:
-        log.warning("retention skipped: database unavailable (%s)", first_line(e, with_type=False))
+    except Exception as e:
+        _retention_failed(e)
+
+
+def _purge(engine, cfg: SinkSection, progress) -> None:
+    from feedback.sink import retention
+
+    try:
+        with engine.begin() as conn:
+            deleted = retention.delete_bookkeeping(
+                conn,
+                now=datetime.now(UTC),
+                dead_letter_days=cfg.dead_letter_retention_days,
+                dead_letter_max_rows=cfg.dead_letter_max_rows,
+                pending_days=cfg.pending_retention_days,
+            )
+        if any(deleted.values()):
+            progress(f"sink: retention deleted {retention.describe(deleted)}")
+    except Exception as e:
+        _retention_failed(e)
+
+
+def _retention_failed(e: Exception) -> None:
+    if not database_unavailable(e):
+        SWEEP_ERRORS.labels("retention").inc()
+        log.error("retention failed (%s); it runs again next interval", first_line(e))
+        return
+    log.warning("retention skipped: database unavailable (%s)", first_line(e, with_type=False))
 
 
 def _record(stats: SinkStats, counts: Counts) -> None:

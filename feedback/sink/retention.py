@@ -11,13 +11,19 @@ only the lengths. Age is measured from the record's `created_at` (`dead_at` for 
 Kafka keeps its own copy for the topics' `retention.ms` (7 days by default); set it no
 longer than this. The sink applies retention every `retention_interval_s`;
 `flywheel retention` applies it once.
+
+The sink's bookkeeping is deleted, rows and all, by `delete_bookkeeping` (at the same interval,
+whether or not text is kept): dead letters older than `sink.dead_letter_retention_days` and
+beyond the newest `sink.dead_letter_max_rows`, held events older than
+`sink.pending_retention_days`. Events for completions that never arrive would otherwise pile
+up there until the disk is full.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
 
 from feedback import db
@@ -43,6 +49,26 @@ def apply_retention(conn: Connection, *, now: datetime, retention_days: int) -> 
             update(dl).where(dl.c.dead_at < cutoff, dl.c.payload.is_not(None)).values(payload=None)
         ).rowcount,
     }
+
+
+def delete_bookkeeping(
+    conn: Connection, *, now: datetime, dead_letter_days: int, dead_letter_max_rows: int, pending_days: int
+) -> dict[str, int]:
+    """Delete old dead letters and held events (0 turns each limit off); rows deleted per table."""
+    dl, p = db.dead_letters, db.pending_events
+    out = {"dead_letters": 0, "pending_events": 0}
+    if dead_letter_days:
+        cutoff = now - timedelta(days=dead_letter_days)
+        out["dead_letters"] += conn.execute(delete(dl).where(dl.c.dead_at < cutoff)).rowcount
+    if dead_letter_max_rows:
+        # The newest `max_rows` stay: ids grow with insertion, so the oldest go first.
+        newest_dropped = select(dl.c.id).order_by(dl.c.id.desc()).offset(dead_letter_max_rows).limit(1)
+        if (last := conn.execute(newest_dropped).scalar()) is not None:
+            out["dead_letters"] += conn.execute(delete(dl).where(dl.c.id <= last)).rowcount
+    if pending_days:
+        cutoff = now - timedelta(days=pending_days)
+        out["pending_events"] = conn.execute(delete(p).where(p.c.held_at < cutoff)).rowcount
+    return out
 
 
 def describe(dropped: dict[str, int]) -> str:

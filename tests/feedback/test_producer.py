@@ -7,7 +7,7 @@ import pytest
 
 from feedback import bus
 from feedback.producer import BufferedProducer
-from feedback.schemas import FeedbackEvent
+from feedback.schemas import FeedbackEvent, encode, key_of
 from ops import kafka_broker
 from tests.helpers import free_port, make_settings, scaled
 
@@ -46,3 +46,31 @@ def test_records_wait_for_the_broker_and_arrive_in_order(tmp_path):
     finally:
         p.close(timeout_s=2)
         kafka_broker.stop(s)
+
+
+def test_the_byte_cap_drops_records_beyond_the_buffer_bytes(tmp_path):
+    """The buffer was capped at 10,000 records, whatever their size: completion records carry the
+    prompt (up to hundreds of kilobytes each), so a Kafka outage could exhaust the memory."""
+    s = make_settings(tmp_path, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    small = FeedbackEvent(completion_id="c", type="view")
+    size = len(key_of(small)) + len(encode(small))
+    p = BufferedProducer(s.kafka, max_buffered=1_000, max_buffered_bytes=3 * size + 10, retry_backoff_s=0.1)
+    try:
+        assert [p.send(bus.EVENTS, small) for _ in range(5)] == [True] * 3 + [False] * 2
+        assert (p.buffered, p.buffered_bytes, p.dropped) == (3, 3 * size, 2)
+        big = FeedbackEvent(completion_id="c", type="edit", kept_text="x" * 50_000)
+        assert not p.send(bus.EVENTS, big) and p.dropped == 3  # larger than what is left: dropped, counted
+    finally:
+        p.close(timeout_s=0.2)
+
+
+def test_the_byte_cap_comes_from_the_kafka_settings(tmp_path):
+    s = make_settings(tmp_path, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}", "producer_buffer_bytes": 4096})
+    p = BufferedProducer(s.kafka, retry_backoff_s=0.1)
+    try:
+        big = FeedbackEvent(completion_id="c", type="edit", kept_text="x" * 5_000)
+        assert not p.send(bus.EVENTS, big) and p.dropped == 1 and p.buffered_bytes == 0
+        assert p.send(bus.EVENTS, FeedbackEvent(completion_id="c", type="view"))
+    finally:
+        p.close(timeout_s=0.2)
+    assert make_settings(tmp_path).kafka.producer_buffer_bytes == 64 * 2**20  # the default: 64 MiB

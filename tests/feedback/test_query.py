@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -12,7 +13,15 @@ from sqlalchemy.engine import make_url
 
 from feedback import db
 from feedback.core.errors import UserError
-from feedback.query import _plain, _run_postgres, _run_sqlite, check_read_only, run_query
+from feedback.query import (
+    _plain,
+    _run_postgres,
+    _run_sqlite,
+    check_read_only,
+    explained_statement,
+    planned_functions,
+    run_query,
+)
 from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
 from feedback.sink import ingest
@@ -250,3 +259,92 @@ def test_analyst_role_reads_but_cannot_write(postgres_url):
         with admin.connect() as conn:
             conn.execute(text(f"DROP ROLE {login}"))
         admin.dispose()
+
+
+# --- the analyst connection itself refuses side effects, and queries time out (finding 5) -------
+
+SQLITE_REFUSALS = [
+    ("ATTACH DATABASE '{tmp}/created.db' AS o", "ATTACH"),  # created the file on a mode=ro connection
+    ("PRAGMA query_only = OFF", "PRAGMA query_only"),
+    ("PRAGMA writable_schema = ON", "PRAGMA writable_schema"),
+    ("SELECT load_extension('{tmp}/evil')", "function load_extension"),
+    ("BEGIN IMMEDIATE", "a transaction statement"),
+    ("DETACH DATABASE main", "DETACH"),
+]
+
+
+@pytest.mark.parametrize("sql, what", SQLITE_REFUSALS, ids=[w for _, w in SQLITE_REFUSALS])
+def test_sqlite_analyst_connection_refuses_attach_pragma_and_extensions(loaded_sqlite, tmp_path, sql, what):
+    """Past the keyword check (called directly), the connection's authorizer still refuses."""
+    path = make_url(loaded_sqlite).database
+    with pytest.raises(UserError, match=rf"^refused: flywheel query is read-only \({what} is not allowed\)"):
+        _run_sqlite(path, sql.format(tmp=tmp_path))
+    assert not (tmp_path / "created.db").exists()
+    assert _unchanged(loaded_sqlite)
+    assert _run_sqlite(path, "SELECT COUNT(*) FROM v_choice_feedback").rows == [(6,)]  # reads still work
+
+
+def test_sqlite_query_is_cancelled_after_the_statement_timeout(loaded_sqlite):
+    """Before the fix SQLite had no limit: this ran to the end (10-20 s), and an unbounded one forever."""
+    slow = "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r WHERE x < 100000000) SELECT COUNT(*) FROM r"
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"^query cancelled: it ran longer than query.statement_timeout_s \(0.5s\)$"):
+        run_query(loaded_sqlite, slow, statement_timeout_s=0.5)
+    assert time.perf_counter() - t0 < scaled(10)
+
+
+# A plain text check cannot see these: a quoted name, a schema, a filter, a string run as SQL.
+PG_SIDE_EFFECTS = [
+    ("SELECT pg_terminate_backend({victim})", "pg_terminate_backend"),
+    ('SELECT "pg_terminate_backend"({victim})', "pg_terminate_backend"),
+    ("SELECT pg_catalog.pg_advisory_lock(4242)", "pg_advisory_lock"),
+    ("SELECT * FROM v_daily_acceptance WHERE pg_advisory_lock(4242) IS NOT NULL", "pg_advisory_lock"),
+    ("EXPLAIN ANALYZE SELECT pg_advisory_lock(4242)", "pg_advisory_lock"),
+    ("SELECT set_config('statement_timeout', '0', false)", "set_config"),
+    ("WITH t AS MATERIALIZED (SELECT pg_sleep(60)) SELECT * FROM t", "pg_sleep"),
+    ("SELECT query_to_xml('SELECT pg_terminate_backend({victim})', true, false, '')", "query_to_xml"),
+    ("SELECT lo_create(0)", "lo_create"),
+]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("sql, function", PG_SIDE_EFFECTS, ids=[s for s, _ in PG_SIDE_EFFECTS])
+def test_postgres_analyst_query_refuses_side_effecting_functions(postgres_url, sql, function):
+    """READ ONLY let every one of these run: a terminated session, a lock held, a setting changed."""
+    import psycopg
+
+    load(postgres_url)
+    libpq = make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as victim:
+        with pytest.raises(UserError, match=rf"^refused: .*side-effecting \(volatile\).* calls {function}$"):
+            run_query(postgres_url, sql.format(victim=victim.info.backend_pid), statement_timeout_s=scaled(10))
+        assert victim.execute("SELECT 1").fetchone() == (1,)  # not terminated
+        assert victim.execute("SELECT pg_try_advisory_lock(4242)").fetchone() == (True,)  # nobody holds it
+    # Harmless volatile functions (clocks, random numbers) and plain reads still run.
+    got = run_query(
+        postgres_url, "SELECT random() < 1, clock_timestamp() IS NOT NULL, SUM(shown) FROM v_daily_acceptance"
+    )
+    assert got.rows == [(True, True, 5)]
+
+
+@pytest.mark.postgres
+def test_postgres_query_is_cancelled_after_the_statement_timeout(postgres_url):
+    load(postgres_url)
+    slow = "SELECT COUNT(*) FROM generate_series(1, 10000000000::bigint)"
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"^query cancelled: it ran longer than query.statement_timeout_s \(0.5s\)$"):
+        run_query(postgres_url, slow, statement_timeout_s=0.5)
+    assert time.perf_counter() - t0 < scaled(10)
+
+
+def test_the_side_effect_check_reads_the_servers_plan():
+    assert explained_statement("-- why\nEXPLAIN (ANALYZE, FORMAT JSON) SELECT 1") == "SELECT 1"
+    assert explained_statement("explain analyze verbose WITH t AS (SELECT 1) SELECT * FROM t").startswith("WITH t")
+    assert explained_statement("/* x */ SHOW work_mem") is None
+    assert explained_statement("SELECT 2") == "SELECT 2"
+    plan = (
+        "Result\n  Output: pg_sleep('1'::double precision), 'pg_cancel_backend(1)'::text, \"Odd\"\"Name\"(1),"
+        " pg_catalog.set_config('a'::text, 'b'::text, false), (x = ANY ('{1}'::integer[]))\n"
+        "  ->  Function Scan on pg_catalog.generate_series g\n        Function Call: generate_series(1, 3)"
+    )
+    assert planned_functions(plan) == {"pg_sleep", 'Odd"Name', "set_config", "any", "generate_series"}

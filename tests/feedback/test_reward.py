@@ -121,3 +121,60 @@ def test_similarity_bounds():
 def test_reward_is_pure():
     choice = ChoiceFeedback(11, TEXT, (FULL,))
     assert reward(choice) == reward(choice)
+
+
+def _indented_code(module, chars: int) -> str:
+    """Deeply indented source: few distinct characters, the matcher's slowest realistic input."""
+    import inspect
+    import textwrap
+
+    text = textwrap.indent(inspect.getsource(module), " " * 24)
+    return (text * (chars // len(text) + 1))[:chars]
+
+
+def test_a_100k_character_kept_text_is_scored_in_well_under_a_second():
+    """The sink computes rewards in its single loop: one slow edit holds up all ingestion.
+    SequenceMatcher over a 2,000-character suggestion and this 100,000-character kept text
+    took 11 to 17 s on a 2-core machine before the bound (its time grows with the product of the lengths)."""
+    import difflib
+    import json.decoder
+    import time
+
+    suggested, kept = _indented_code(difflib, 2_000), _indented_code(json.decoder, 100_000)
+    t0 = time.perf_counter()
+    r, parts = reward(ChoiceFeedback(len(suggested), suggested, [FULL, ev("edit", kept_text=kept)]))
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 2.0, f"scoring one edit took {elapsed:.1f}s"
+    assert parts["outcome"] == "edit" and 0.0 <= parts["similarity"] < 0.05  # rewritten: little kept
+    assert r == pytest.approx(0.75 * parts["similarity"], abs=1e-6)
+
+
+@pytest.mark.parametrize("extra", [100_000 - 2_000, 10_000])
+def test_long_kept_texts_still_score_what_they_share_with_the_suggestion(extra):
+    """Beyond the exact budget the common start and end are matched directly: a suggestion kept
+    verbatim, with a lot typed after it, scores as SequenceMatcher scores it (2*len(a) / total)."""
+    import difflib
+
+    suggested = _indented_code(difflib, 2_000)
+    kept = suggested + "x = 1\n" * (extra // 6)
+    assert similarity(suggested, kept) == pytest.approx(2 * len(suggested) / (len(suggested) + len(kept)))
+    edited = suggested[:1000] + "changed" + suggested[1007:] + "\n" * extra  # 7 characters replaced
+    expected = 2 * (len(suggested) - 7) / (len(suggested) + len(edited))
+    assert similarity(suggested, edited) == pytest.approx(expected, abs=2e-4)
+
+
+def test_similarity_stays_exact_within_the_budget_and_bounded_beyond():
+    import difflib
+    import random
+
+    rng = random.Random(5)
+    for _ in range(60):
+        a = "".join(rng.choice("ab c\n") for _ in range(rng.randint(0, 600)))
+        b = "".join(rng.choice("ab c\n") for _ in range(rng.randint(0, 600)))
+        exact = difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+        assert similarity(a, b) == exact  # under the budget: difflib's ratio, unchanged
+    for _ in range(10):
+        a = "".join(rng.choice("ab c\n") for _ in range(rng.randint(1_001, 3_000)))
+        b = "".join(rng.choice("ab c\n") for _ in range(rng.randint(1_001, 3_000)))
+        assert 0.0 <= similarity(a, b) < 1.0 and similarity(a, b + "") == similarity(a, b)
+        assert similarity(a, a[:-1]) == pytest.approx(2 * (len(a) - 1) / (2 * len(a) - 1))

@@ -74,16 +74,22 @@ def test_example_config_is_valid_and_complete():
     example = REPO / "flywheel.example.toml"
     s = StackSettings.load(example)
     text = example.read_text()
+    from feedback.query import QuerySettings
+    from feedback.sink.loop import SinkSettings
     from learner.train.learn_settings import LearnSettings
     from ops.demo import DemoSettings
     from ops.rollout.settings import RolloutSettings
 
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
     sim = demo  # every section the loop uses, [serve] and [simulate] among them
+    sink, query = SinkSettings.load(example), QuerySettings.load(example)
     assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48
     sections = (
         ("kafka", s.kafka),
         ("database", s.database),
+        ("sink", sink.sink),
+        ("sink.reward", sink.sink.reward),
+        ("query", query.query),
         ("serve", sim.serve),
         ("serve.engine", sim.serve.engine),
         ("simulate", sim.simulate),
@@ -99,3 +105,107 @@ def test_example_config_is_valid_and_complete():
             assert documented, f"{section}.{name} missing from the example config"
     for name in ("data_dir", "cache_dir"):
         assert f"# {name} =" in text
+
+
+# --- secrets never echoed (reliability finding 4) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "serve.auth_tokens=s3cret-editor-token",  # a string where a list belongs
+        'serve.auth_tokens=["ok", 7]',
+        "serve.ops_tokens=s3cret-editor-token",
+        "simulate.token=[1, 2]",
+    ],
+)
+def test_config_errors_never_echo_secret_values(override):
+    """`_one_line` printed the rejected value: `(got 's3cret-editor-token')` for serve.auth_tokens."""
+    from ops.demo import DemoSettings  # has [serve] and [simulate]
+
+    with pytest.raises(UserError) as e:
+        DemoSettings.load(None, [override])
+    message = str(e.value)
+    assert override.split("=")[0] in message and "value hidden: secret" in message
+    assert "s3cret" not in message and "(got" not in message
+
+
+def test_secretstr_fields_are_hidden_whatever_their_name():
+    from pydantic import SecretStr
+
+    from feedback.core.config import FlywheelSettings, Section
+
+    class Vault(Section):
+        api_key: SecretStr = SecretStr("")
+        label: str = ""
+
+    class VaultSettings(FlywheelSettings):
+        vault: Vault = Vault()
+
+    with pytest.raises(UserError) as e:
+        VaultSettings.load(None, ["vault.api_key=[123456]"])
+    assert "vault.api_key" in str(e.value) and "123456" not in str(e.value)
+    with pytest.raises(UserError, match=r"vault.label: .*\(got \[42\]\)"):  # other values are still shown
+        VaultSettings.load(None, ["vault.label=[42]"])
+
+
+def test_a_url_in_a_config_error_has_its_password_masked(monkeypatch):
+    from feedback.core.config import FlywheelSettings, Section
+
+    class Probe(Section):
+        port: int = 0
+
+    class ProbeSettings(FlywheelSettings):
+        probe: Probe = Probe()
+
+    with pytest.raises(UserError) as e:
+        ProbeSettings.load(None, ["probe.port=postgresql://ana:s3cret@db/fw"])
+    assert "s3cret" not in str(e.value) and "postgresql://ana:***@db/fw" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://ana:s3cret@db:port/fw",  # a port that is not a number
+        "postgresql+psycopg://ana:s3cret@[::1/fw",
+        "postgres ql://ana:s3cret@db/fw",  # does not parse at all
+        "ana:s3cret@db/fw",
+        "mysql://ana:s3cret@db/fw",  # not a database Flywheel supports
+        "postgresql+nodriver://ana:s3cret@db/fw",  # no such driver
+    ],
+)
+def test_a_bad_database_url_error_masks_the_password(url):
+    """make_engine printed `bad database URL 'postgresql+psycopg://ana:s3cret@...'`, or let a
+    ValueError (a non-numeric port) or an import error out with a traceback."""
+    from feedback import db
+
+    with pytest.raises(UserError, match="bad database URL") as e:
+        db.make_engine(url)
+    assert "s3cret" not in str(e.value) and "***" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["", "?foo=bar", "?connect_timeout=soon"],  # refused, an unknown option, a bad option value
+)
+def test_an_unreachable_database_error_masks_the_password(query):
+    from feedback import db
+    from tests.helpers import free_port
+
+    engine = db.make_engine(f"postgresql+psycopg://ana:s3cret@127.0.0.1:{free_port()}/fw{query}")
+    for step in (db.upgrade, db.current_revision):
+        with pytest.raises(UserError, match="is unreachable") as e:
+            step(engine)
+        assert "s3cret" not in str(e.value) and "ana:***@127.0.0.1" in str(e.value)
+
+
+def test_mask_secrets_in_any_message():
+    from feedback.core.errors import first_line, mask_secrets
+
+    assert mask_secrets("to postgresql://u:p@ss@h/d failed") == "to postgresql://u:***@h/d failed"
+    assert mask_secrets("dsn host=h password=s3cret user=u") == "dsn host=h password=*** user=u"
+    assert mask_secrets("sqlite:///x.db; mail a@b; http://h:80/p") == "sqlite:///x.db; mail a@b; http://h:80/p"
+    assert first_line(RuntimeError("cannot reach postgresql://u:s3cret@h/d\nmore")) == (
+        "RuntimeError: cannot reach postgresql://u:***@h/d"
+    )
+    assert str(UserError("bad postgresql://u:s3cret@h/d")) == "bad postgresql://u:***@h/d"

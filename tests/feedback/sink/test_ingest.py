@@ -13,7 +13,7 @@ from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
 from feedback.sink import ingest
 from feedback.sink.ingest import Batch, Origin
-from feedback.sink.loop import SinkSettings, _write, _write_until_done
+from feedback.sink.loop import SinkSettings, _sweep, _write, _write_until_done, database_unavailable
 from tests.feedback.sink.sink_support import completion, count, events_for
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -210,3 +210,131 @@ def test_sink_settings_from_toml_env_and_overrides(tmp_path, monkeypatch):
         SinkSettings.load(f, ["sink.batch_size=0"])
     with pytest.raises(UserError, match="sink.reward.acepted"):
         SinkSettings.load(f, ["sink.reward.acepted=1"])  # a typo is an error, not ignored
+
+
+# --- a poison message never stops the sink (reliability finding 1b) ------------------------------
+
+
+def _unvalidated_select(cid: str, accepted_chars: int) -> FeedbackEvent:
+    """An event as a producer with looser (or no) schemas could have sent it: validation bypassed."""
+    import uuid
+
+    return FeedbackEvent.model_construct(
+        event_id=uuid.uuid4(),
+        completion_id=cid,
+        type="select",
+        choice_index=0,
+        select_kind="full",
+        accepted_chars=accepted_chars,
+        kept_text=None,
+        view_id=None,
+        elapsed_ms=None,
+        created_at=T0,
+    )
+
+
+def test_a_value_the_database_cannot_hold_is_a_dead_letter_not_a_crash(engine):
+    """2**63 made sqlite3 raise OverflowError (SQLAlchemy does not wrap it), which the write path
+    did not catch: the sink exited before committing, and every restart replayed the batch.
+    PostgreSQL refuses it as a DataError (integer out of range)."""
+    o = Offsets()
+    write(engine, completions=[o(completion("known", created_at=T0))])
+    poison, valid = o(_unvalidated_select("known", 2**63)), o(events_for("known", "view")[0])
+    s = SinkSettings(database={"url": engine.url.render_as_string(hide_password=False)})
+    counts = _write(engine, Batch(events=[poison, valid]), s)
+    assert (counts.events, counts.dead_letters) == (1, {"rejected": 1})
+    with engine.connect() as conn:
+        d = conn.execute(select(db.dead_letters)).one()
+        stored = conn.execute(select(db.events.c.event_id)).scalars().all()
+    assert stored == [str(valid[0].event_id)]
+    assert d.reason == "rejected" and d.event_id == str(poison[0].event_id) and d.kafka_offset == poison[1].offset
+    assert "database refused it" in d.error
+    assert ("OverflowError" if engine.dialect.name == "sqlite" else "out of range") in d.error, d.error
+
+
+def test_a_held_event_that_no_longer_validates_is_set_aside_by_the_sweep(engine):
+    """Held by an older sink whose schemas let 2**63 through: decoding it raised out of the sweep
+    (a ValueError, not a database error), every second, and the sink died."""
+    o = Offsets()
+    stale, origin = o(_unvalidated_select("later", 2**63))
+    write(engine, events=[(stale, origin)])
+    assert count(engine, "pending_events") == 1
+    with engine.begin() as conn:  # its completion arrives through another sink member
+        conn.execute(
+            db.completions.insert().values(**ingest.completion_rows(completion("later", created_at=T0), T0)[0])
+        )
+    s = SinkSettings(database={"url": engine.url.render_as_string(hide_password=False)})
+    counts = _sweep(engine, s)
+    assert counts.dead_letters == {"malformed": 1} and counts.promoted == 0
+    assert (count(engine, "pending_events"), count(engine, "events")) == (0, 0)
+    with engine.connect() as conn:
+        d = conn.execute(select(db.dead_letters)).one()
+    assert d.reason == "malformed" and "no longer valid" in d.error and "accepted_chars" in d.error
+    assert (d.completion_id, d.event_id, bytes(d.payload)) == ("later", str(stale.event_id), origin.payload)
+
+
+@pytest.mark.postgres
+def test_a_held_event_the_database_refuses_does_not_take_its_completion_down(postgres_url):
+    """The event waited for its completion; promoting it (a NUL character) failed the completion's
+    transaction, and the completion itself became the dead letter."""
+    engine = db.make_engine(postgres_url)
+    db.upgrade(engine)
+    o = Offsets()
+    nul = o(FeedbackEvent(completion_id="held", type="edit", kept_text="a\x00b", created_at=T0))
+    fine = o(FeedbackEvent(completion_id="held", type="view", created_at=T0))
+    assert write(engine, events=[nul, fine]).held == 2
+    s = SinkSettings(database={"url": postgres_url})
+    counts = _write(engine, Batch(completions=[o(completion("held", created_at=T0))]), s)
+    assert (counts.completions, counts.promoted, counts.dead_letters) == (1, 1, {"rejected": 1})
+    with engine.connect() as conn:
+        d = conn.execute(select(db.dead_letters)).one()
+        assert conn.execute(select(db.events.c.event_id)).scalars().all() == [str(fine[0].event_id)]
+    assert (d.reason, d.event_id, d.completion_id) == ("rejected", str(nul[0].event_id), "held")
+    assert count(engine, "pending_events") == 0
+    engine.dispose()
+
+
+def test_a_dead_letter_always_stores_even_when_its_key_and_error_hold_nul(engine):
+    """The error quotes what the sender wrote; a NUL in it (or in the key) must not make setting
+    the message aside fail the way the message did."""
+    origin = Origin("t", 0, 1, b"k\x00ey", b"\x00")
+    with engine.begin() as conn:
+        row = ingest.dead_letter_row(origin, "malformed", "bad \x00 value", T0)
+        assert ingest.insert_new(conn, db.dead_letters, [row], returning=db.dead_letters.c.id)
+    with engine.connect() as conn:
+        d = conn.execute(select(db.dead_letters)).one()
+    assert (d.key, d.error, bytes(d.payload)) == ("k\\x00ey", "bad \\x00 value", b"\x00")
+
+
+def _wrapped(cls, orig: Exception):
+    return cls("INSERT ...", {}, orig)
+
+
+def test_only_an_unavailable_database_is_retried():
+    import sqlite3
+
+    import psycopg
+    from sqlalchemy import exc
+
+    from feedback.schemas import MalformedMessage
+
+    retried = [
+        _wrapped(exc.OperationalError, sqlite3.OperationalError("database is locked")),
+        _wrapped(exc.OperationalError, psycopg.errors.AdminShutdown("terminating connection")),
+        _wrapped(exc.OperationalError, psycopg.OperationalError("connection failed: Connection refused")),
+        _wrapped(exc.OperationalError, psycopg.errors.DiskFull("could not extend file")),
+        exc.TimeoutError("QueuePool limit reached"),
+        exc.DisconnectionError("gone"),
+    ]
+    refused = [
+        OverflowError("Python int too large to convert to SQLite INTEGER"),
+        ValueError("bad"),
+        MalformedMessage("invalid FeedbackEvent"),
+        _wrapped(exc.DataError, psycopg.errors.NumericValueOutOfRange("integer out of range")),
+        _wrapped(exc.DataError, psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes")),
+        _wrapped(exc.IntegrityError, sqlite3.IntegrityError("NOT NULL constraint failed")),
+        _wrapped(exc.OperationalError, psycopg.errors.ProgramLimitExceeded("index row size exceeds maximum")),
+        _wrapped(exc.InterfaceError, sqlite3.InterfaceError("Error binding parameter 1")),
+    ]
+    assert [database_unavailable(e) for e in retried] == [True] * len(retried)
+    assert [database_unavailable(e) for e in refused] == [False] * len(refused)

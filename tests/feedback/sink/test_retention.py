@@ -119,3 +119,95 @@ def test_cli_retention(tmp_path):
     assert "1 completions.prompt_text" in r.stdout and "sink.retention_days" in r.stdout  # the resolved config
     r = flywheel("retention", "--set", "sink.retention_days=0", env=env, tmp_path=tmp_path)
     assert r.returncode == 0 and "retention is off" in r.stdout
+
+
+# --- bookkeeping rows are deleted too (reliability finding 3) -----------------------------------
+
+
+def _bookkeeping(engine, dead_ages_days: list[float], held_ages_days: list[float]) -> None:
+    with engine.begin() as conn:
+        for i, age in enumerate(dead_ages_days):
+            origin = Origin("e", 0, i, None, b"payload")
+            conn.execute(
+                db.dead_letters.insert().values(
+                    ingest.dead_letter_row(origin, "unknown_completion", "x", NOW - timedelta(days=age))
+                )
+            )
+        for i, age in enumerate(held_ages_days):
+            e = FeedbackEvent(completion_id=f"ghost{i}", type="view")
+            held = ingest.pending_row(e, Origin("e", 1, i, None, encode(e)), NOW - timedelta(days=age))
+            conn.execute(db.pending_events.insert().values(held))
+
+
+def _ages(engine) -> tuple[list[int], list[int]]:
+    with engine.connect() as conn:
+        dead = sorted(conn.execute(select(db.dead_letters.c.kafka_offset)).scalars())
+        held = sorted(conn.execute(select(db.pending_events.c.kafka_offset)).scalars())
+    return dead, held
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_retention_deletes_old_dead_letters_and_held_events(backend, request, tmp_path):
+    """Events for completions that never arrive were held, then dead-lettered, and no retention
+    ever deleted either: a steady stream of them filled the disk."""
+    url = f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    _bookkeeping(engine, dead_ages_days=[40, 31, 10, 1], held_ages_days=[8, 1])
+
+    def run(**limits) -> dict[str, int]:
+        with engine.begin() as conn:
+            return retention.delete_bookkeeping(conn, now=NOW, **limits)
+
+    off = dict(dead_letter_days=0, dead_letter_max_rows=0, pending_days=0)
+    assert run(**off) == {"dead_letters": 0, "pending_events": 0}  # 0 turns each limit off
+    assert run(**off | {"dead_letter_days": 30, "pending_days": 7}) == {"dead_letters": 2, "pending_events": 1}
+    assert _ages(engine) == ([2, 3], [1])  # the 10- and 1-day-old dead letters, the 1-day-old held event
+    assert run(**off | {"dead_letter_max_rows": 1}) == {"dead_letters": 1, "pending_events": 0}
+    assert _ages(engine) == ([3], [1])  # the newest stays
+    assert run(**off | {"dead_letter_max_rows": 1}) == {"dead_letters": 0, "pending_events": 0}
+    engine.dispose()
+
+
+class _IdleConsumer:
+    """Stands in for the Kafka consumer: no records; stops the loop after its first pass."""
+
+    def __init__(self, stop):
+        self.stop = stop
+
+    def poll(self, timeout_ms, max_records):
+        self.stop.set()
+        return {}
+
+
+def test_the_sink_deletes_old_bookkeeping_even_when_text_is_kept_forever(tmp_path):
+    """With retention_days = 0 the sink skipped retention altogether."""
+    import threading
+
+    from feedback.sink.loop import SinkSettings, SinkStats, _loop
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    _bookkeeping(engine, dead_ages_days=[40, 1], held_ages_days=[])
+    settings = SinkSettings(database={"url": url}, sink={"retention_days": 0})
+    stop, lines = threading.Event(), []
+    _loop(settings, engine, _IdleConsumer(stop), stop, SinkStats(), lines.append)
+    assert _ages(engine) == ([1], [])
+    assert "sink: retention deleted 1 dead_letters, 0 pending_events" in lines
+    engine.dispose()
+
+
+def test_held_events_must_outlive_the_grace_period():
+    from feedback.core.errors import UserError
+    from feedback.sink.loop import SinkSettings
+
+    with pytest.raises(UserError, match="pending_retention_days"):
+        SinkSettings.load(None, ["sink.pending_retention_days=1", "sink.grace_period_s=172800"])
+    assert SinkSettings.load(None, ["sink.pending_retention_days=0", "sink.grace_period_s=172800"])
+    defaults = SinkSettings().sink
+    assert (defaults.dead_letter_retention_days, defaults.dead_letter_max_rows, defaults.pending_retention_days) == (
+        30,
+        1_000_000,
+        7,
+    )
