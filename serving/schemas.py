@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from feedback.schemas import CompletionId
+from feedback.schemas import CompletionId, NonNegInt32
 
 
 class Strict(BaseModel):
@@ -147,9 +147,9 @@ class EventRequest(Strict):
     completion_id: CompletionId
     choice_index: int = Field(default=0, ge=0, le=64)
     view_id: str | None = Field(default=None, max_length=128)
-    elapsed: int | None = Field(default=None, ge=0, description="milliseconds since the completion was shown")
+    elapsed: NonNegInt32 | None = Field(default=None, description="milliseconds since the completion was shown")
     select_kind: Literal["full", "line", "word"] | None = None
-    accepted_chars: int | None = Field(default=None, ge=0)
+    accepted_chars: NonNegInt32 | None = None
     kept_text: str | None = Field(default=None, max_length=100_000)
     event_id: uuid.UUID | None = None
 

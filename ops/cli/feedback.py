@@ -2,7 +2,7 @@
 
 flywheel sink                                  Kafka -> SQL, exactly-once rows, rewards, dead letters
 flywheel query "SQL" [--format table|csv|json] read-only SQL over the tables and v_* views
-flywheel retention                             drop text older than sink.retention_days now
+flywheel retention                             drop old text, dead letters and held events now
 flywheel bench ingest [--events N]             Kafka -> sink -> SQL against direct inserts
 """
 
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = sub.add_parser(
         "retention",
-        help="drop prompt and completion text older than sink.retention_days (token ids stay)",
+        help="drop text older than sink.retention_days (token ids stay), and old dead letters and held events",
         description="Apply the retention setting now: NULL prompt, suggestion and edited text older than "
         "sink.retention_days. Token ids, lengths and rewards stay. The sink also does this periodically.",
     )
@@ -115,16 +115,26 @@ def cmd_retention(args: argparse.Namespace) -> int:
 
     s = SinkSettings.load(args.config, args.overrides)
     print_config(s, "flywheel retention")
-    days = s.sink.retention_days
-    if days == 0:
-        console.print("retention is off (sink.retention_days = 0): text is kept")
-        return 0
+    cfg, now = s.sink, datetime.now(UTC)
     engine = db.make_engine(s.database_url)
     db.upgrade(engine)
     with engine.begin() as conn:
-        dropped = retention.apply_retention(conn, now=datetime.now(UTC), retention_days=days)
+        dropped = (
+            retention.apply_retention(conn, now=now, retention_days=cfg.retention_days) if cfg.retention_days else None
+        )
+        deleted = retention.delete_bookkeeping(
+            conn,
+            now=now,
+            dead_letter_days=cfg.dead_letter_retention_days,
+            dead_letter_max_rows=cfg.dead_letter_max_rows,
+            pending_days=cfg.pending_retention_days,
+        )
     engine.dispose()
-    console.print(f"retention ({days} days): set to NULL {retention.describe(dropped)}")
+    if dropped is None:
+        console.print("text retention is off (sink.retention_days = 0): text is kept")
+    else:
+        console.print(f"retention ({cfg.retention_days} days): set to NULL {retention.describe(dropped)}")
+    console.print(f"bookkeeping: deleted {retention.describe(deleted)}")
     return 0
 
 

@@ -121,6 +121,19 @@ def test_cli_retention(tmp_path):
     assert r.returncode == 0 and "retention is off" in r.stdout
 
 
+def test_cli_retention_deletes_old_bookkeeping_even_with_text_kept(tmp_path):
+    """`flywheel retention` stopped at "retention is off" and never deleted old dead letters."""
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    _bookkeeping(engine, dead_ages_days=[40, 1], held_ages_days=[8, 1])
+    r = flywheel("retention", "--set", "sink.retention_days=0", env={"FLYWHEEL_DATABASE__URL": url}, tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "retention is off" in r.stdout and "1 dead_letters, 1 pending_events" in r.stdout
+    assert _ages(engine) == ([1], [1])
+    engine.dispose()
+
+
 # --- bookkeeping rows are deleted too (reliability finding 3) -----------------------------------
 
 

@@ -146,6 +146,9 @@ def test_bad_completion_input_is_4xx_with_message(tok, raw, status):
         {"type": "edit", "completion_id": "c"},
         {"type": "view"},
         {"type": "view", "completion_id": "bad id with spaces"},
+        # beyond what the INTEGER columns hold: it used to be accepted (200) and stop the sink
+        {"type": "select", "completion_id": "c", "accepted_chars": 10**30},
+        {"type": "view", "completion_id": "c", "elapsed": 2**31},
     ],
 )
 def test_bad_events_are_422(tok, body):
@@ -153,6 +156,9 @@ def test_bad_events_are_422(tok, body):
     r = client.post("/v1/events", json=body)
     assert r.status_code == 422 and r.json()["error"]["message"]
     assert sink.sent == []
+    for field in ("accepted_chars", "elapsed"):
+        if field in body:
+            assert field in r.json()["error"]["message"]
 
 
 def test_engine_failure_is_503_not_500(tok):
