@@ -296,6 +296,7 @@ def model_from(hf: dict, args: ModelArgs) -> Transformer:
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 @sync
 async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     from learner.export import export_hf, fp4_dequantized

@@ -135,6 +135,7 @@ def test_tabby_request_and_events(stack):
     assert client.get("/v1/health", headers={"Authorization": ""}).json()["model"] == "flywheel"
 
 
+@pytest.mark.numerics
 def test_records_match_recomputation_by_our_model(stack, model_dir):
     """Acceptance 2: token ids and behaviour logprobs match our own model of that version."""
     from learner.export import load_hf
