@@ -195,6 +195,7 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
         metrics.EMPTY.labels(v).inc()
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
+    metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)
     metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
     if r.summary_fallback:
         metrics.SUMMARY_FALLBACKS.inc()
