@@ -8,6 +8,7 @@ from typing import Self
 from pydantic import Field, SecretStr, model_validator
 
 from feedback.core.config import FlywheelSettings, Section
+from feedback.core.web import HttpLimits
 from learner.prompts import CONTEXT_BUDGET, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
@@ -99,6 +100,8 @@ class ServeSettings(Section):
 
     producer_buffer: int = Field(default=10_000, ge=1)
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
+    limits: HttpLimits = HttpLimits()
+    """What one client may send and how often (section `[serve.limits]`)."""
 
     @model_validator(mode="after")
     def _budget_fits(self) -> Self:

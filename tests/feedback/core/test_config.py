@@ -92,6 +92,7 @@ def test_example_config_is_valid_and_complete():
         ("query", query.query),
         ("serve", sim.serve),
         ("serve.engine", sim.serve.engine),
+        ("serve.limits", sim.serve.limits),
         ("simulate", sim.simulate),
         ("learn", learn.learn),
         ("learn.gate", learn.learn.gate),
