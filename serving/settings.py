@@ -7,6 +7,7 @@ from typing import Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from feedback.core.auth import DashboardLogin
 from feedback.core.config import FlywheelSettings, Section
 from feedback.core.web import HttpLimits
 from learner.prompts import CONTEXT_BUDGET, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
@@ -102,6 +103,8 @@ class ServeSettings(Section):
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
     limits: HttpLimits = HttpLimits()
     """What one client may send and how often (section `[serve.limits]`)."""
+    dashboard: DashboardLogin = DashboardLogin()
+    """The ops dashboard's login session (section `[serve.dashboard]`)."""
 
     @model_validator(mode="after")
     def _budget_fits(self) -> Self:

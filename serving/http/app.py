@@ -8,7 +8,8 @@ counted and timed by route in Prometheus. A body larger than serve.limits.max_bo
 gets 413 on every route, before it is parsed (feedback/core/web.py).
 
 The app's `state` is an `AppState`: routes read its `api` (an ApiState), the token checks
-its `tokens`, the ops routes its `database_url`, every route group its `limits`.
+its `tokens`, the ops routes its `database_url`, every route group its `limits` and the
+dashboard its `dashboard` settings.
 """
 
 from __future__ import annotations

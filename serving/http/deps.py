@@ -3,8 +3,8 @@
 The Ray Serve ingress sets `app.state.api` on the app it builds in its replica
 (serving/app.py); unit tests set it on the app they build. Tokens are checked by
 feedback.core.auth, which reads `app.state.tokens`; route groups that are not serving's own
-(the ops routes) read `app.state.database_url`, and every route group `app.state.limits`
-(serve.limits). On the serving app these follow its
+(the ops routes) read `app.state.database_url`, and every route group `app.state.limits` and
+`app.state.dashboard` (serve.limits, serve.dashboard). On the serving app these follow its
 ApiState (`AppState`), so changing the ApiState's tokens takes effect on the next request.
 
 `CompletionsToken` and `EventsToken` are the editor token check plus that token's rate limit
@@ -22,7 +22,7 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends, HTTPException, Request
 from starlette.datastructures import State
 
-from feedback.core.auth import EditorToken, Tokens
+from feedback.core.auth import DashboardLogin, EditorToken, Tokens
 from feedback.core.web import HttpLimits, http_limits, rate_limiter
 from serving.http.routing import RoutingState
 from serving.replica import GenerateRequest, GenerateResult
@@ -68,13 +68,17 @@ class ApiState:
     def limits(self) -> HttpLimits:
         return self.cfg.limits
 
+    @property
+    def dashboard(self) -> DashboardLogin:
+        return self.cfg.dashboard
+
 
 class AppState(State):
     """The serving app's `app.state`: `api` is its ApiState; the attributes in FOLLOW_API, unless
     set on their own, are the ApiState's (absent while it is not set, so the token checks
     answer 503 "the API is starting up")."""
 
-    FOLLOW_API = ("tokens", "database_url", "limits")
+    FOLLOW_API = ("tokens", "database_url", "limits", "dashboard")
 
     def __getattr__(self, key: str) -> Any:
         try:

@@ -93,6 +93,7 @@ def test_example_config_is_valid_and_complete():
         ("serve", sim.serve),
         ("serve.engine", sim.serve.engine),
         ("serve.limits", sim.serve.limits),
+        ("serve.dashboard", sim.serve.dashboard),
         ("simulate", sim.simulate),
         ("learn", learn.learn),
         ("learn.gate", learn.learn.gate),

@@ -22,6 +22,7 @@ def api(tok, tmp_path):
         tok,
         routers=[make() for make in ops_routers()],
         limits={"max_body_bytes": BODY_LIMIT, "completions": "5/minute", "events": "5/minute"},
+        dashboard={"login_failures": "3 per 15 minutes"},
     )
     url = f"sqlite:///{tmp_path / 'flywheel.db'}"
     db.upgrade(db.make_engine(url))
@@ -219,8 +220,25 @@ def test_rate_limit_per_token_is_429_with_retry_after(api, path, body):
     assert client.post(path, json=body, headers={"Authorization": "Bearer second-token"}).status_code == 200
 
 
+def test_login_is_throttled_per_address_after_failures(api):
+    client, _ = api
+    for _ in range(3):
+        assert client.post("/ops/login", data={"token": "guess"}).status_code == 401
+    r = client.post("/ops/login", data={"token": "guess"})
+    assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 900 and "Too many failed logins" in r.text
+    r = client.post("/ops/login", data={"token": OPS}, follow_redirects=False)
+    assert r.status_code == 429 and "set-cookie" not in r.headers  # a right token too: guessing cannot go on
+    # the bearer-token ops routes and other addresses are not affected
+    assert client.get("/ops/rollouts", headers=OPS_H).status_code == 200
+    from fastapi.testclient import TestClient
+
+    other = TestClient(client.app, client=("10.1.2.3", 5000), follow_redirects=False)
+    assert other.post("/ops/login", data={"token": OPS}).status_code == 303
+
+
 def test_refusals_are_in_the_openapi_schema(api):
     client, _ = api
     spec = client.get("/openapi.json").json()
     assert {"413", "422", "429"} <= set(spec["paths"]["/v1/completions"]["post"]["responses"])
     assert {"413", "422", "429"} <= set(spec["paths"]["/v1/events"]["post"]["responses"])
+    assert {"413", "429"} <= set(spec["paths"]["/ops/login"]["post"]["responses"])
