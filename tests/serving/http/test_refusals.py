@@ -18,13 +18,16 @@ BODY_LIMIT = 2048
 @pytest.fixture
 def api(tok, tmp_path):
     """The API as `flywheel serve` serves it, over a migrated SQLite database."""
+    return served(tok, f"sqlite:///{tmp_path / 'flywheel.db'}")
+
+
+def served(tok, url: str):
     client, sink, engine = make_client(
         tok,
         routers=[make() for make in ops_routers()],
         limits={"max_body_bytes": BODY_LIMIT, "completions": "5/minute", "events": "5/minute"},
         dashboard={"login_failures": "3 per 15 minutes"},
     )
-    url = f"sqlite:///{tmp_path / 'flywheel.db'}"
     db.upgrade(db.make_engine(url))
     client.app.state.api.ops_tokens = {OPS}
     client.app.state.api.database_url = url
@@ -191,6 +194,22 @@ def test_ids_beyond_their_columns_are_422(api, method, path, field):
     assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"{field}: "), r.text
     # the largest id a column holds is a plain "not found"
     assert client.post(f"/ops/rollouts/{2**63 - 1}/pause", headers=OPS_H).status_code == 404
+
+
+@pytest.mark.postgres
+def test_ops_routes_refuse_crafted_input_on_postgres(tok, postgres_url):
+    """Where PostgreSQL's columns are narrower than SQLite's (INTEGER versions, BIGINT ids), the
+    bounds still answer first: 422, or 404 for an id the column holds."""
+    client, _ = served(tok, postgres_url)
+    for path, body, field in CRAFTED:
+        if path.startswith("/ops"):
+            r = client.post(path, content=json.dumps(body).encode(), headers={**JSON_H, **OPS_H})
+            assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"{field}: "), (body, r.text)
+    for rollout_id in (2**31, 2**63 - 1):
+        assert client.post(f"/ops/rollouts/{rollout_id}/pause", headers=OPS_H).status_code == 404
+    assert client.get(f"/ops/rollouts?id={2**63}", headers=OPS_H).status_code == 422
+    r = client.post("/ops/rollouts", json={"version": 2**31 - 1}, headers=OPS_H)
+    assert r.status_code == 400 and "unknown version" in r.json()["error"]["message"]
 
 
 def test_login_with_undecodable_form_bytes_is_401(api):
