@@ -9,9 +9,9 @@
 
 Every route needs an ops token (feedback.core.auth.OpsToken, read from `app.state.tokens`:
 401 without one, 403 for an editor token). Ids and versions are bounded by their SQL columns
-and bodies are `RequestBody`s (valid Unicode, finite numbers): anything else is a 422. The database comes from the dependency
-`engine_for`; by default the app's `app.state.database_url`, through `db.shared_engine` (one
-pool per URL for the life of the process). Routes are plain `def`: SQL blocks, so FastAPI
+and bodies are `RequestBody`s (valid Unicode, finite numbers): anything else is a 422. The
+database comes from the dependency `engine_for`; by default the app's `app.state.database_url`,
+through `db.shared_engine` (one pool per URL for the life of the process). Routes are plain `def`: SQL blocks, so FastAPI
 runs them in its thread pool.
 
 No `from __future__ import annotations` here: FastAPI must see the route annotations, and
