@@ -8,7 +8,9 @@ Layout (PSM, the order the model was trained on):
 When prefix + suffix exceed `budget` tokens, the prefix is cut at line boundaries into an
 old part and a recent tail. The old part is split into chunks that the model itself
 summarizes (prompted with the chunk followed by `<|summary_start|>`, the teacher task it
-was pretrained on), and the summaries stand in for the chunks. Summaries are cached by
+was pretrained on), and the summaries stand in for the chunks. Only the newest few summaries
+fit, so chunks are summarized newest first until the room is full or `max_summaries` were
+written for this request; older chunks are left out and counted. Summaries are cached by
 (chunk hash, model version). If summarizing fails, the prefix is truncated to the budget
 instead, and the fallback is counted.
 
@@ -38,6 +40,9 @@ CONTEXT_BUDGET = 768
 are self-summarized into it."""
 SUMMARY_CHUNK_TOKENS = 192
 """Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
+MAX_SUMMARIES = 4
+"""Most summaries one prompt may have the model write (the default of
+serve.max_summaries_per_request): a generation each, and about as many as fit the default budget."""
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,8 @@ class Prompt:
     """Hashes of the chunks that summaries replaced."""
     summaries_cached: int = 0
     summaries_generated: int = 0
+    summaries_skipped: int = 0
+    """Older chunks left out: no room for their summaries, or `max_summaries` were written."""
     truncated_tokens: int = 0
     fallback: bool = False
     """Summarization failed and the prefix was truncated instead."""
@@ -134,6 +141,7 @@ class PromptBuilder:
     chunk_tokens: int
     cache: SummaryCache
     version: int
+    max_summaries: int = MAX_SUMMARIES
 
     def __post_init__(self) -> None:
         self.sp = SpecialIds.of(self.tok)
@@ -155,6 +163,8 @@ class PromptBuilder:
         if len(whole) <= self.budget:
             return Prompt(whole)
 
+        if self.max_summaries == 0:
+            summarize = None
         header_ids = self.encode(header)
         room = self.budget - len(header_ids) - len(suffix_ids) - (3 if suffix is not None else 0)
         prefix_ids = self.encode(prefix)
@@ -181,13 +191,19 @@ class PromptBuilder:
             total += counts[split]
         recent = self.encode("".join(lines[split:]))[-room:]
         spans = split_lines_by_tokens(lines[:split], counts[:split], self.chunk_tokens)
-        blocks: list[tuple[str, list[int]]] = []
+        # Newest chunk first, while its summary fits: only the newest few can, so the older ones
+        # cost no generation (a prefix of 200,000 characters has hundreds of chunks).
+        left, kept = room - len(recent), []
         cached = generated = 0
-        for a, b in spans:
+        for a, b in reversed(spans):
+            if left < 3:  # full: a summary block is at least its two markers and one token
+                break
             text = "".join(lines[a:b])
             key = (chunk_hash(text), self.version)
             ids = self.cache.get(key)
             if ids is None:
+                if generated == self.max_summaries:
+                    break
                 ids = await summarize(text)
                 if not ids:
                     raise ValueError("the model wrote an empty summary")
@@ -195,19 +211,17 @@ class PromptBuilder:
                 generated += 1
             else:
                 cached += 1
-            blocks.append((key[0], [self.sp.summary_start, *ids, self.sp.summary_end]))
-        # Newest summaries first while they fit; the oldest are dropped if the room runs out.
-        left, kept = room - len(recent), []
-        for h, ids in reversed(blocks):
-            if len(ids) > left:
+            block = [self.sp.summary_start, *ids, self.sp.summary_end]
+            if len(block) > left:
                 break
-            kept.insert(0, (h, ids))
-            left -= len(ids)
-        dropped = sum(len(ids) for _, ids in blocks[: len(blocks) - len(kept)])
+            kept.insert(0, (key[0], block))
+            left -= len(block)
+        left_out = spans[: len(spans) - len(kept)]
         body = [t for _, ids in kept for t in ids] + recent
         return body, dict(
             summary_ids=[h for h, _ in kept],
             summaries_cached=cached,
             summaries_generated=generated,
-            truncated_tokens=dropped,
+            summaries_skipped=len(left_out),
+            truncated_tokens=sum(sum(counts[a:b]) for a, b in left_out),
         )

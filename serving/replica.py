@@ -41,6 +41,7 @@ class GenerateResult:
     summary_ids: list[str] = field(default_factory=list)
     summaries_cached: int = 0
     summaries_generated: int = 0
+    summaries_skipped: int = 0
     truncated_tokens: int = 0
     summary_fallback: bool = False
     latency_ms: float = 0.0
@@ -54,7 +55,12 @@ class CompletionService:
         self.cfg = cfg
         self.version = version
         self.prompts = PromptBuilder(
-            tok, cfg.context_budget, cfg.summary_chunk_tokens, SummaryCache(cfg.summary_cache_size), version
+            tok,
+            cfg.context_budget,
+            cfg.summary_chunk_tokens,
+            SummaryCache(cfg.summary_cache_size),
+            version,
+            max_summaries=cfg.max_summaries_per_request,
         )
         self._summary_end = tok.token_to_id(SUMMARY_END)
 
@@ -105,6 +111,7 @@ class CompletionService:
             summary_ids=prompt.summary_ids,
             summaries_cached=prompt.summaries_cached,
             summaries_generated=prompt.summaries_generated,
+            summaries_skipped=prompt.summaries_skipped,
             truncated_tokens=prompt.truncated_tokens,
             summary_fallback=prompt.fallback,
             latency_ms=(time.perf_counter() - t0) * 1000,

@@ -7,8 +7,10 @@ from typing import Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from feedback.core.auth import DashboardLogin
 from feedback.core.config import FlywheelSettings, Section
-from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, fit_budget
+from feedback.core.web import HttpLimits
+from learner.prompts import CONTEXT_BUDGET, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
 class EngineSettings(Section):
@@ -92,9 +94,17 @@ class ServeSettings(Section):
     """Longest summary the model may write for one chunk."""
     summary_cache_size: int = Field(default=4096, ge=0)
     """Summaries cached per replica (keyed by chunk hash and model version)."""
+    max_summaries_per_request: int = Field(default=MAX_SUMMARIES, ge=0)
+    """Most summaries one request may have the model write (cached ones are free): chunks are
+    summarized newest first until the summaries fill their room or this many were written; older
+    chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0: truncate."""
 
     producer_buffer: int = Field(default=10_000, ge=1)
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
+    limits: HttpLimits = HttpLimits()
+    """What one client may send and how often (section `[serve.limits]`)."""
+    dashboard: DashboardLogin = DashboardLogin()
+    """The ops dashboard's login session (section `[serve.dashboard]`)."""
 
     @model_validator(mode="after")
     def _budget_fits(self) -> Self:

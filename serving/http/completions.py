@@ -17,13 +17,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import Discriminator, Tag
 
 from feedback import bus
-from feedback.core.auth import EditorToken
 from feedback.schemas import CompletionChoice, CompletionRecord
 from learner.fim import fim_header
 from learner.prompts import EDITOR_STOP
 from serving import metrics
 from serving.engine import SamplingSpec
-from serving.http.deps import ApiState, ReplicaClient, StateDep
+from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
 from serving.routing import user_hash
 from serving.schemas import (
@@ -54,9 +53,11 @@ router = APIRouter()
 
 
 @router.post(
-    "/v1/completions", response_model=CompletionResponse, responses={401: {}, 404: {}, 413: {}, 422: {}, 503: {}}
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={400: {}, 401: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}},
 )
-async def completions(body: CompletionBody, st: StateDep, token: EditorToken, request: Request):
+async def completions(body: CompletionBody, st: StateDep, token: CompletionsToken, request: Request):
     """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
     completion_id = f"cmpl-{uuid.uuid4().hex}"
@@ -195,6 +196,7 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
         metrics.EMPTY.labels(v).inc()
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
+    metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)
     metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
     if r.summary_fallback:
         metrics.SUMMARY_FALLBACKS.inc()

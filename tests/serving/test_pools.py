@@ -108,7 +108,8 @@ def test_pool_sizes():
 
 def two_pools(tok, engine, canary_reports=None):
     """An app with a stable pool on v3 and a canary pool on v4, its state, and its record sink."""
-    cfg = ServeSettings(auth_tokens=[TOKEN])
+    # Forty users behind one token, as fast as the fake engine answers: no per-token rate limit.
+    cfg = ServeSettings(auth_tokens=[TOKEN], limits={"completions": ""})
     stable = CompletionService(FakeEngine(tok), tok, cfg, version=3)
     canary = CompletionService(FakeEngine(tok, text="return y"), tok, cfg, version=4)
     sink = ListSink()
