@@ -317,6 +317,7 @@ def start(
     serves serving's routes and those of `routers` (factories, see `RouterFactory`)."""
     import ray
 
+    settings = settings.with_user_hash_secret()
     cfg = settings.serve
     migrate(settings, version, progress)
     if not ray.is_initialized():

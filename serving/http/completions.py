@@ -60,7 +60,7 @@ async def completions(body: CompletionBody, st: StateDep, token: EditorToken, re
     """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    uhash = user_hash(body.user, fallback=token)
+    uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
     gen = _to_generate(st, body, completion_id)
     replica = _pick(st, body, uhash)
     created = int(time.time())

@@ -157,7 +157,8 @@ def test_the_canary_gets_its_share_only_once_it_serves_the_target(tok, engine):
     pools.set_canary(engine, 4, 50.0)  # now it does: the users below the share go there, sticky
     refresh(st, engine)
     got = served_by(client)
-    want = {u: "flywheel@v4" if bucket(user_hash(u, TOKEN)) < 50 else "flywheel@v3" for u in USERS}
+    key = st.cfg.user_hash_key()
+    want = {u: "flywheel@v4" if bucket(user_hash(key, token=TOKEN, user=u)) < 50 else "flywheel@v3" for u in USERS}
     assert got == want and set(got.values()) == {"flywheel@v3", "flywheel@v4"}
     assert served_by(client) == want  # the same users again: the same pools
     assert client.get("/v1/health").json()["flywheel"]["canary_live"]
