@@ -37,6 +37,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    false,
     func,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -76,6 +77,13 @@ completions = Table(
     Column("latency_ms", Float, nullable=False),
     Column("created_at", TS, nullable=False, index=True),
     Column("ingested_at", TS, nullable=False, server_default=func.now()),
+    Column(
+        "pinned",
+        Boolean,
+        nullable=False,
+        server_default=false(),
+        comment="served for a request that pinned its version (model: name@vN); kept out of rollout arms and training",
+    ),
 )
 
 completion_choices = Table(

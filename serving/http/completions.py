@@ -112,10 +112,15 @@ def _to_generate(
     return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
 
 
+def _is_pinned(body) -> bool:
+    """Whether the request names its version (`model: name@vN`) instead of taking its route."""
+    return "@v" in (getattr(body, "model", None) or "")
+
+
 def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
     """The pool for this request: the one serving a pinned `model: name@vN`, else the user's route."""
     model = getattr(body, "model", None) or ""
-    if "@v" in model:
+    if _is_pinned(body):
         try:
             pinned = int(model.rsplit("@v", 1)[1])
         except ValueError:
@@ -185,6 +190,7 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
         summary_ids=r.summary_ids,
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
+        pinned=_is_pinned(body),
     )
     st.producer.send(bus.COMPLETIONS, record)
     v = str(r.model_version)

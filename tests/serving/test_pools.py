@@ -177,12 +177,15 @@ def test_the_canary_gets_its_share_only_once_it_serves_the_target(tok, engine):
 
 
 def test_pinned_versions_go_to_the_pool_serving_them(tok, engine):
-    client, st, _ = two_pools(tok, engine)
+    client, st, sink = two_pools(tok, engine)
     refresh(st, engine)
     assert set(served_by(client, USERS[:5], model="flywheel@v4").values()) == {
         "flywheel@v4"
     }  # even with no canary share
     assert set(served_by(client, USERS[:5], model="flywheel@v3").values()) == {"flywheel@v3"}
+    served_by(client, USERS[:2], model="flywheel")
+    # the records say which requests chose their version: rollout arms and the learner skip those
+    assert [m.pinned for _, m in sink.sent] == [True] * 10 + [False] * 2
     r = client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@v7"})
     assert r.status_code == 404 and "[3, 4]" in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@vX"}).status_code == 400

@@ -66,6 +66,16 @@ def test_a_batch_written_twice_leaves_the_same_rows(engine):
     assert [count(engine, t) for t in ("completions", "completion_choices", "events", "reward_due")] == [3, 3, 3, 3]
 
 
+def test_a_pinned_completion_is_stored_as_pinned(engine):
+    o = Offsets()
+    write(engine, completions=[o(completion("routed")), o(completion("pinned").model_copy(update={"pinned": True}))])
+    with engine.connect() as conn:
+        assert dict(conn.execute(select(db.completions.c.completion_id, db.completions.c.pinned)).all()) == {
+            "routed": False,
+            "pinned": True,
+        }
+
+
 def test_an_event_before_its_completion_is_held_then_promoted(engine):
     o = Offsets()
     ev = o(events_for("late", "select")[0])
