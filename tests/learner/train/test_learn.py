@@ -12,7 +12,15 @@ from feedback import db
 from learner import store as S
 from learner.model import ModelArgs
 from learner.tokenizer import EOS_ID
-from learner.train.learn import Learner, ReplayBuffer, Sample, make_batch, model_from_packed, read_samples
+from learner.train.learn import (
+    Learner,
+    ReplayBuffer,
+    Sample,
+    describe,
+    make_batch,
+    model_from_packed,
+    read_samples,
+)
 from learner.train.pretrain import ensure_base_model
 from tests.learner.train.learn_support import (
     ListProducer,
@@ -110,6 +118,28 @@ def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
     write_samples(lr.engine, v0, lr.tok, texts(4), reward_fn=lambda t: (0.0, "unseen"))
     assert lr.poll() == 0 and lr.state.samples_skipped == 4 and lr.state.samples_read == 4
+
+
+def test_one_user_supplies_at_most_max_samples_per_user_per_version_and_pinned_never_train(tmp_path, base):
+    lr = started(tmp_path, base, max_samples_per_user=3, min_samples=4)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(10), user="mallory", reward_fn=lambda t: (1.0, "select"))
+    write_samples(lr.engine, v0, lr.tok, texts(4), pinned=True, reward_fn=lambda t: (1.0, "select"))
+    write_samples(lr.engine, v0, lr.tok, texts(5))  # five users, one sample each
+    assert lr.poll() == 3 + 5
+    assert (lr.state.samples_capped, lr.state.samples_skipped, lr.state.samples_read) == (7, 4, 19)
+    assert [s.user_hash for s in lr.buffer.items].count("mallory") == 3 and not any(s.pinned for s in lr.buffer.items)
+    assert "capped 7" in describe(lr.snapshot())
+
+    assert lr.update() is not None  # saves the state: the cursor with the counts behind it
+
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()
+    write_samples(again.engine, v0, again.tok, texts(2), user="mallory", seed=1)
+    assert again.poll() == 0 and again.state.samples_capped == 9
+    again.publish()  # a new version: every user may contribute again
+    write_samples(again.engine, v0, again.tok, texts(5), user="mallory", seed=2)
+    assert again.poll() == 3 and again.state.samples_capped == 11
 
 
 def test_read_samples_pages_by_reward_id(tmp_path, base):
