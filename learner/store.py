@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -490,15 +490,16 @@ class Store(ABC):
         )
 
     # retention -------------------------------------------------------------------------------
-    def cleanup(self, keep: int) -> list[int]:
-        """Delete stable versions beyond the newest `keep`, except what their chains back to a
-        full snapshot need; also remove leftovers of crashed publishes. Returns the deleted versions."""
+    def cleanup(self, keep: int, protect: Iterable[int] = ()) -> list[int]:
+        """Delete stable versions beyond the newest `keep`, except the versions in `protect` (what
+        serving needs: learner.publish.cleanup) and what the chains of both back to a full
+        snapshot need; also remove leftovers of crashed publishes. Returns the deleted versions."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         with self._writer():
             stable = self._stable()
             needed: set[int] = set()
-            for v in stable[-keep:]:
+            for v in [*stable[-keep:], *(p for p in set(protect) if p in stable)]:
                 while v is not None and v not in needed:
                     needed.add(v)
                     m = self.manifest(v)

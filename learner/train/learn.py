@@ -587,7 +587,7 @@ class Learner:
     ) -> dict:
         """Publish `packed` as the next version, a delta against the last good one (None: the
         stored `version`, recovered), then move the learner's state on to it."""
-        from learner.publish import publish_version
+        from learner.publish import cleanup, publish_version
 
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
@@ -619,7 +619,7 @@ class Learner:
         else:
             self._revert_to_last_good()
         self._save()
-        self.store.cleanup(self.cfg.keep_versions)
+        cleanup(self.store, self.engine, keep=self.cfg.keep_versions, also=(st.last_good, st.version))
         return {
             "version": v,
             "parent": msg.parent,

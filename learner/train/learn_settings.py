@@ -98,7 +98,8 @@ class LearnSection(Section):
     zstd_threads: int = Field(default=-1, ge=-1)
     """zstd worker threads (-1: all cores, 0: single-threaded)."""
     keep_versions: int = Field(default=32, ge=1)
-    """Versions the store keeps (plus what their delta chains need)."""
+    """Newest versions the store keeps; also kept, however old: every version serving targets or serves,
+    stable, the last good one, and what the delta chains of all of these need (learner/publish.py)."""
     gate: GateSection = GateSection()
 
 
