@@ -45,6 +45,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, Operati
 from sqlalchemy.pool import NullPool
 
 from feedback.core.errors import UserError, first_line
+from feedback.core.files import private_dir, private_file
 
 # Explicit constraint names: migrations can then drop or alter them on every backend.
 NAMING = {
@@ -319,8 +320,12 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is the driver we ship
     try:
         if parsed.get_backend_name() == "sqlite":
-            if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
+                # Owner-only: completions, prompts and feedback. SQLite gives the -wal and -shm
+                # files it creates the database file's mode.
+                path = Path(parsed.database).expanduser()
+                private_dir(path.parent)
+                private_file(path)
             engine = create_engine(parsed, echo=echo, poolclass=NullPool, connect_args={"timeout": 30})
             event.listen(engine, "connect", _sqlite_pragmas)
             return engine

@@ -64,6 +64,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from feedback import db
+from feedback.core.files import open_private, private_dir
 from learner.model import ModelArgs, Transformer, WeightHook
 from learner.tokenizer import EOS_ID
 from learner.train.learn_settings import LearnSection, LearnSettings
@@ -360,9 +361,9 @@ def save_state(path: Path, model, opt, state: LearnerState, buffer: ReplayBuffer
 
 
 def _atomic_save(blob: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # the learner's weights and the samples in its buffer: owner-only
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with open_private(tmp) as f:
         torch.save(blob, f)
         f.flush()
         os.fsync(f.fileno())

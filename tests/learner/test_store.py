@@ -3,6 +3,7 @@ planning, retention, and the announce/record helpers."""
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -295,3 +296,16 @@ def test_two_learner_processes_never_publish_the_same_version(tmp_path):
         for v, digest in r["won"]:
             assert reader.manifest(v)["digest"] == digest
     assert reader.materialize(8)["b"][0].item() == 8.0  # the whole chain verifies
+
+
+def test_the_store_is_created_owner_only(tmp_path, chain):
+    ckpts, _, _ = chain
+    old = os.umask(0o022)
+    try:
+        publish_all(S.LocalStore(tmp_path / "data" / "weights"), ckpts, 2)
+    finally:
+        os.umask(old)
+    paths = [tmp_path / "data", *(tmp_path / "data").rglob("*")]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in paths if p.is_dir()} == {0o700}
+    files = [p for p in paths if p.is_file()]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600} and len(files) == 6 + 1  # + the lock

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import stat
 
 import pytest
 import torch
@@ -14,12 +16,14 @@ from learner.model import ModelArgs
 from learner.tokenizer import EOS_ID
 from learner.train.learn import (
     Learner,
+    LearnerState,
     ReplayBuffer,
     Sample,
     describe,
     make_batch,
     model_from_packed,
     read_samples,
+    save_state,
 )
 from learner.train.pretrain import ensure_base_model
 from tests.learner.train.learn_support import (
@@ -69,6 +73,23 @@ def test_replay_buffer_drops_stale_and_overflow():
     c = ReplayBuffer(2, 4)
     c.load_state_dict(b.state_dict())
     assert [x.reward_id for x in c.items] == [5] and c.dropped_stale == 1
+
+
+def test_the_learner_state_is_saved_owner_only(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    old = os.umask(0o022)
+    try:
+        save_state(
+            tmp_path / "data" / "learner" / "state.pt",
+            model,
+            torch.optim.SGD(model.parameters()),
+            LearnerState(),
+            ReplayBuffer(2, 4),
+        )
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "data" / "learner" / "state.pt").stat().st_mode) == 0o600
+    assert {stat.S_IMODE((tmp_path / d).stat().st_mode) for d in ("data", "data/learner")} == {0o700}
 
 
 def test_make_batch_aligns_targets_with_positions():
