@@ -61,7 +61,7 @@ async def completions(body: CompletionBody, st: StateDep, token: CompletionsToke
     """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    uhash = user_hash(body.user, fallback=token)
+    uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
     gen = _to_generate(st, body, completion_id)
     replica = _pick(st, body, uhash)
     created = int(time.time())
@@ -113,10 +113,15 @@ def _to_generate(
     return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
 
 
+def _is_pinned(body) -> bool:
+    """Whether the request names its version (`model: name@vN`) instead of taking its route."""
+    return "@v" in (getattr(body, "model", None) or "")
+
+
 def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
     """The pool for this request: the one serving a pinned `model: name@vN`, else the user's route."""
     model = getattr(body, "model", None) or ""
-    if "@v" in model:
+    if _is_pinned(body):
         try:
             pinned = int(model.rsplit("@v", 1)[1])
         except ValueError:
@@ -186,6 +191,7 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
         summary_ids=r.summary_ids,
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
+        pinned=_is_pinned(body),
     )
     st.producer.send(bus.COMPLETIONS, record)
     v = str(r.model_version)
