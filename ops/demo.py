@@ -28,6 +28,7 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import Field, SecretStr
@@ -70,9 +71,12 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     )
 
 
-def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
+def run(
+    s: DemoSettings, console: Console, result: dict | None = None, *, until: Callable[[], bool] | None = None
+) -> int:
     """Run the demo; 0 when every simulated request succeeded. `result`, if given, receives the
-    summary (per version, published versions, swaps, rollouts) and the simulated editors' stats."""
+    summary (per version, published versions, swaps, rollouts) and the simulated editors' stats.
+    `until`, if given, ends the loop early once it returns True (demo.minutes stays the bound)."""
     import torch
 
     from feedback import db
@@ -167,6 +171,7 @@ def run(s: DemoSettings, console: Console, result: dict | None = None) -> int:
                     sim,
                     progress=show,
                     deadline=t0 + s.demo.minutes * 60,
+                    until=until,
                 )
             )
             wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s

@@ -14,11 +14,12 @@ are pure: the learner's held-out replay uses the same ones; this module only put
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import Field, SecretStr
@@ -139,13 +140,15 @@ async def run_sessions(
     *,
     progress=lambda stats: None,
     deadline: float | None = None,
+    until: Callable[[], bool] | None = None,
 ) -> SimStats:
     """Replay `sites` as `cfg.users` editors at about `cfg.rate` requests/s in all, over the real HTTP API.
 
     A call that times out (`cfg.timeout_s`), cannot connect, or gets an error status is counted in
     `stats.failures` with its reason and the session goes on, as an editor would: a slow or
     restarting replica costs that suggestion, not the run. `deadline` (time.monotonic()): start no
-    request after it; the sites left are counted as skipped."""
+    request after it; the sites left are counted as skipped. `until`: checked about once a second;
+    once it returns True, no request starts either (the run ends early)."""
     import httpx
 
     users, rate, edit_delay_s, timeout_s = cfg.users, cfg.rate, cfg.edit_delay_s, cfg.timeout_s
@@ -217,15 +220,28 @@ async def run_sessions(
 
         sem = asyncio.Semaphore(users)
         interval = 1.0 / rate if rate > 0 else 0.0
+        ended = asyncio.Event()
+
+        async def watch() -> None:
+            while not ended.is_set():
+                if until is not None and until():
+                    ended.set()
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), 1.0)
 
         async def paced(i: int, site: Site) -> None:
-            await asyncio.sleep(i * interval)
+            with contextlib.suppress(TimeoutError):  # its slot, unless the run ends first
+                await asyncio.wait_for(ended.wait(), i * interval)
             async with sem:
-                if deadline is not None and time.monotonic() >= deadline:
+                if ended.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     stats.skipped += 1
                     return
                 await one(site, f"sim-user-{i % max(1, users * 4)}")
 
+        watcher = asyncio.create_task(watch())
         await asyncio.gather(*(paced(i, s) for i, s in enumerate(sites)))
+        ended.set()
+        await watcher
         await asyncio.gather(*pending_edits)
     return stats
