@@ -38,7 +38,8 @@ async def health(st: StateDep) -> dict:
             "canary_percent": rt.routes.canary_percent,
             "canary_live": rt.canary_live,
             "routing_checked_s_ago": round(time.time() - rt.checked_at, 1) if rt.checked_at else None,
-            "routing_error": rt.error,
+            # Public: that the targets are unreadable, never the driver's message (host, user, database).
+            "routing_error": "the serving targets could not be read; see the server log" if rt.error else None,
             "records_buffered": getattr(st.producer, "buffered", 0),
             "uptime_s": round(time.time() - st.started, 1),
         },

@@ -102,6 +102,14 @@ def test_health_is_public_and_metrics_count(tok):
     assert m.status_code == 200 and "flywheel_http_requests_total" in m.text
 
 
+def test_public_health_never_shows_the_database_error(tok):
+    client, _, _ = make_client(tok)
+    client.headers.pop("Authorization")
+    client.app.state.api.routing.error = 'connection to server at "db.internal" (10.0.0.7), user "flywheel" failed'
+    health = client.get("/v1/health").json()["flywheel"]
+    assert health["routing_error"] and "db.internal" not in json.dumps(health) and "10.0.0.7" not in json.dumps(health)
+
+
 @pytest.mark.parametrize(
     "headers, status",
     [({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": "Basic abc"}, 401)],
