@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 
 from learner import fp4
 from learner.model import ModelArgs, Transformer
-from learner.tokenizer import save_tokenizer
+from learner.tokenizer import save_tokenizer, special_token_ids
 
 WEIGHTS_FILE = "model.safetensors"
 PACKED_FILE = "model.fp4.safetensors"
@@ -54,8 +54,9 @@ def checkpoint_tensors(
     return out
 
 
-def generation_config(args: ModelArgs) -> dict:
-    return {"bos_token_id": args.eos_id, "eos_token_id": args.eos_id, "pad_token_id": args.eos_id}
+def generation_config(tokenizer: Tokenizer) -> dict:
+    """The `generation_config.json` of an exported model: its tokenizer's special tokens."""
+    return special_token_ids(tokenizer)
 
 
 def export_hf(
@@ -76,8 +77,8 @@ def export_hf(
         )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "config.json", args.to_hf_config(dtype))
-    _write_json(folder / "generation_config.json", generation_config(args))
+    _write_json(folder / "config.json", args.to_hf_config(dtype) | special_token_ids(tokenizer))
+    _write_json(folder / "generation_config.json", generation_config(tokenizer))
     save_tokenizer(tokenizer, folder, model_max_length=args.max_seq_len)
     tensors = checkpoint_tensors(model, dtype=dtype, weight_fn=weight_fn)
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -63,7 +63,6 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     max_seq_len: int = 2048
-    eos_id: int = 0  # also bos and pad: `<|endoftext|>` in learner.tokenizer
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -81,7 +80,8 @@ class ModelArgs:
         return cls(**{**SIZES[name], **overrides})
 
     def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict:
-        """The `config.json` of the equivalent `Qwen3MoeForCausalLM`."""
+        """The `config.json` of the equivalent `Qwen3MoeForCausalLM` (learner.export adds the
+        tokenizer's special token ids)."""
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -110,9 +110,6 @@ class ModelArgs:
             "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
             "initializer_range": self.init_std,
-            "bos_token_id": self.eos_id,
-            "eos_token_id": self.eos_id,
-            "pad_token_id": self.eos_id,
             "use_cache": True,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
@@ -134,7 +131,6 @@ class ModelArgs:
         rope = config.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; use 'default'")
-        eos = config.get("eos_token_id", 0)
         return cls(
             vocab_size=config["vocab_size"],
             dim=config["hidden_size"],
@@ -148,7 +144,6 @@ class ModelArgs:
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
             norm_eps=config.get("rms_norm_eps", 1e-6),
             max_seq_len=config.get("max_position_embeddings", 2048),
-            eos_id=eos[0] if isinstance(eos, list) else eos,
             init_std=config.get("initializer_range", 0.02),
         )
 

@@ -8,6 +8,7 @@ from typing import Self
 from pydantic import Field, SecretStr, model_validator
 
 from feedback.core.config import FlywheelSettings, Section
+from learner.base_settings import ModelSection
 from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
@@ -92,6 +93,10 @@ class ServeSettings(Section):
     """Longest summary the model may write for one chunk."""
     summary_cache_size: int = Field(default=4096, ge=0)
     """Summaries cached per replica (keyed by chunk hash and model version)."""
+    self_summary: bool = True
+    """Replace older prefix chunks by the model's own summaries when a prompt exceeds the budget
+    (with its summary tokens, or plain-text markers where its vocabulary has none). False: the
+    prefix is truncated instead."""
 
     producer_buffer: int = Field(default=10_000, ge=1)
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
@@ -140,3 +145,4 @@ class ServingSettings(FlywheelSettings):
     """`flywheel serve`: the Ray Serve application."""
 
     serve: ServeSettings = ServeSettings()
+    model: ModelSection = ModelSection()

@@ -16,7 +16,7 @@ choice (sampled token ids, behaviour logprobs, routing when the engine recorded 
 so ids become visible in order; with several sinks on PostgreSQL a row could commit below
 an id already read and be missed (run one sink per database, as `flywheel up` does).
 Samples whose outcome is not in `learn.outcomes` (by default: `unseen`, never shown) are
-skipped and counted. An empty suggestion (just <|endoftext|>) is a legal action, reward 0.
+skipped and counted. An empty suggestion (just an EOS token) is a legal action, reward 0.
 
 **Delivery.** The cursor, the buffer and the weights are saved together after every update,
 atomically (temp file, fsync, rename). A crash loses at most the update in progress, whose
@@ -59,8 +59,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from feedback import db
+from learner.formats import ModelFormat
 from learner.model import ModelArgs, Transformer, WeightHook
-from learner.tokenizer import EOS_ID
 from learner.train.learn_settings import LearnSection, LearnSettings
 from learner.train.rl_loss import RLInputs, rl_loss
 
@@ -189,10 +189,12 @@ class Batch:
     behaviour_BT: torch.Tensor
     reward_B: torch.Tensor
     routing: list[torch.Tensor] | None  # recorded serving routing, [B, S, K] per layer, when every sample has it
+    abstain_B: torch.Tensor  # the completion is a lone EOS token: the model declined to suggest
 
 
-def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
-    """Right-padded tensors; prompts lose their oldest tokens if a sequence exceeds the window."""
+def make_batch(samples: Sequence[Sample], args: ModelArgs, fmt: ModelFormat) -> Batch:
+    """Right-padded (with the model's pad token) tensors; prompts lose their oldest tokens if a
+    sequence exceeds the window."""
     seqs, spans = [], []
     for s in samples:
         toks = s.token_ids[: args.max_seq_len - 1]
@@ -203,8 +205,8 @@ def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
     S = max(len(q) for q in seqs) - 1
     T = max(n for _, n, _ in spans)
     B = len(samples)
-    input_BS = torch.full((B, S), EOS_ID, dtype=torch.long)
-    target_BT = torch.full((B, T), EOS_ID, dtype=torch.long)
+    input_BS = torch.full((B, S), fmt.pad_id, dtype=torch.long)
+    target_BT = torch.full((B, T), fmt.pad_id, dtype=torch.long)
     pos_BT = torch.zeros((B, T), dtype=torch.long)
     mask_BT = torch.zeros((B, T))
     behaviour_BT = torch.zeros((B, T))
@@ -215,7 +217,17 @@ def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
         mask_BT[b, :n] = 1.0
         behaviour_BT[b, :n] = torch.tensor(s.behaviour[:n])
     routing = _recorded_routing(samples, spans, args, S)
-    return Batch(input_BS, target_BT, pos_BT, mask_BT, behaviour_BT, torch.tensor([s.reward for s in samples]), routing)
+    abstain_B = torch.tensor([len(s.token_ids) == 1 and s.token_ids[0] in fmt.eos_ids for s in samples])
+    return Batch(
+        input_BS,
+        target_BT,
+        pos_BT,
+        mask_BT,
+        behaviour_BT,
+        torch.tensor([s.reward for s in samples]),
+        routing,
+        abstain_B,
+    )
 
 
 def _recorded_routing(samples, spans, args: ModelArgs, S: int) -> list[torch.Tensor] | None:
@@ -279,7 +291,7 @@ def rl_update(
     m["mismatch_kl_replay"] = _k3(replayed, batch.behaviour_BT, batch.mask_BT)
     m["mismatch_kl_no_replay"] = _k3(own_BT, batch.behaviour_BT, batch.mask_BT)
     m["recorded_routing"] = float(batch.routing is not None)
-    m["abstain_share"] = float(((batch.mask_BT.sum(1) == 1) & (batch.target_BT[:, 0] == EOS_ID)).float().mean())
+    m["abstain_share"] = float(batch.abstain_B.float().mean())
     return m
 
 
@@ -405,6 +417,7 @@ class Learner:
     def start(self) -> None:
         from feedback.core.errors import UserError
         from learner import store as S
+        from learner.formats import read_format
         from learner.tokenizer import load_tokenizer
         from learner.train.pretrain import (
             find_base_model,
@@ -424,6 +437,7 @@ class Learner:
         self.fmt = None if fmt == "off" else fmt
         self.hook = fp4_hook(self.fmt) if self.fmt else None
         self.tok = load_tokenizer(base / "hf")
+        self.format = read_format(base / "hf")
         corpus = load_training_corpus(pretrain_section(self.s))
         self.heldout, self.train_files = corpus.heldout, corpus.train
         self.opt = torch.optim.AdamW(
@@ -521,7 +535,9 @@ class Learner:
         if len(self.buffer) < self.cfg.batch_size:
             return None
         samples = self.buffer.take(self.cfg.batch_size)
-        m = rl_update(self.model, self.ref, self.opt, make_batch(samples, self.args), hook=self.hook, cfg=self.cfg)
+        m = rl_update(
+            self.model, self.ref, self.opt, make_batch(samples, self.args, self.format), hook=self.hook, cfg=self.cfg
+        )
         st = self.state
         st.step += 1
         st.samples_trained += len(samples)
@@ -618,6 +634,7 @@ class Learner:
             candidate,
             stable_model,
             self.tok,
+            self.format,
             sites,
             max_tokens=g.max_tokens,
             stable_stats=cached[2] if cached else None,
@@ -643,7 +660,9 @@ class Learner:
         if not hasattr(self, "_windows"):
             from learner.corpus import heldout_windows, token_stream
 
-            self._windows = heldout_windows(token_stream(self.tok, self.heldout), self.args.max_seq_len - 1, 16)[:, :-1]
+            self._windows = heldout_windows(
+                token_stream(self.format, self.tok, self.heldout), self.args.max_seq_len - 1, 16
+            )[:, :-1]
         return self._windows
 
     # persistence ----------------------------------------------------------------------------------------

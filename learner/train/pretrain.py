@@ -58,6 +58,8 @@ from learner import fp4 as fp4_codec
 from learner.corpus import Corpus, SourceFile, TrainingData, heldout_windows, load_corpus, token_stream
 from learner.decode import decode
 from learner.export import export_hf, export_packed_fp4, fp4_dequantized, load_hf, verify_packed_roundtrip
+from learner.fim import plain_prompt_ids
+from learner.formats import ModelFormat, own_format
 from learner.model import ModelArgs, Transformer, WeightHook
 from learner.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from learner.train.pretrain_settings import PretrainSection
@@ -65,7 +67,7 @@ from learner.train.pretrain_settings import PretrainSection
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
 # Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
 # so a cached base made by the old recipe is not reused.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3  # 3: the FIM rows in Qwen's template, the path as `<|file_sep|>path`
 
 
 # --- pure pieces ------------------------------------------------------------------------------------
@@ -321,8 +323,10 @@ def train(
     device = torch.device(cfg.device)
     tok = _tokenizer(folder, corpus.train, cfg, console)
     args = model_args(cfg)
+    fmt = own_format(tok, args.max_seq_len)
     data = TrainingData(
         tok,
+        fmt,
         corpus.train,
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
@@ -330,7 +334,7 @@ def train(
         summary_rate=cfg.summary_rate,
         seed=cfg.seed,
     )
-    windows = heldout_windows(token_stream(tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
+    windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
 
     torch.manual_seed(cfg.seed)
@@ -352,7 +356,9 @@ def train(
     hook = fp4_hook(cfg.fp4)
     _train_loop(model, opt, data, periodic, hook, cfg, state, folder, console, on_step)
     prompts = completion_prompts(corpus.heldout, 1)
-    return _finish(model, args, tok, data, windows, prompts, cfg, state, folder, console, time.perf_counter() - t_start)
+    return _finish(
+        model, args, tok, fmt, data, windows, prompts, cfg, state, folder, console, time.perf_counter() - t_start
+    )
 
 
 def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Path, console: Console, on_step) -> None:
@@ -404,7 +410,18 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
 
 
 def _finish(
-    model, args, tok, data, windows, held_prompts, cfg, state: _State, folder: Path, console: Console, wall_s: float
+    model,
+    args,
+    tok,
+    fmt: ModelFormat,
+    data,
+    windows,
+    held_prompts,
+    cfg,
+    state: _State,
+    folder: Path,
+    console: Console,
+    wall_s: float,
 ) -> dict:
     """Export, verify, evaluate the exported model against the bigram baseline, mark COMPLETE."""
     t0 = time.perf_counter()
@@ -453,7 +470,7 @@ def _finish(
     console.print(f"trained {state.elapsed_s / 60:.1f} min, this run {metrics['this_run_wall_minutes']:.1f} min{extra}")
     if held_prompts:
         prompt = held_prompts[0]
-        completion = decode(served, tok, tok.encode(prompt).ids, 48).text
+        completion = decode(served, tok, plain_prompt_ids(fmt, tok, prompt), 48, stop_ids=fmt.eos_ids).text
         console.print("greedy completion of held-out code ([dim]prompt[/], then the model's continuation):")
         console.print(Text(prompt[-300:], style="dim") + Text(completion))
     return metrics

@@ -2,31 +2,32 @@
 
 import asyncio
 
-from learner.fim import fim_header, fim_prompt_ids
+from learner.fim import fim_prompt_ids
+from learner.formats import ModelFormat
 from learner.prompts import PromptBuilder, SummaryCache, split_lines_by_tokens
+from tests.helpers import family_tokenizer
 
 LONG = "".join(f"def function_{i}(a, b):\n    return a * {i} + b\n\n" for i in range(200))
 
 
-def builder(tok, budget=256, version=1, cache=None):
-    return PromptBuilder(tok, budget=budget, chunk_tokens=64, cache=cache or SummaryCache(100), version=version)
+def builder(tok, fmt, budget=256, version=1, cache=None):
+    return PromptBuilder(tok, fmt, budget=budget, chunk_tokens=64, cache=cache or SummaryCache(100), version=version)
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_short_prompt_is_plain_fim(tok):
-    b = builder(tok)
-    header = fim_header(language="python", path="m.py")
-    p = run(b.build("x = 1\n", "\ny = 2", header, None))
-    assert p.ids == fim_prompt_ids(tok, "x = 1\n", "\ny = 2", header)  # the format the model was trained on
+def test_short_prompt_is_plain_fim(tok, fmt):
+    b = builder(tok, fmt)
+    p = run(b.build("x = 1\n", "\ny = 2", None, path="m.py"))
+    assert p.ids == fim_prompt_ids(fmt, tok, "x = 1\n", "\ny = 2", path="m.py")  # the format the model was trained on
     text = tok.decode(p.ids, skip_special_tokens=False)
-    assert text == "<|fim_prefix|># python: m.py\nx = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
+    assert text == "<|file_sep|>m.py\n<|fim_prefix|>x = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
     assert not p.summary_ids and not p.fallback and p.truncated_tokens == 0
 
 
-def test_long_prefix_is_summarized_within_budget_and_cached(tok):
+def test_long_prefix_is_summarized_within_budget_and_cached(tok, fmt):
     calls = []
 
     async def summarize(chunk):
@@ -34,7 +35,7 @@ def test_long_prefix_is_summarized_within_budget_and_cached(tok):
         return tok.encode("def f(a, b)", add_special_tokens=False).ids
 
     cache = SummaryCache(100)
-    p = run(builder(tok, cache=cache).build(LONG, "", "", summarize))
+    p = run(builder(tok, fmt, cache=cache).build(LONG, "", summarize))
     assert len(p.ids) <= 256
     assert p.summary_ids and p.summaries_generated == len(calls) > 0 and not p.fallback
     text = tok.decode(p.ids, skip_special_tokens=False)
@@ -43,23 +44,23 @@ def test_long_prefix_is_summarized_within_budget_and_cached(tok):
     assert "return a * 199 + b" in text  # the code right before the cursor stays verbatim
 
     n = len(calls)
-    again = run(builder(tok, cache=cache).build(LONG, "", "", summarize))
+    again = run(builder(tok, fmt, cache=cache).build(LONG, "", summarize))
     assert len(calls) == n and again.summaries_cached == p.summaries_generated and again.ids == p.ids
-    other_version = run(builder(tok, cache=cache, version=2).build(LONG, "", "", summarize))
+    other_version = run(builder(tok, fmt, cache=cache, version=2).build(LONG, "", summarize))
     assert len(calls) > n and other_version.summaries_generated > 0  # keyed by version too
 
 
-def test_summarizer_failure_falls_back_to_truncation(tok):
+def test_summarizer_failure_falls_back_to_truncation(tok, fmt):
     async def broken(chunk):
         raise RuntimeError("no")
 
-    p = run(builder(tok).build(LONG, "", "", broken))
+    p = run(builder(tok, fmt).build(LONG, "", broken))
     assert p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
     assert "return a * 199 + b" in tok.decode(p.ids)
 
 
-def test_no_summarizer_truncates_without_counting_a_fallback(tok):
-    p = run(builder(tok).build(LONG, None, "", None))
+def test_no_summarizer_truncates_without_counting_a_fallback(tok, fmt):
+    p = run(builder(tok, fmt).build(LONG, None, None))
     assert not p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
 
 
@@ -68,7 +69,29 @@ def test_split_lines_by_tokens():
     assert split_lines_by_tokens(["a"], [10], 6) == [(0, 1)]
 
 
-def test_empty_plain_prompt_starts_a_document(tok):
-    from learner.tokenizer import EOS_ID
+def test_empty_plain_prompt_starts_a_document(tok, fmt):
+    assert run(builder(tok, fmt).build("", None, None)).ids == [tok.token_to_id("<|endoftext|>")]
 
-    assert run(builder(tok).build("", None, "", None)).ids == [EOS_ID]
+
+def test_a_model_without_fim_tokens_gets_the_prefix_only(fmt):
+    tok = family_tokenizer([LONG[:2000]], 400, ["<|endoftext|>"])
+    plain = ModelFormat.of(
+        tok, config={"max_position_embeddings": 512, "eos_token_id": tok.token_to_id("<|endoftext|>")}
+    )
+    p = run(builder(tok, plain).build("x = 1\n", "\ny = 2", None, path="m.py"))
+    assert tok.decode(p.ids, skip_special_tokens=False) == "x = 1\n"  # suffix and path dropped
+
+
+def test_plain_text_summary_markers_where_the_vocabulary_has_no_summary_tokens():
+    tok = family_tokenizer([LONG[:4000]], 400, ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"])
+    fmt = ModelFormat.of(tok, config={"max_position_embeddings": 512, "eos_token_id": tok.token_to_id("<|endoftext|>")})
+
+    async def summarize(chunk):
+        return tok.encode("def f(a, b)", add_special_tokens=False).ids
+
+    p = run(builder(tok, fmt).build(LONG, "", summarize))
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert p.summary_ids and text.count("[summary of the code above") == len(p.summary_ids) == text.count(
+        "[end of summary]"
+    )
+    assert len(p.ids) <= 256 and text.startswith("<|fim_prefix|>")

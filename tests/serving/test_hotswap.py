@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from learner import delta as D
 from learner import store as S
+from learner.formats import own_format, read_format
 from learner.model import ModelArgs, Transformer
 from serving.engine import Sample, SamplingSpec
 from serving.hotswap import HotSwapper, SwapError, reload_set, vllm_layer
@@ -99,7 +100,7 @@ def published(tmp_path_factory):
 
 
 def make_service(tok, engine) -> CompletionService:
-    return CompletionService(engine, tok, ServeSettings(), version=0)
+    return CompletionService(engine, tok, own_format(tok, 2048), ServeSettings(), version=0)
 
 
 def request(i: int, max_tokens: int = 4) -> GenerateRequest:
@@ -107,7 +108,7 @@ def request(i: int, max_tokens: int = 4) -> GenerateRequest:
         completion_id=f"c{i}",
         prefix="def f(x):\n    return ",
         suffix=None,
-        header="",
+        path=None,
         spec=SamplingSpec(max_tokens=max_tokens),
     )
 
@@ -334,7 +335,7 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     engine = VLLMEngine(folder, cfg.engine)
     print(f"\nvLLM engine started in {time.perf_counter() - t0:.1f} s")
     try:
-        service = CompletionService(engine, tok, cfg, version=0)
+        service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
         swapper = HotSwapper(service, store)
         swapper.adopt(0)
         greedy = SamplingSpec(max_tokens=12, temperature=0.0)
@@ -342,7 +343,7 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
 
         async def served() -> list:
             return [
-                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy))
+                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, None, greedy))
                 for i, p in enumerate(prompts)
             ]
 
