@@ -235,9 +235,9 @@ def _recorded_routing(samples, spans, args: ModelArgs, S: int) -> list[torch.Ten
     position (record layout: routing[layer][position] = K expert ids over prompt + completion)."""
     if not samples or any(not s.routing for s in samples):
         return None
-    out = [torch.zeros((len(samples), S, args.top_k), dtype=torch.long) for _ in range(args.n_layers)]
+    out = [torch.zeros((len(samples), S, args.top_k), dtype=torch.long) for _ in args.moe_layers]
     for b, (s, (p, n, cut)) in enumerate(zip(samples, spans, strict=True)):
-        if len(s.routing) != args.n_layers:
+        if len(s.routing) != len(args.moe_layers):
             return None
         for i, layer in enumerate(s.routing):
             r = torch.tensor(layer[cut : cut + p + n - 1], dtype=torch.long)

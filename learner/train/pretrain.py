@@ -184,7 +184,7 @@ def train_step(
         balance: list[torch.Tensor] = []
         logits = model(x, routing=routing, fp4=hook, balance_losses=balance)
         loss, metrics = lm_loss(logits, y)
-        balance_loss = torch.stack(balance).mean()
+        balance_loss = torch.stack(balance).mean() if balance else torch.zeros((), device=x.device)  # dense: none
     (loss + cfg.balance_coef * balance_loss).backward()
     metrics["balance_loss"] = balance_loss.item()
     metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
@@ -460,7 +460,7 @@ def _finish(
         "held-out (exported model)", "loss", "next-token accuracy", title=f"base model {cfg.size}: {folder / 'hf'}"
     )
     t.add_row(
-        f"{args.n_layers}-layer MoE, {state.step} steps, {state.tokens / 1e6:.1f}M tokens",
+        f"{args.n_layers}-layer {'MoE' if args.moe_layers else 'dense model'}, {state.step} steps, {state.tokens / 1e6:.1f}M tokens",
         f"{ev['loss']:.3f}",
         f"{ev['accuracy']:.1%}",
     )
