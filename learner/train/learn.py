@@ -415,43 +415,33 @@ class Learner:
 
     # set-up ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from feedback.core.errors import UserError
+        """Load the base and the saved state (or publish the base as v0 on a first start). The
+        base is Flywheel's pretrained model, or with `model.base` set (or a store that holds an
+        imported model) the store's imported model, which is imported first if it is not yet."""
         from learner import store as S
-        from learner.formats import read_format
-        from learner.tokenizer import load_tokenizer
-        from learner.train.pretrain import (
-            find_base_model,
-            fp4_hook,
-            load_master_weights,
-            load_training_corpus,
-            pretrain_section,
-        )
+        from learner.train.pretrain import fp4_hook, load_training_corpus, pretrain_section
 
-        base = find_base_model(self.s)
-        if base is None:
-            raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
-        self.base_dir = base
-        self.model, self.args = load_master_weights(base)
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
-        fmt = json.loads((base / "run.json").read_text())["settings"].get("fp4", "off")
-        self.fmt = None if fmt == "off" else fmt
-        self.hook = fp4_hook(self.fmt) if self.fmt else None
-        self.tok = load_tokenizer(base / "hf")
-        self.format = read_format(base / "hf")
-        corpus = load_training_corpus(pretrain_section(self.s))
-        self.heldout, self.train_files = corpus.heldout, corpus.train
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
-        )
-        self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
         self.store = S.open_store(
             S.default_store_uri(self.s),
             full_every=self.cfg.full_every,
             zstd_level=self.cfg.zstd_level,
             zstd_threads=self.cfg.zstd_threads,
         )
-        self._stable_cache: tuple[int, Transformer, object] | None = None
         db.upgrade(self.engine)
+        imported = self.s.model.base is not None or (self.store.base() or {}).get("kind") == "imported"
+        if imported:
+            self._load_imported()
+        else:
+            self._load_pretrained()
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
+        self.hook = fp4_hook(self.fmt, self.fp4_targets) if self.fmt else None
+        corpus = load_training_corpus(pretrain_section(self.s))
+        self.heldout, self.train_files = corpus.heldout, corpus.train
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+        )
+        self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
+        self._stable_cache: tuple[int, Transformer, object] | None = None
         state_path = self.dir / STATE_FILE
         if state_path.is_file():
             self.state = load_state(state_path, self.model, self.opt, self.buffer)
@@ -459,11 +449,77 @@ class Learner:
                 "resumed the learner at step %d, cursor %d, v%d", self.state.step, self.state.cursor, self.state.version
             )
         else:
-            self.state = LearnerState(last_publish_at=time.time())
-            self._publish_base()
+            v = self.start_version
+            self.state = LearnerState(last_publish_at=time.time(), version=v, last_good=v)
+            if imported:
+                self._check_fresh_store()
+            else:
+                self._publish_base()
             self._save_last_good()
             self._save()
         self._recover_unrecorded()
+
+    def _load_pretrained(self) -> None:
+        """Flywheel's own base: the fp32 master weights of the pretraining run for [pretrain]."""
+        from feedback.core.errors import UserError
+        from learner import fp4
+        from learner.formats import read_format
+        from learner.tokenizer import load_tokenizer
+        from learner.train.pretrain import find_base_model, load_master_weights
+
+        base = find_base_model(self.s)
+        if base is None:
+            raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
+        self.base_dir = base
+        self.model, self.args = load_master_weights(base)
+        fmt = json.loads((base / "run.json").read_text())["settings"].get("fp4", "off")
+        self.fmt = None if fmt == "off" else fmt
+        self.fp4_targets = fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
+        self.tok = load_tokenizer(base / "hf")
+        self.format = read_format(base / "hf")
+        self.start_version = 0
+
+    def _load_imported(self) -> None:
+        """An imported base (learner/base.py): the store's model files and the weights of the version
+        base.json says to start from (v0, or continued pretraining's result), FP4 targets
+        dequantized: the fp32 master weights start exactly on what serving serves."""
+        from feedback.core.errors import UserError
+        from learner.base import ensure_imported
+        from learner.formats import read_format
+        from learner.tokenizer import load_tokenizer
+
+        base = self.store.base()
+        try:
+            if self.s.model.base is not None:
+                base, _ = ensure_imported(
+                    self.s.model, self.store, engine=self.engine, producer=self.producer, replicas=0
+                )
+            folder = self.dir / "base"
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, data in self.store.model_files().items():
+                (folder / name).write_bytes(data)
+            self.tok = load_tokenizer(folder)
+            self.format = read_format(folder, fim=self.s.model.fim)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.base_dir = folder
+        self.args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+        self.start_version = base["start_version"]
+        self.model = model_from_packed(self.store.materialize(self.start_version), self.args).train()
+        self.fmt = base["fp4_format"]
+        self.fp4_targets = tuple(base["fp4_targets"])
+
+    def _check_fresh_store(self) -> None:
+        """A first start on an imported base: the store may hold only what import and continued
+        pretraining published (up to base.json's start version)."""
+        from feedback.core.errors import UserError
+
+        later = [v for v in self.store.versions() if v > self.start_version]
+        if later:
+            raise UserError(
+                f"the weight store {self.store.uri()} already holds versions {later[-3:]} after the base's v{self.start_version} "
+                f"but there is no learner state in {self.dir}: restore that folder, or give the learner a fresh data_dir"
+            )
 
     def _publish_base(self) -> None:
         """Version 0: the pretrained base's packed FP4 artifact, exactly what serving loaded. A
@@ -485,6 +541,8 @@ class Learner:
                 f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
                 f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
             )
+        if not stable:  # the files serving loads beside the weights (learner/store.py, "model/")
+            self.store.write_model_files(self._pretrained_model_files())
         publish_version(
             self.store,
             None if stable else packed,  # stored already: record and announce it again
@@ -495,6 +553,23 @@ class Learner:
             gate_passed=True,
             gate_reason=f"the pretrained base model ({self.base_dir.name})",
         )
+
+    def _pretrained_model_files(self) -> dict[str, bytes]:
+        from learner.store import BASE_FILE
+
+        hf = self.base_dir / "hf"
+        files = {p.name: p.read_bytes() for p in sorted(hf.iterdir()) if p.suffix == ".json"}
+        base = {
+            "format": "flywheel-base/1",
+            "kind": "pretrained",
+            "source": str(self.base_dir),
+            "architecture": self.args.architecture,
+            "parameters": self.model.num_params(),
+            "fp4_format": self.fmt,
+            "fp4_targets": list(self.fp4_targets),
+            "start_version": 0,
+        }
+        return files | {BASE_FILE: (json.dumps(base, indent=1) + "\n").encode()}
 
     def _recover_unrecorded(self) -> None:
         """Versions in the store newer than the saved state: published, then the learner died."""
@@ -560,9 +635,7 @@ class Learner:
         from learner import store as S
 
         self._save()  # the published weights are a saved state (see the module docstring)
-        packed = S.pack_checkpoint(
-            self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
-        )
+        packed = S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", self.fp4_targets if self.fmt else ())
         passed, reason, metrics = self._gate(packed)
         return self._finish_publish(packed, passed, reason, metrics)
 
