@@ -105,21 +105,23 @@ def _repack_cpu_experts(model, names) -> None:
     grouped-GEMM layout, but a reload writes checkpoint-layout data into that storage and
     skips the prepack (it is meant to run once). Measured: reloading a layer's unchanged
     expert weights changed greedy tokens. Prepack the reloaded layers again."""
-    for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.mlp\.experts)\.\d+\.", n))}):
+    for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.experts)\.\d+\.", n))}):
         for layer in model.get_submodule(prefix).modules():  # the RoutedExperts inside vLLM's MoE runner
             experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
                 experts.process_weights_after_loading(layer)
 
 
-# vLLM fuses some checkpoint tensors into one layer (q/k/v -> qkv_proj, every expert of a layer
-# -> one RoutedExperts, gate/up -> gate_up_proj). Its in-place reload rebuilds a layer only from
-# what is sent: a layer given part of its tensors gets uninitialized memory for the rest
-# (measured: reloading q_proj alone turned greedy logprobs into NaN). So a swap sends whole layers.
+# vLLM fuses some checkpoint tensors into one layer (q/k/v weights and biases -> qkv_proj, every
+# expert of a layer -> one RoutedExperts, gate/up of a dense MLP or of Qwen2-MoE's shared expert
+# -> gate_up_proj). Its in-place reload rebuilds a layer only from what is sent: a layer given
+# part of its tensors gets uninitialized memory for the rest (measured: reloading q_proj alone
+# turned greedy logprobs into NaN). So a swap sends whole layers. (A tied output layer is the
+# embedding itself: reloading the embedding reloads both.)
 _FUSED = (
-    (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.weight$"), ".qkv_proj"),
-    (re.compile(r"^(.*\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$"), ""),
-    (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.weight$"), ".gate_up_proj"),
+    (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.(weight|bias)$"), ".qkv_proj"),
+    (re.compile(r"^(.*\.experts)\.\d+\.\w+\.weight$"), ""),
+    (re.compile(r"^(.*)\.(gate|up)_proj\.weight$"), ".gate_up_proj"),
 )
 
 

@@ -204,6 +204,24 @@ def test_a_swap_reloads_whole_vllm_layers():
     )
 
 
+def test_whole_layers_of_the_other_families():
+    """Qwen2's q/k/v biases, a dense MLP's gate/up and Qwen2-MoE's shared expert load fused too."""
+    attn = [f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+    mlp = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    shared = [f"model.layers.1.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names = attn + mlp + shared + ["model.layers.1.mlp.shared_expert_gate.weight", "model.embed_tokens.weight"]
+    assert vllm_layer("model.layers.0.self_attn.v_proj.bias") == "model.layers.0.self_attn.qkv_proj"
+    assert (
+        vllm_layer("model.layers.1.mlp.shared_expert.up_proj.weight") == "model.layers.1.mlp.shared_expert.gate_up_proj"
+    )
+    assert reload_set(["model.layers.0.self_attn.k_proj.bias"], names) == sorted(attn)
+    assert reload_set(["model.layers.0.mlp.up_proj.weight"], names) == sorted(mlp[:2])
+    assert reload_set(["model.layers.1.mlp.shared_expert.gate_proj.weight"], names) == sorted(shared[:2])
+    assert reload_set(["model.layers.1.mlp.shared_expert_gate.weight"], names) == [
+        "model.layers.1.mlp.shared_expert_gate.weight"
+    ]
+
+
 @sync
 async def test_in_flight_requests_finish_on_old_weights_new_ones_wait(tok, published):
     root, ckpts = published
