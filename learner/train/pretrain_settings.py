@@ -31,6 +31,7 @@ NOT_IN_CACHE_KEY = frozenset(
         "checkpoint_minutes",
         "quality_check",
         "min_steps",
+        "continue_lr",  # continuing an imported model only
     }
 )
 
@@ -54,6 +55,9 @@ class PretrainSection(Section):
     """Train exactly this many optimizer steps (the schedule follows steps); `minutes` still caps the run."""
     lr: float = Field(default=3e-3, gt=0, le=1)
     """Peak AdamW learning rate, reached after warmup, then cosine decay to lr * min_lr_ratio."""
+    continue_lr: float = Field(default=1e-5, gt=0, le=1)
+    """Peak learning rate when continuing an imported model's pretraining (`flywheel pretrain --base`):
+    far below training from scratch, so the model keeps what it knows."""
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     """Final learning rate as a fraction of `lr`."""
     warmup_steps: int = Field(default=50, ge=0)

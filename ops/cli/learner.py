@@ -1,6 +1,7 @@
 """`flywheel` commands of the learner package (registered by ops/cli/main.py; heavy imports stay inside the commands).
 
     flywheel pretrain [--corpus DIR] [--size small] [--minutes N] [--steps N] [--fp4 nvfp4|mxfp4|off] [--force]
+    flywheel pretrain --base PATH --corpus DIR [--minutes N] [--steps N]
     flywheel base import PATH [--fp4 nvfp4|mxfp4|off]
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
     flywheel bench fp4 [--steps N] [--out results.json]
@@ -27,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resuming an interrupted run and reusing a finished one. Settings: the [pretrain] section.",
     )
     p.add_argument("--corpus", metavar="DIR", help="folder of source files (pretrain.corpus)")
+    p.add_argument(
+        "--base",
+        metavar="PATH",
+        help="continue an imported Hugging Face model's pretraining instead (model.base; imported first if needed), "
+        "and publish the result as a new version",
+    )
     p.add_argument("--size", help="model size: tiny or small (pretrain.size)")
     p.add_argument("--minutes", type=float, help="training time budget (pretrain.minutes)")
     p.add_argument("--steps", type=int, help="train exactly N steps (pretrain.steps)")
@@ -131,13 +138,20 @@ def _settings(args: argparse.Namespace, flags: dict[str, object]):
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.base is not None:
+        args.overrides = [*args.overrides, f"model.base={json.dumps(str(Path(args.base).expanduser().absolute()))}"]
     s = _settings(
         args, {"corpus": args.corpus, "size": args.size, "minutes": args.minutes, "steps": args.steps, "fp4": args.fp4}
     )
     print_config(s, "flywheel pretrain")
-    from learner.train.pretrain import ensure_base_model
+    from learner.train.pretrain import continue_pretraining, ensure_base_model
 
-    ensure_base_model(s, console, force=args.force)
+    if s.model.base is not None:
+        continue_pretraining(s, console)
+    else:
+        ensure_base_model(s, console, force=args.force)
     return 0
 
 
