@@ -85,7 +85,8 @@ class SwapError(RuntimeError):
 class WeightSwapExtension:
     """Mixed into vLLM's worker class (engine argument `worker_extension_cls`), so the engine
     can call `collective_rpc("flywheel_load_weights", args=(path, sha256))`. Runs in the worker
-    process: `self` is vLLM's Worker."""
+    process: `self` is vLLM's Worker. After vLLM's reload it redoes what that reload misses on the
+    CPU (below): the experts' prepack, a tied output layer's GEMM handle."""
 
     def flywheel_load_weights(self, path: str, sha256: str) -> dict:
         from safetensors.torch import load
@@ -97,6 +98,7 @@ class WeightSwapExtension:
         tensors = load(data)
         self.reload_weights(weights_iterator=iter(tensors.items()))
         _repack_cpu_experts(self.model_runner.get_model(), tensors)
+        _refresh_tied_output_layer(self.model_runner.get_model(), tensors)
         return {"tensors": len(tensors), "bytes": len(data), "seconds": time.perf_counter() - t0}
 
 
@@ -110,6 +112,21 @@ def _repack_cpu_experts(model, names) -> None:
             experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
                 experts.process_weights_after_loading(layer)
+
+
+def _refresh_tied_output_layer(model, names) -> None:
+    """Work around vLLM 0.32's CPU reload of tied embeddings: the output layer shares the
+    embedding's weight, but on the CPU it computes through a GEMM handle prepacked from it at
+    load time, and a reload of `embed_tokens` re-processes only the embedding. Measured on a
+    Qwen2 model with tied embeddings: served logprobs were 0.75 off the new weights until the
+    output layer was processed again."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not any(n.endswith("embed_tokens.weight") for n in names) or head is None or embed is None:
+        return
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
 
 
 # vLLM fuses some checkpoint tensors into one layer (q/k/v weights and biases -> qkv_proj, every

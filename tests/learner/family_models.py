@@ -130,16 +130,24 @@ def make_family_model(
 
 @torch.no_grad()
 def _lift(model, tokens: list[tuple[int, float]]) -> None:
-    """Raise some tokens' logits by about `lift` nats at every position: every token's embedding
-    gets a large component on dimension 0, so the final hidden state always carries about
-    sqrt(hidden) there (after the norm), and the lifted tokens' output rows weigh it. With tied
-    embeddings the output rows are the input rows: the common 4.0 shifts every logit alike."""
+    """Raise some tokens' logits by about `lift` nats at every position. Every embedding gets a
+    constant on dimension 0 that the layers neither read (their input norms weigh it 0) nor write
+    (o_proj and down_proj rows 0 are zero), so the final hidden state carries it everywhere; the
+    lifted tokens' output rows weigh it. With tied embeddings the output rows are the input rows:
+    the common part shifts every logit alike."""
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     emb[:, 0] = 4.0
+    for name, p in model.named_parameters():
+        if "layers." in name and name.endswith("layernorm.weight"):
+            p[0] = 0.0
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p[0, :] = 0.0
     if head.data_ptr() != emb.data_ptr():
         head[:, 0] = 0.0
+    ids = torch.randint(0, emb.shape[0], (4, 64), generator=torch.Generator().manual_seed(0))
+    h0 = model.model(ids).last_hidden_state[..., 0].mean().item()  # after the final norm
     for t, lift in tokens:
-        head[t, 0] += lift / emb.shape[1] ** 0.5
+        head[t, 0] += lift / h0
 
 
 def hf_logits(folder: Path, ids: list[list[int]]) -> torch.Tensor:
