@@ -67,6 +67,7 @@ from learner.train.rl_loss import RLInputs, rl_loss
 log = logging.getLogger(__name__)
 
 STATE_FILE, LAST_GOOD_FILE = "state.pt", "last_good.pt"
+KL_WINDOW = 512  # tokens per held-out window of the gate's KL to stable
 AUDIT_IDS = 100_000
 
 
@@ -733,9 +734,9 @@ class Learner:
         if not hasattr(self, "_windows"):
             from learner.corpus import heldout_windows, token_stream
 
-            self._windows = heldout_windows(
-                token_stream(self.format, self.tok, self.heldout), self.args.max_seq_len - 1, 16
-            )[:, :-1]
+            # An imported model's window runs to tens of thousands of tokens: the KL estimate needs far fewer.
+            length = min(self.args.max_seq_len, KL_WINDOW) - 1
+            self._windows = heldout_windows(token_stream(self.format, self.tok, self.heldout), length, 16)[:, :-1]
         return self._windows
 
     # persistence ----------------------------------------------------------------------------------------
