@@ -38,6 +38,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    false,
     func,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -45,6 +46,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, Operati
 from sqlalchemy.pool import NullPool
 
 from feedback.core.errors import UserError, first_line
+from feedback.core.files import private_dir, private_file
 
 # Explicit constraint names: migrations can then drop or alter them on every backend.
 NAMING = {
@@ -77,6 +79,13 @@ completions = Table(
     Column("latency_ms", Float, nullable=False),
     Column("created_at", TS, nullable=False, index=True),
     Column("ingested_at", TS, nullable=False, server_default=func.now()),
+    Column(
+        "pinned",
+        Boolean,
+        nullable=False,
+        server_default=false(),
+        comment="served for a request that pinned its version (model: name@vN); kept out of rollout arms and training",
+    ),
 )
 
 completion_choices = Table(
@@ -312,8 +321,12 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is the driver we ship
     try:
         if parsed.get_backend_name() == "sqlite":
-            if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
+                # Owner-only: completions, prompts and feedback. SQLite gives the -wal and -shm
+                # files it creates the database file's mode.
+                path = Path(parsed.database).expanduser()
+                private_dir(path.parent)
+                private_file(path)
             engine = create_engine(parsed, echo=echo, poolclass=NullPool, connect_args={"timeout": 30})
             event.listen(engine, "connect", _sqlite_pragmas)
             return engine

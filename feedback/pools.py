@@ -18,9 +18,9 @@ was deployed with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.engine import Connection, Engine
 
 from feedback import db
@@ -71,6 +71,28 @@ def current_stable(conn: Connection, *, candidate: int | None = None) -> int | N
     mv = db.model_versions.c
     q = select(mv.version).where(mv.gate_passed.is_(True)).order_by(mv.version.desc()).limit(1)
     return conn.execute(q.where(mv.version < candidate) if candidate is not None else q).scalar()
+
+
+def versions_in_use(conn: Connection, *, now: datetime, served_within: timedelta = timedelta(days=1)) -> set[int]:
+    """Every version serving needs the weight store to keep: each pool's target, the current
+    stable version, both versions of an active rollout, and what each replica serves (the version
+    of its latest swap attempt, `to_version` if it succeeded, else `from_version`) among replicas
+    that logged a swap within `served_within` (older entries are replicas long gone)."""
+    out: set[int] = set()
+    out.update(v for v in conn.execute(select(db.serving_pools.c.version)).scalars() if v is not None)
+    stable = current_stable(conn)
+    if stable is not None:
+        out.add(stable)
+    r = db.rollouts.c
+    for row in conn.execute(select(r.candidate_version, r.stable_version).where(r.state.in_(db.ACTIVE_ROLLOUT_STATES))):
+        out.update((row.candidate_version, row.stable_version))
+    e = db.swap_events.c
+    newest = (
+        select(e.replica, func.max(e.id).label("id")).where(e.at >= now - served_within).group_by(e.replica).subquery()
+    )
+    for row in conn.execute(select(e.ok, e.from_version, e.to_version).join(newest, newest.c.id == e.id)):
+        out.add(row.to_version if row.ok else row.from_version)
+    return out
 
 
 def _upsert(conn, pool: str, version: int | None, percent: float, rollout_id: int | None) -> None:

@@ -112,6 +112,9 @@ class CompletionRecord(Message):
     prompt_text: str | None = None
     """Subject to the retention setting (see `completion_text`)."""
     routing: list[list[list[TokenId]]] | None = None
+    pinned: bool = False
+    """Served for a request that named its version (`model: flywheel@vN`) instead of being routed:
+    the client chose where its feedback lands, so rollout arms and the learner leave it out."""
     created_at: Timestamp = Field(default_factory=utcnow)
 
     @model_validator(mode="after")

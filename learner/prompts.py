@@ -10,9 +10,11 @@ suffix exceed `budget` tokens, the prefix is cut at line boundaries into an old 
 recent tail. The old part is split into chunks that the model itself summarizes (prompted
 with the chunk followed by the summary's opening marker, the teacher task Flywheel's own
 model was pretrained on), and the summaries stand in for the chunks, between the format's
-markers (learner.formats.SummaryFormat: Flywheel's summary tokens, or plain text). Summaries
-are cached by (chunk hash, model version). If summarizing fails, the prefix is truncated to
-the budget instead, and the fallback is counted.
+markers (learner.formats.SummaryFormat: Flywheel's summary tokens, or plain text). Only the
+newest few summaries fit, so chunks are summarized newest first until the room is full or
+`max_summaries` were written for this request; older chunks are left out and counted.
+Summaries are cached by (chunk hash, model version). If summarizing fails, the prefix is
+truncated to the budget instead, and the fallback is counted.
 
 Everything here is pure except `build()`, which awaits the summarizer it is given.
 """
@@ -40,6 +42,8 @@ CONTEXT_BUDGET = 768
 are self-summarized into it."""
 SUMMARY_CHUNK_TOKENS = 192
 """Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
+MAX_SUMMARIES = 4
+"""Summaries one request may have the model write (the default of serve.max_summaries_per_request)."""
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class Prompt:
     """Hashes of the chunks that summaries replaced."""
     summaries_cached: int = 0
     summaries_generated: int = 0
+    summaries_skipped: int = 0
+    """Older chunks left out: no room for their summaries, or `max_summaries` were written."""
     truncated_tokens: int = 0
     fallback: bool = False
     """Summarization failed and the prefix was truncated instead."""
@@ -116,6 +122,7 @@ class PromptBuilder:
     chunk_tokens: int
     cache: SummaryCache
     version: int
+    max_summaries: int = MAX_SUMMARIES
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tok, text)
@@ -147,6 +154,8 @@ class PromptBuilder:
         if len(whole) <= self.budget:
             return Prompt(whole)
 
+        if self.max_summaries == 0:
+            summarize = None
         room = self.budget - (len(assemble([])) if fim else len(self.fmt.bos_ids))
 
         if summarize is not None:
@@ -168,13 +177,20 @@ class PromptBuilder:
             total += counts[split]
         recent = self.encode("".join(lines[split:]))[-room:]
         spans = split_lines_by_tokens(lines[:split], counts[:split], self.chunk_tokens)
-        blocks: list[tuple[str, list[int]]] = []
+        markers = self.fmt.summary
+        # Newest chunk first, while its summary fits: only the newest few can, so the older ones
+        # cost no generation (a prefix of 200,000 characters has hundreds of chunks).
+        left, kept = room - len(recent), []
         cached = generated = 0
-        for a, b in spans:
+        for a, b in reversed(spans):
+            if left <= len(markers.open_ids) + len(markers.close_ids):  # full: no room for a marked summary
+                break
             text = "".join(lines[a:b])
             key = (chunk_hash(text), self.version)
             ids = self.cache.get(key)
             if ids is None:
+                if generated == self.max_summaries:
+                    break
                 ids = await summarize(text)
                 if not ids:
                     raise ValueError("the model wrote an empty summary")
@@ -182,19 +198,17 @@ class PromptBuilder:
                 generated += 1
             else:
                 cached += 1
-            blocks.append((key[0], [*self.fmt.summary.open_ids, *ids, *self.fmt.summary.close_ids]))
-        # Newest summaries first while they fit; the oldest are dropped if the room runs out.
-        left, kept = room - len(recent), []
-        for h, ids in reversed(blocks):
-            if len(ids) > left:
+            block = [*markers.open_ids, *ids, *markers.close_ids]
+            if len(block) > left:
                 break
-            kept.insert(0, (h, ids))
-            left -= len(ids)
-        dropped = sum(len(ids) for _, ids in blocks[: len(blocks) - len(kept)])
+            kept.insert(0, (key[0], block))
+            left -= len(block)
+        left_out = spans[: len(spans) - len(kept)]
         body = [t for _, ids in kept for t in ids] + recent
         return body, dict(
             summary_ids=[h for h, _ in kept],
             summaries_cached=cached,
             summaries_generated=generated,
-            truncated_tokens=dropped,
+            summaries_skipped=len(left_out),
+            truncated_tokens=sum(sum(counts[a:b]) for a, b in left_out),
         )

@@ -6,6 +6,12 @@
     announce        its `flywheel.versions` message, last, so whoever hears of a version finds
                     it in the store and in SQL
 
+and, after each publish, `cleanup` deletes old versions, but never one that serving needs: a
+pool's target, the stable version, a version a replica serves, or one the caller names (the
+learner's last good version), nor the delta chains back to a full snapshot those need. A
+replica restarted from its model folder reaches its pool's target from the store alone, however
+many versions were published since.
+
 A publisher that dies between the steps leaves a version that is stored but not recorded or
 announced; the learner finds it on restart and completes it with `packed=None` (recording
 again is an upsert, announcing again is harmless: consumers skip versions they know). The
@@ -16,10 +22,12 @@ learner (learner/train/learn.py) and the demo's fault injection (ops/demo.py) pu
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from feedback import bus
+from feedback import bus, pools
+from feedback.core.clock import utcnow
+from feedback.core.errors import first_line
 from feedback.schemas import ModelVersion
 from learner import delta as codec
 from learner.store import Store, announce, record
@@ -71,3 +79,17 @@ def publish_version(
             "v%d is recorded in SQL but not yet on %s (Kafka unreachable); it stays buffered", version, bus.VERSIONS
         )
     return msg
+
+
+def cleanup(store: Store, engine, *, keep: int, also: Iterable[int] = ()) -> list[int]:
+    """Delete versions beyond the newest `keep` (`Store.cleanup`), keeping every version serving
+    needs (`feedback.pools.versions_in_use`) and `also`, with their chains. When the database
+    cannot say what serving needs, nothing is deleted: a full disk later beats a replica that can
+    never reach its target. Returns the deleted versions."""
+    try:
+        with engine.connect() as conn:
+            in_use = pools.versions_in_use(conn, now=utcnow())
+    except Exception as e:  # the database is down or not migrated: keep everything this time
+        log.warning("store cleanup skipped: cannot read the versions serving needs (%s)", first_line(e))
+        return []
+    return store.cleanup(keep, protect=in_use | set(also))

@@ -28,22 +28,35 @@ model the store holds, never an unrelated folder.
 Publishing writes every file into a temporary folder, fsyncs them, renames the folder into
 place, then writes STABLE (temp file, fsync, rename). Readers list only versions with
 STABLE, so a crash at any point leaves nothing half-written visible; the next publish of
-that number replaces the leftover folder. One process publishes (the learner); any number read.
+that number replaces the leftover folder. Any number of processes read.
+
+Writers take the store's publish lock (`_exclusive`: an flock on `.publish.lock` in the local
+store's folder) for a whole publish and for cleanup, and decide the version number under it.
+Two learners pointed at one store by mistake therefore never write the same version: without
+an explicit number each takes the next free one; with one (v0, a recovered version), the
+second finds it taken and gets a StoreError, having touched nothing. The lock is released by
+the kernel when its holder dies, so a crashed publisher never blocks the next, and the
+unmarked folder it left is a leftover only the lock holder may replace. Cleanup under the same
+lock never mistakes a publish in progress for a leftover.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,6 +67,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from feedback.core.files import PRIVATE_DIR, PRIVATE_FILE, open_private, private_dir
 from feedback.schemas import ModelVersion
 from learner import delta as codec
 from learner import fp4
@@ -62,6 +76,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST, STABLE, DELTA_FILE, FULL_FILE = "manifest.json", "STABLE", "delta.zst", "full.safetensors"
 MODEL_DIR, BASE_FILE, EXPORT_MARKER = "model", "base.json", "FLYWHEEL_VERSION"
+LOCK_FILE = ".publish.lock"
 FORMAT = "flywheel-weight-store/1"
 DESCRIPTION = (
     "One folder per version. manifest.json: version, parent, kind (full|delta), base_version (the parent the "
@@ -181,15 +196,21 @@ class Store(ABC):
     """A weight store. Subclasses implement the storage primitives (the `_`-methods); the
     publishing protocol, planning, verification and retention live here, once."""
 
-    def __init__(self, *, full_every: int = 8, zstd_level: int = 3, zstd_threads: int = -1):
+    def __init__(
+        self, *, full_every: int = 8, zstd_level: int = 3, zstd_threads: int = -1, lock_timeout_s: float = 600.0
+    ):
+        """`lock_timeout_s`: how long a publish or cleanup waits for another writer's (see the
+        module docstring) before it gives up with a StoreError."""
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1, got {full_every}")
         self.full_every = full_every
         self.zstd_level = zstd_level
         self.zstd_threads = zstd_threads
+        self.lock_timeout_s = lock_timeout_s
         self._manifests: dict[int, tuple[dict, str]] = {}  # versions are immutable once STABLE
         self._cache: _Materialized | None = None
         self._lock = threading.RLock()
+        self._writing = 0  # depth of this object's hold on the publish lock
 
     # storage primitives --------------------------------------------------------------------
     @abstractmethod
@@ -216,6 +237,29 @@ class Store(ABC):
         return []
 
     @abstractmethod
+    def _exclusive_lock(self) -> contextlib.AbstractContextManager:
+        """Hold the store's publish lock for the block, across processes and hosts that share the
+        store; released even if the holder dies. StoreError after `lock_timeout_s`."""
+
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[None]:
+        """This object's exclusive right to write the store (reentrant within the object)."""
+        with self._lock:
+            if self._writing:
+                self._writing += 1
+                try:
+                    yield
+                finally:
+                    self._writing -= 1
+                return
+            with self._exclusive_lock():
+                self._writing = 1
+                try:
+                    yield
+                finally:
+                    self._writing = 0
+
+    @abstractmethod
     def _write_model(self, files: Mapping[str, bytes]) -> None:
         """Make `files` visible as the model files, atomically (replacing any)."""
 
@@ -230,7 +274,7 @@ class Store(ABC):
         except `base.json` through `update_base`."""
         if BASE_FILE not in files:
             raise ValueError(f"the model files need a {BASE_FILE}")
-        with self._lock:
+        with self._writer():
             if self._stable():
                 raise StoreError(f"the weight store {self.uri()} holds versions already: its model files are fixed")
             self._write_model(files)
@@ -245,7 +289,7 @@ class Store(ABC):
 
     def update_base(self, **fields) -> dict:
         """Change fields of `base.json` (the learner's start version after continued pretraining)."""
-        with self._lock:
+        with self._writer():
             files = self._read_model()
             if BASE_FILE not in files:
                 raise StoreError(f"the weight store {self.uri()} has no {BASE_FILE}")
@@ -383,10 +427,16 @@ class Store(ABC):
         """Write `ckpt` as the next version (or `version`): a delta against `parent`, plus a
         full snapshot when there is no parent, the layout changed, or `full_every` versions
         have passed since the last one. Returns the ModelVersion to announce (gate fields at
-        their defaults). The store keeps references to `ckpt`'s tensors: do not modify them."""
-        with self._lock:
+        their defaults). The store keeps references to `ckpt`'s tensors: do not modify them.
+        StoreError if `version` is taken (another publisher wrote it) or not newer than the latest."""
+        with self._writer():
             stable = self._stable()
             version = version if version is not None else (stable[-1] + 1 if stable else 0)
+            if version in stable:
+                raise StoreError(
+                    f"version {version} is already in the store {self.uri()}: another publisher wrote it "
+                    "(is a second learner using this store?); nothing was written"
+                )
             if stable and version <= stable[-1]:
                 raise StoreError(f"version {version} is not newer than the latest stable version {stable[-1]}")
             if parent is not None and parent not in stable:
@@ -486,15 +536,16 @@ class Store(ABC):
         )
 
     # retention -------------------------------------------------------------------------------
-    def cleanup(self, keep: int) -> list[int]:
-        """Delete stable versions beyond the newest `keep`, except what their chains back to a
-        full snapshot need; also remove leftovers of crashed publishes. Returns the deleted versions."""
+    def cleanup(self, keep: int, protect: Iterable[int] = ()) -> list[int]:
+        """Delete stable versions beyond the newest `keep`, except the versions in `protect` (what
+        serving needs: learner.publish.cleanup) and what the chains of both back to a full
+        snapshot need; also remove leftovers of crashed publishes. Returns the deleted versions."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
-        with self._lock:
+        with self._writer():
             stable = self._stable()
             needed: set[int] = set()
-            for v in stable[-keep:]:
+            for v in [*stable[-keep:], *(p for p in set(protect) if p in stable)]:
                 while v is not None and v not in needed:
                     needed.add(v)
                     m = self.manifest(v)
@@ -514,8 +565,30 @@ class LocalStore(Store):
 
     def __init__(self, root: str | Path, **opts):
         super().__init__(**opts)
-        self.root = Path(root).expanduser().absolute()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(Path(root).expanduser().absolute())
+
+    @contextlib.contextmanager
+    def _exclusive_lock(self) -> Iterator[None]:
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                        raise StoreError(
+                            f"the weight store {self.uri()} is being written by another process ({holder}) "
+                            f"for over {self.lock_timeout_s:g} s; is a second learner using it?"
+                        ) from None
+                    time.sleep(0.05)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def uri(self, version: int | None = None) -> str:
         return (self.root if version is None else self._dir(version)).as_uri()
@@ -538,14 +611,18 @@ class LocalStore(Store):
             raise StoreError(f"version {version}: {name} is missing from {self._dir(version)}") from None
 
     def _write_version(self, version: int, files: Mapping[str, bytes], marker: bytes) -> None:
+        assert self._writing, "publish holds the store's lock"
         tmp = self.root / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        tmp.mkdir(mode=PRIVATE_DIR)
+        os.chmod(tmp, PRIVATE_DIR)
         try:
             for name, data in files.items():
                 _write_synced(tmp / name, data)
             _fsync_dir(tmp)
             final = self._dir(version)
-            if final.exists():  # an unmarked folder a crashed publish left (stable ones are refused earlier)
+            if (final / STABLE).exists():  # publish checked under the lock; never remove a version
+                raise StoreError(f"version {version} appeared in {self.root} while this process held its lock")
+            if final.exists():  # an unmarked folder a crashed publish left: its writer is gone (we hold the lock)
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except BaseException:
@@ -576,7 +653,7 @@ class LocalStore(Store):
         # Each file lands whole (temp file, fsync, rename); base.json goes last, so model files
         # without it are an import that did not finish.
         folder = self.root / MODEL_DIR
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
         for name in sorted(files, key=lambda n: n == BASE_FILE):
             _write_synced(folder / (name + ".tmp"), files[name])
             os.rename(folder / (name + ".tmp"), folder / name)
@@ -590,7 +667,7 @@ class LocalStore(Store):
 
 
 def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with open_private(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -621,7 +698,7 @@ def export_version(store: Store, version: int, folder: str | Path) -> Path:
             f"the weight store {store.uri()} has no model files (config.json, tokenizer): nothing to export"
         )
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True, mode=PRIVATE_DIR)
     try:
         for name, data in files.items():
             if name != BASE_FILE:

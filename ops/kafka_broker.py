@@ -23,6 +23,7 @@ from pathlib import Path
 
 from feedback.core.config import FlywheelSettings
 from feedback.core.errors import UserError
+from feedback.core.files import private_dir
 
 POM = Path(__file__).with_name("kafka") / "pom.xml"
 
@@ -225,9 +226,8 @@ def start(s: FlywheelSettings, progress: Callable[[str], None]) -> int:
                 f"or choose another with --set kafka.port=... / kafka.controller_port=..."
             )
     fetch_classpath(paths.libs, progress)
-    paths.data.mkdir(parents=True, exist_ok=True)
-    paths.pid.parent.mkdir(parents=True, exist_ok=True)
-    paths.log.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (paths.data, paths.pid.parent, paths.log.parent):  # in the data folder: owner-only
+        private_dir(folder)
     paths.config.write_text(server_properties(s, paths.data))
     (paths.data / "log4j2.properties").write_text(_log4j_config(paths.log))
     progress("formatting Kafka storage")

@@ -210,7 +210,17 @@ class ModelReplica:
             yield r
 
     def version(self) -> int:
+        """The version served; an error while out of service (the ingress then routes no canary or
+        pinned users here: serving/http/routing.py)."""
+        if self.swapper.out_of_service:
+            raise RuntimeError(f"out of service: {self.swapper.out_of_service}")
         return self.service.version
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic health check: a replica whose weights are mixed after a broken-off
+        reload (serving/hotswap.py) fails it, and Ray Serve replaces it with a fresh one."""
+        if self.swapper.out_of_service:
+            raise RuntimeError(f"out of service: {self.swapper.out_of_service}")
 
     # --- hot swap (serving/hotswap.py) ---------------------------------------------------------
 
@@ -320,6 +330,7 @@ def start(
     serves serving's routes and those of `routers` (factories, see `RouterFactory`)."""
     import ray
 
+    settings = settings.with_user_hash_secret()
     cfg = settings.serve
     migrate(settings, version, progress)
     if not ray.is_initialized():

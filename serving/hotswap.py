@@ -28,7 +28,16 @@ version.) The pause is the drain (at most the longest in-flight request) plus th
 A failed swap (bad plan, corrupt delta, checksum mismatch, drain timeout, worker error)
 leaves the replica on N: it is logged, kept in `last_swap_error` and counted in
 `flywheel_swap_failures_total`; `flywheel_swap_pause_seconds` records each pause. Should
-the reload fail inside the worker after it began, the old tensors are reloaded.
+the reload fail inside the worker after it began, the engine may hold some tensors of each
+version, so the replica puts N's tensors back: from the checkpoint it keeps, or before its
+first swap (when it keeps none) from the model folder the engine loaded. If it cannot (no
+folder, or that reload fails too), it never serves those mixed weights under N's name: it
+goes out of service (`out_of_service`): admission refuses every request (the ingress answers
+503), `ModelReplica.check_health` fails so Ray Serve replaces it, and `version` does not
+answer, so the ingress sends it no canary or pinned users. A later swap that reloads every
+tensor successfully brings it back. Measured with vLLM 0.32 on a CPU: after a reload broke
+off, the worker refused every later reload (the old tensors too), so there a replica goes out
+of service and Ray Serve's restart is what brings it back.
 
 The replica keeps the packed checkpoint of the version it serves (the FP4 form: about a
 third of bf16), so the next swap is a delta away. Until its first swap it does not know
@@ -77,6 +86,10 @@ def torch_equal(a, b) -> bool:
 
 class SwapError(RuntimeError):
     """A swap that did not happen; the replica still serves its previous version."""
+
+
+class OutOfService(RuntimeError):
+    """The replica's weights are mixed after a reload that broke off: it serves nothing."""
 
 
 # --- inside the vLLM worker ----------------------------------------------------------------------
@@ -169,10 +182,13 @@ class GatedEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self.refusing: str | None = None  # why it serves nothing (set by HotSwapper), else None
 
     async def generate(self, prompt_ids, spec, request_id) -> AsyncIterator:
         while not self._open.is_set():  # re-check: a new pause may start before this task runs
             await self._open.wait()
+        if self.refusing is not None:
+            raise OutOfService(self.refusing)
         self.inflight += 1
         self._idle.clear()
         try:
@@ -241,6 +257,7 @@ class _Prepared:
     plan: dict
     served: _Served
     changed: list[str]
+    reloaded_all: bool = False  # every tensor is reloaded (the engine's weights were not known)
     folder: Path | None = None
     path: str = ""
     sha256: str = ""
@@ -268,6 +285,11 @@ class HotSwapper:
         self.failures = 0
 
     @property
+    def out_of_service(self) -> str | None:
+        """Why the replica serves nothing (its weights are mixed), or None when it serves."""
+        return self.gate.refusing
+
+    @property
     def store(self):
         if isinstance(self._store, str):
             from learner.store import open_store
@@ -286,6 +308,7 @@ class HotSwapper:
             "weights_known": self._served is not None,
             "swaps": self.swaps,
             "failures": self.failures,
+            "out_of_service": self.out_of_service,
             "last_swap_error": self.last_swap_error,
             "last_swap": asdict(self.last_report) if self.last_report else None,
         }
@@ -351,7 +374,8 @@ class HotSwapper:
 
         from learner.store import to_hf_tensors
 
-        served = self._served if self._served is not None else self._recognize()
+        # Out of service, the engine's weights match no version: every tensor is reloaded.
+        served = self._served if self._served is not None else (None if self.out_of_service else self._recognize())
         plan = self.store.plan(version, have=served.version if served is not None else None)
         base = served if served is not None and plan.have is not None else None
         ckpt, hashes = self.store.fetch(plan, base.ckpt if base else None, base.hashes if base else None)
@@ -361,6 +385,7 @@ class HotSwapper:
             {"have": plan.have, "full": plan.full, "deltas": list(plan.deltas), "nbytes": plan.nbytes},
             _Served(version, ckpt, hashes),
             changed,
+            reloaded_all=served is None,
         )
         if changed:
             p.folder, p.path, p.sha256, p.nbytes = self._write(to_hf_tensors(ckpt, changed), save)
@@ -416,6 +441,9 @@ class HotSwapper:
                 report.reload_s = time.perf_counter() - t1
                 self.service.version = self.service.prompts.version = p.version
                 self._served = p.served
+                if self.gate.refusing is not None and p.reloaded_all:
+                    log.warning("every tensor reloaded to v%d: the replica serves again", p.version)
+                    self.gate.refusing = None
         finally:
             report.pause_s = time.perf_counter() - t0
             SWAP_PAUSE.observe(report.pause_s)
@@ -423,23 +451,53 @@ class HotSwapper:
     async def _reload(self, p: _Prepared) -> None:
         try:
             await self.gate.inner.update_weights(p.path, p.sha256, p.version)
-        except Exception:
+        except Exception as e:
             # The worker checks the file before loading, so most failures change nothing; if the
             # reload broke off midway, put the old tensors back so the replica really serves N.
-            old = self._served
-            if old is not None:
-                from safetensors.torch import save
-
-                from learner.store import to_hf_tensors
-
-                folder, path, sha, _ = self._write(to_hf_tensors(old.ckpt, p.changed), save)
-                try:
-                    await self.gate.inner.update_weights(path, sha, old.version)
-                except Exception:
-                    log.exception(
-                        "restoring v%d's tensors failed too: this replica's weights may be mixed", old.version
-                    )
-                    self._served = None  # unknown: the next swap reloads every tensor
-                finally:
-                    shutil.rmtree(folder, ignore_errors=True)
+            # Runs while admission is closed: nothing is served until this is settled.
+            version = self.service.version
+            why = await self._restore(p.changed)
+            if why is not None:
+                self._served = None  # unknown: the next swap reloads every tensor
+                self.gate.refusing = (
+                    f"a reload to v{p.version} broke off ({type(e).__name__}: {e}) and v{version}'s tensors "
+                    f"could not be put back ({why}): the weights are mixed"
+                )
+                log.error("out of service: %s", self.gate.refusing)
             raise
+
+    async def _restore(self, names: list[str]) -> str | None:
+        """Reload the served version's `names` (None), or say why that cannot be done."""
+        from safetensors.torch import save
+
+        try:
+            tensors = await asyncio.to_thread(self._served_tensors, names)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        folder, path, sha, _ = self._write(tensors, save)
+        try:
+            await self.gate.inner.update_weights(path, sha, self.service.version)
+            return None
+        except Exception as e:
+            return f"reloading them failed too: {type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _served_tensors(self, names: list[str]) -> dict:
+        """The bf16 tensors `names` of the weights the replica served before this swap: from the
+        checkpoint it keeps, else (no swap yet) from the model folder the engine loaded."""
+        from learner.store import to_hf_tensors
+
+        if self._served is not None:
+            return to_hf_tensors(self._served.ckpt, names)
+        if self.loaded_from is None:
+            raise ValueError("the replica keeps no copy of them and knows no model folder")
+        from safetensors import safe_open
+
+        from learner.export import WEIGHTS_FILE
+
+        with safe_open(str(self.loaded_from / WEIGHTS_FILE), framework="pt") as f:
+            missing = sorted(set(names) - set(f.keys()))
+            if missing:
+                raise ValueError(f"{self.loaded_from} lacks {len(missing)} of them, e.g. {missing[0]}")
+            return {n: f.get_tensor(n) for n in names}

@@ -17,7 +17,8 @@ LATENCY = Histogram(
 COMPLETIONS = Counter("flywheel_completions_total", "Completions served", ["version", "shape"])
 TOKENS = Counter("flywheel_tokens_total", "Tokens processed", ["kind"])  # prompt | completion
 EMPTY = Counter("flywheel_empty_completions_total", "Completions with no suggestion (abstained)", ["version"])
-SUMMARIES = Counter("flywheel_summaries_total", "Self-summaries used in prompts", ["source"])  # cached | generated
+# cached | generated: used in a prompt; skipped: older chunks left out (no room, or the per-request cap)
+SUMMARIES = Counter("flywheel_summaries_total", "Self-summaries of prompt chunks", ["source"])
 SUMMARY_FALLBACKS = Counter("flywheel_summary_fallbacks_total", "Prompts truncated because self-summarization failed")
 TRUNCATED_TOKENS = Counter("flywheel_prompt_truncated_tokens_total", "Prompt tokens cut to fit the context budget")
 EVENTS = Counter("flywheel_events_total", "Feedback events accepted", ["type"])

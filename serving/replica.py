@@ -47,6 +47,7 @@ class GenerateResult:
     summary_ids: list[str] = field(default_factory=list)
     summaries_cached: int = 0
     summaries_generated: int = 0
+    summaries_skipped: int = 0
     truncated_tokens: int = 0
     summary_fallback: bool = False
     latency_ms: float = 0.0
@@ -61,7 +62,13 @@ class CompletionService:
         self.cfg = cfg
         self.version = version
         self.prompts = PromptBuilder(
-            tok, fmt, cfg.context_budget, cfg.summary_chunk_tokens, SummaryCache(cfg.summary_cache_size), version
+            tok,
+            fmt,
+            cfg.context_budget,
+            cfg.summary_chunk_tokens,
+            SummaryCache(cfg.summary_cache_size),
+            version,
+            max_summaries=cfg.max_summaries_per_request,
         )
 
     async def summarize(self, chunk: str) -> list[int]:
@@ -89,8 +96,7 @@ class CompletionService:
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Cumulative results as tokens arrive; the last one has `done=True`."""
         t0 = time.perf_counter()
-        summarize = self.summarize if self.cfg.self_summary else None
-        prompt = await self.prompts.build(req.prefix, req.suffix, summarize, path=req.path or None, repo=req.repo)
+        prompt = await self.prompts.build(req.prefix, req.suffix, self.summarize, path=req.path or None, repo=req.repo)
         spec = req.spec
         # Generation ends at the model's EOS tokens; a middle also at its FIM template's own tokens.
         stops = self.fmt.eos_ids
@@ -126,6 +132,7 @@ class CompletionService:
             summary_ids=prompt.summary_ids,
             summaries_cached=prompt.summaries_cached,
             summaries_generated=prompt.summaries_generated,
+            summaries_skipped=prompt.summaries_skipped,
             truncated_tokens=prompt.truncated_tokens,
             summary_fallback=prompt.fallback,
             latency_ms=(time.perf_counter() - t0) * 1000,

@@ -4,6 +4,11 @@
 `prompt`) is Tabby's, anything else OpenAI's. The response is a superset both clients
 read: OpenAI's `text_completion` object, whose `id` and `choices[].index/.text` are all
 Tabby needs.
+
+Every request body is a `RequestBody` (feedback/core/web.py): its text must be valid Unicode
+and its numbers finite, or it is refused with 422 naming the field. Fields that Flywheel
+receives but does not use (Tabby's declarations, snippets, clipboard) are bounded in count and
+size, so they cost at most a bounded parse.
 """
 
 from __future__ import annotations
@@ -13,10 +18,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from feedback.core.web import RequestBody
 from feedback.schemas import CompletionId, NonNegInt32
 
+MAX_SNIPPETS = 16
+"""Most declarations, and most snippets of each kind, a Tabby request may carry (Tabby's own
+clients send a handful)."""
+SNIPPET_CHARS = 10_000
+"""Longest declaration or snippet body, and longest clipboard, in characters."""
 
-class Strict(BaseModel):
+
+class Strict(RequestBody):
     model_config = ConfigDict(extra="ignore")  # clients send fields we don't use; never fail on them
 
 
@@ -26,7 +38,7 @@ class Strict(BaseModel):
 class OpenAICompletionRequest(Strict):
     """OpenAI `POST /v1/completions`. With `suffix`, the prompt is a fill-in-the-middle prefix."""
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=128)
     prompt: str | list[str]
     suffix: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -67,13 +79,13 @@ class OpenAICompletionRequest(Strict):
 
 
 class Snippet(Strict):
-    filepath: str = ""
-    body: str = ""
+    filepath: str = Field(default="", max_length=1024)
+    body: str = Field(default="", max_length=SNIPPET_CHARS)
 
 
 class Declaration(Strict):
-    filepath: str = ""
-    body: str = ""
+    filepath: str = Field(default="", max_length=1024)
+    body: str = Field(default="", max_length=SNIPPET_CHARS)
 
 
 class Segments(Strict):
@@ -81,9 +93,10 @@ class Segments(Strict):
     suffix: str | None = None
     filepath: str | None = Field(default=None, max_length=1024)
     git_url: str | None = Field(default=None, max_length=1024)
-    declarations: list[Declaration] | None = None
-    relevant_snippets_from_changed_files: list[Snippet] | None = None
-    clipboard: str | None = None
+    declarations: list[Declaration] | None = Field(default=None, max_length=MAX_SNIPPETS)
+    relevant_snippets_from_changed_files: list[Snippet] | None = Field(default=None, max_length=MAX_SNIPPETS)
+    relevant_snippets_from_recently_opened_files: list[Snippet] | None = Field(default=None, max_length=MAX_SNIPPETS)
+    clipboard: str | None = Field(default=None, max_length=SNIPPET_CHARS)
 
 
 class TabbyCompletionRequest(Strict):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 from typing import Self
 
 from pydantic import Field, SecretStr, model_validator
 
+from feedback.core.auth import DashboardLogin
 from feedback.core.config import FlywheelSettings, Section
+from feedback.core.files import open_private, private_dir
+from feedback.core.web import HttpLimits
 from learner.base_settings import ModelSection
-from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, fit_budget
+from learner.prompts import CONTEXT_BUDGET, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
 class EngineSettings(Section):
@@ -75,6 +80,11 @@ class ServeSettings(Section):
     Prefer `ops_tokens_file` or FLYWHEEL_SERVE__OPS_TOKENS. Empty: the ops endpoints refuse everyone."""
     ops_tokens_file: Path | None = None
     """A file with one ops token per line."""
+    user_hash_secret: SecretStr = SecretStr("")
+    """Key of the HMAC that turns an editor token and `user` id into `user_hash` (serving/routing.py).
+    Empty: a random key kept in <data_dir>/user_hash.key, created owner-only by the first `flywheel
+    serve`, so hashes survive restarts. Set it (FLYWHEEL_SERVE__USER_HASH_SECRET) where several
+    deployments must agree on hashes; changing it gives every user a new hash and canary bucket."""
 
     max_prompt_chars: int = Field(default=200_000, ge=1)
     """Longest prefix + suffix accepted, in characters; longer requests get 413."""
@@ -93,13 +103,18 @@ class ServeSettings(Section):
     """Longest summary the model may write for one chunk."""
     summary_cache_size: int = Field(default=4096, ge=0)
     """Summaries cached per replica (keyed by chunk hash and model version)."""
-    self_summary: bool = True
-    """Replace older prefix chunks by the model's own summaries when a prompt exceeds the budget
-    (with its summary tokens, or plain-text markers where its vocabulary has none). False: the
-    prefix is truncated instead."""
+    max_summaries_per_request: int = Field(default=MAX_SUMMARIES, ge=0)
+    """Most summaries one request may have the model write (cached ones are free): chunks are
+    summarized newest first until the summaries fill their room or this many were written; older
+    chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0: truncate.
+    A model without Flywheel's summary tokens is prompted with plain-text markers."""
 
     producer_buffer: int = Field(default=10_000, ge=1)
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
+    limits: HttpLimits = HttpLimits()
+    """What one client may send and how often (section `[serve.limits]`)."""
+    dashboard: DashboardLogin = DashboardLogin()
+    """The ops dashboard's login session (section `[serve.dashboard]`)."""
 
     @model_validator(mode="after")
     def _budget_fits(self) -> Self:
@@ -123,6 +138,12 @@ class ServeSettings(Section):
             }
         )
 
+    def user_hash_key(self) -> bytes:
+        """The HMAC key of `user_hash`: the secret, else one random key per process (an app built
+        in-process, by a test or a benchmark; `serving.app.start` fills the secret in first)."""
+        secret = self.user_hash_secret.get_secret_value()
+        return secret.encode() if secret else _PROCESS_KEY
+
     def editor_tokens(self) -> set[str]:
         return _tokens(self.auth_tokens, self.auth_tokens_file, "serve.auth_tokens_file")
 
@@ -141,8 +162,38 @@ def _tokens(inline: list[SecretStr], file: Path | None, what: str) -> set[str]:
     return tokens
 
 
+_PROCESS_KEY = secrets.token_bytes(32)
+USER_HASH_KEY_FILE = "user_hash.key"
+
+
 class ServingSettings(FlywheelSettings):
     """`flywheel serve`: the Ray Serve application."""
 
     serve: ServeSettings = ServeSettings()
     model: ModelSection = ModelSection()
+
+    def with_user_hash_secret(self) -> ServingSettings:
+        """These settings with `serve.user_hash_secret` filled in: as set, else the key in
+        <data_dir>/user_hash.key, created (random, owner-only) if there is none yet. What the
+        ingress replicas get, so that all of them, and every restart, hash a user alike."""
+        if self.serve.user_hash_secret.get_secret_value():
+            return self
+        path = private_dir(self.data_dir) / USER_HASH_KEY_FILE
+        if not path.exists():
+            # Written whole under a temporary name, then linked into place: a concurrent start
+            # finds either no key or the complete one (link refuses to replace it).
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+            with open_private(tmp) as f:
+                f.write(secrets.token_hex(32).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        key = path.read_text().strip()
+        if not key:
+            raise ValueError(f"{path} is empty: delete it and start again (a new key gives users new hashes)")
+        return self.model_copy(update={"serve": self.serve.model_copy(update={"user_hash_secret": SecretStr(key)})})

@@ -17,7 +17,10 @@ import uuid
 import pytest
 
 from feedback.core.config import FlywheelSettings
+from feedback.core.threads import prefer_passive_waiting
 from tests.helpers import cpu_report, free_port, make_settings, scaled, timeout_factor
+
+prefer_passive_waiting()  # before any test imports torch: the suite shares its cores with its own vLLM and Ray
 
 SUITE_TIMEOUT_S = 600  # per test, before the timeout factor
 

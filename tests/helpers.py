@@ -117,7 +117,10 @@ def cpu_report() -> str:
     from feedback.core.precision import cpu_bf16_flags, resolve
 
     flags = ", ".join(cpu_bf16_flags()) or "no native bf16"
-    return f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()} ({flags}); compute dtype {resolve('auto')}"
+    return (
+        f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()} ({flags}); compute dtype {resolve('auto')}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    )
 
 
 # --- tokenizers in other families' image ----------------------------------------------------------

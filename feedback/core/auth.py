@@ -7,6 +7,10 @@ with 403 (it authenticates, but may not act), anything else with 401.
 
 Tokens are compared as UTF-8 bytes with `hmac.compare_digest`, so a token of any characters
 is checked in constant time and never raises.
+
+A browser cannot send a bearer header with a page load, so the dashboard trades an ops token
+for a session cookie (ops/dashboard/routes.py); `DashboardLogin` holds its settings
+(`[serve.dashboard]`), read from `app.state.dashboard` like the tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, HTTPException, Request
+from pydantic import Field
+
+from feedback.core.config import Seconds, Section
+from feedback.core.web import RateSpec
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,28 @@ class Tokens:
     ops: frozenset[str] = frozenset()
     allow_anonymous: bool = False
     """With no editor token configured, let editor routes through (local development only)."""
+
+
+class DashboardLogin(Section):
+    """The ops dashboard's login (section `[serve.dashboard]`)."""
+
+    session_max_age_s: Seconds = Field(default=12 * 3600, gt=0)
+    """How long a dashboard session lasts: the cookie carries its signed start time, and the
+    server refuses it after this long whatever the browser keeps (log in again)."""
+    cookie_secure: Literal["auto", "always", "never"] = "auto"
+    """Whether the session cookie is `Secure` (sent over https only). `auto`: always, except for a
+    page the browser loads over plain http from a loopback address (127.0.0.1, localhost, ::1),
+    so local use works without TLS. Behind a TLS proxy that passes the public Host on, `auto`
+    is Secure; set `always` if the proxy rewrites Host to a loopback address."""
+    login_failures: RateSpec = "5 per 15 minutes"
+    """Failed logins from one client address (`limits` notation); beyond it every login from that
+    address gets 429 with Retry-After until the window frees, a right token too, so guessing
+    cannot go on. Behind a proxy all clients share its address: give the proxy its own limit."""
+
+
+def dashboard_login(state: Any) -> DashboardLogin:
+    """The app's dashboard login settings (`app.state.dashboard`), or the defaults."""
+    return getattr(state, "dashboard", None) or DashboardLogin()
 
 
 def matches(token: str, allowed: Iterable[str]) -> bool:

@@ -128,6 +128,7 @@ def completion_rows(rec: CompletionRecord, now: datetime) -> tuple[dict[str, Any
         summary_ids=rec.summary_ids,
         n_choices=len(rec.choices),
         latency_ms=rec.latency_ms,
+        pinned=rec.pinned,
         created_at=as_utc(rec.created_at),
         ingested_at=now,
     )

@@ -99,6 +99,9 @@ class SinkSection(Section):
     """Wait between attempts while the database is unreachable (the batch is kept, offsets are not committed)."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Serve Prometheus metrics on this port; 0 serves none."""
+    metrics_host: str = Field(default="127.0.0.1", min_length=1)
+    """Address the metrics server listens on: this machine only by default (the metrics name topics,
+    groups and error counts); `0.0.0.0` lets a Prometheus on another host scrape it."""
 
     @model_validator(mode="after")
     def _held_events_outlive_the_grace_period(self) -> Self:
@@ -140,20 +143,20 @@ def run_sink(
     stop = stop or threading.Event()
     restore = _install_signal_handlers(stop) if handle_signals else None
     engine = db.make_engine(settings.database_url, echo=settings.database.echo)
-    consumer = None
+    consumer = metrics = None
     stats = SinkStats()
     try:
         db.upgrade(engine)
         consumer = _consumer(settings)
-        if cfg.metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(cfg.metrics_port)
+        metrics = serve_metrics(cfg)
         progress(
             f"sink: group {cfg.group_id!r} reading {cfg.completions_topic}, {cfg.events_topic} from {settings.kafka.bootstrap}"
         )
         _loop(settings, engine, consumer, stop, stats, progress)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         if consumer is not None:
             consumer.close(autocommit=False)  # everything written is committed already
         engine.dispose()
@@ -161,6 +164,20 @@ def run_sink(
             restore()
     progress(f"sink: stopped after {stats.messages} messages; {_summary(stats)}")
     return stats
+
+
+def serve_metrics(cfg: SinkSection):
+    """The Prometheus metrics server on `sink.metrics_host:metrics_port` (a thread), or None when
+    the port is 0; `.shutdown()` stops it."""
+    if not cfg.metrics_port:
+        return None
+    from prometheus_client import start_http_server
+
+    try:
+        server, _thread = start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
+    except OSError as e:
+        raise UserError(f"sink metrics: cannot listen on {cfg.metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
+    return server
 
 
 def _consumer(settings: SinkSettings):

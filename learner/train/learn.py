@@ -17,6 +17,11 @@ so ids become visible in order; with several sinks on PostgreSQL a row could com
 an id already read and be missed (run one sink per database, as `flywheel up` does).
 Samples whose outcome is not in `learn.outcomes` (by default: `unseen`, never shown) are
 skipped and counted. An empty suggestion (just an EOS token) is a legal action, reward 0.
+One editor client can post accepts for every completion it was served, so two rules keep it
+from supplying a version's rewards: samples of requests that pinned their version (`model:
+flywheel@vN`: the client aimed its feedback) are skipped, and each user (`user_hash`)
+contributes at most `learn.max_samples_per_user` samples toward each version; the rest are
+dropped and counted (`capped`). Both are in the saved state, like the cursor.
 
 **Delivery.** The cursor, the buffer and the weights are saved together after every update,
 atomically (temp file, fsync, rename). A crash loses at most the update in progress, whose
@@ -59,6 +64,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from feedback import db
+from feedback.core.files import open_private, private_dir
 from learner.formats import ModelFormat
 from learner.model import ModelArgs, Transformer, WeightHook
 from learner.train.learn_settings import LearnSection, LearnSettings
@@ -88,6 +94,8 @@ class Sample:
     reward: float
     outcome: str | None
     routing: list | None = None  # serving's experts per layer and position, when recorded
+    user_hash: str = ""  # who gave the feedback (serving/routing.py): the per-user cap counts by it
+    pinned: bool = False  # the request chose its version (model: flywheel@vN): not trained on
 
 
 def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample], int]:
@@ -105,6 +113,8 @@ def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample
                 r.c.model_version,
                 r.c.reward,
                 r.c.outcome,
+                c.c.user_hash,
+                c.c.pinned,
                 c.c.prompt_token_ids,
                 ch.c.token_ids,
                 ch.c.logprobs,
@@ -131,6 +141,8 @@ def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample
             float(row.reward),
             row.outcome,
             row.routing,
+            row.user_hash,
+            bool(row.pinned),
         )
         for row in rows
     ]
@@ -342,7 +354,9 @@ class LearnerState:
     trained_since_publish: int = 0
     samples_read: int = 0
     samples_skipped: int = 0
+    samples_capped: int = 0  # beyond learn.max_samples_per_user of one user for one version
     samples_trained: int = 0
+    user_samples: dict[str, int] = field(default_factory=dict)  # per user_hash, since the last publish
     rewards_since_publish: list[float] = field(default_factory=list)
     online_reward_history: list[float] = field(default_factory=list)  # mean training reward per version window
     last_metrics: dict = field(default_factory=dict)
@@ -360,9 +374,9 @@ def save_state(path: Path, model, opt, state: LearnerState, buffer: ReplayBuffer
 
 
 def _atomic_save(blob: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # the learner's weights and the samples in its buffer: owner-only
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with open_private(tmp) as f:
         torch.save(blob, f)
         f.flush()
         os.fsync(f.fileno())
@@ -397,6 +411,7 @@ class Progress:
     buffered: int
     dropped_stale: int
     skipped: int
+    capped: int
     trained_since_publish: int
     min_samples: int
     next_publish_in_s: float
@@ -495,8 +510,7 @@ class Learner:
                 base, _ = ensure_imported(
                     self.s.model, self.store, engine=self.engine, producer=self.producer, replicas=0
                 )
-            folder = self.dir / "base"
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = private_dir(self.dir / "base")
             for name, data in self.store.model_files().items():
                 (folder / name).write_bytes(data)
             self.tok = load_tokenizer(folder)
@@ -593,18 +607,36 @@ class Learner:
     # steps -------------------------------------------------------------------------------------------
     def poll(self) -> int:
         """Read new rewarded samples into the buffer; returns how many were added."""
-        samples, last = read_samples(self.engine, self.state.cursor, limit=max(512, 4 * self.cfg.batch_size))
+        st = self.state
+        samples, last = read_samples(self.engine, st.cursor, limit=max(512, 4 * self.cfg.batch_size))
         usable = [
             s
             for s in samples
-            if s.outcome in self.cfg.outcomes and s.token_ids and len(s.behaviour) >= len(s.token_ids)
+            if s.outcome in self.cfg.outcomes
+            and s.token_ids
+            and len(s.behaviour) >= len(s.token_ids)
+            and not s.pinned  # its client chose the version: feedback aimed at it, not the users' own
         ]
-        self.state.samples_skipped += len(samples) - len(usable)
-        self.state.samples_read += len(samples)
-        self.state.cursor = last
+        st.samples_skipped += len(samples) - len(usable)
+        usable = self._within_user_cap(usable)
+        st.samples_read += len(samples)
+        st.cursor = last
         self.buffer.add(usable)
         self.buffer.drop_stale(self.state.version)
         return len(usable)
+
+    def _within_user_cap(self, samples: list[Sample]) -> list[Sample]:
+        """The samples whose user has not yet given `learn.max_samples_per_user` toward the next
+        version (the rest are counted and dropped): one client cannot supply a version's rewards."""
+        st, cap = self.state, self.cfg.max_samples_per_user
+        kept = []
+        for s in samples:
+            n = st.user_samples.get(s.user_hash, 0)
+            if n < cap:
+                st.user_samples[s.user_hash] = n + 1
+                kept.append(s)
+        st.samples_capped += len(samples) - len(kept)
+        return kept
 
     def update(self) -> dict | None:
         """One update when a batch is buffered; saves the state (cursor, buffer, weights) after it."""
@@ -645,7 +677,7 @@ class Learner:
     ) -> dict:
         """Publish `packed` as the next version, a delta against the last good one (None: the
         stored `version`, recovered), then move the learner's state on to it."""
-        from learner.publish import publish_version
+        from learner.publish import cleanup, publish_version
 
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
@@ -670,13 +702,14 @@ class Learner:
         if online is not None:
             st.online_reward_history.append(online)
         st.version, st.last_publish_at, st.trained_since_publish, st.rewards_since_publish = v, time.time(), 0, []
+        st.user_samples = {}
         if passed:
             st.last_good = v
             self._save_last_good()
         else:
             self._revert_to_last_good()
         self._save()
-        self.store.cleanup(self.cfg.keep_versions)
+        cleanup(self.store, self.engine, keep=self.cfg.keep_versions, also=(st.last_good, st.version))
         return {
             "version": v,
             "parent": msg.parent,
@@ -780,6 +813,7 @@ class Learner:
             buffered=len(self.buffer),
             dropped_stale=self.buffer.dropped_stale,
             skipped=st.samples_skipped,
+            capped=st.samples_capped,
             trained_since_publish=st.trained_since_publish,
             min_samples=self.cfg.min_samples,
             next_publish_in_s=max(0.0, st.last_publish_at + self.cfg.publish_every - time.time()),
@@ -828,6 +862,6 @@ def describe(p: Progress) -> str:
     )
     line = (
         f"v{p.version} (last good v{p.last_good}) · step {p.step} · read {p.samples_read}, trained {p.samples_trained}, "
-        f"buffer {p.buffered}, stale {p.dropped_stale}, skipped {p.skipped} · {train} · {wait}"
+        f"buffer {p.buffered}, stale {p.dropped_stale}, skipped {p.skipped}, capped {p.capped} · {train} · {wait}"
     )
     return f"{p.event}: {line}" if p.event else line

@@ -74,6 +74,10 @@ class LearnSection(Section):
     """Drop samples whose behaviour version lags the learner's latest version by more than this."""
     buffer_capacity: int = Field(default=4096, ge=1)
     """Samples the replay buffer holds; beyond that the oldest are dropped (and counted)."""
+    max_samples_per_user: int = Field(default=32, ge=1)
+    """Most samples one user (`user_hash`) contributes toward each version; later ones are dropped and
+    counted (`capped`), so one editor client posting accepts for its own completions cannot supply a
+    version's rewards. Samples of requests that pinned their version (`model: flywheel@vN`) never train."""
     outcomes: list[str] = ["select", "edit", "dismiss", "ignored", "no_suggestion"]
     """Reward outcomes that train (feedback/reward.py); `unseen` suggestions carry no signal."""
     importance: Literal["ppo_clip", "tis"] = "ppo_clip"
@@ -94,7 +98,8 @@ class LearnSection(Section):
     zstd_threads: int = Field(default=-1, ge=-1)
     """zstd worker threads (-1: all cores, 0: single-threaded)."""
     keep_versions: int = Field(default=32, ge=1)
-    """Versions the store keeps (plus what their delta chains need)."""
+    """Newest versions the store keeps; also kept, however old: every version serving targets or serves,
+    stable, the last good one, and what the delta chains of all of these need (learner/publish.py)."""
     gate: GateSection = GateSection()
 
 

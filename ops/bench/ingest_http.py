@@ -96,7 +96,8 @@ def _serve(port: int) -> None:
         KafkaSettings.model_validate(json.loads(os.environ["FLYWHEEL_BENCH_KAFKA"])), max_buffered=1_000_000
     )
     app = build_app(routers=[make() for make in ops_routers()])
-    cfg = ServeSettings(port=port, auth_tokens=[SecretStr(token)])
+    # 16 clients on one token measure throughput flat out: no per-token event rate limit.
+    cfg = ServeSettings(port=port, auth_tokens=[SecretStr(token)], limits={"events": ""})
     app.state.api = ApiState(cfg=cfg, replicas={}, producer=producer, editor_tokens={token}, decode=str)
     try:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

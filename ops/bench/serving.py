@@ -136,10 +136,17 @@ def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int,
     token = secrets.token_urlsafe(16)
     from pydantic import SecretStr
 
+    # One client measures throughput flat out: no per-token rate limit.
+    limits = settings.serve.limits.model_copy(update={"completions": ""})
     s = settings.model_copy(
         update={
             "serve": settings.serve.model_copy(
-                update={"auth_tokens": [SecretStr(token)], "model_dir": model_dir, "canary_replicas": 0}
+                update={
+                    "auth_tokens": [SecretStr(token)],
+                    "model_dir": model_dir,
+                    "canary_replicas": 0,
+                    "limits": limits,
+                }
             )
         }
     )

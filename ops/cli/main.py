@@ -12,6 +12,7 @@ import sys
 from typing import NoReturn
 
 from feedback.core.errors import UserError
+from feedback.core.threads import prefer_passive_waiting
 from ops.cli import dashboard, feedback, learner, rollout, serve
 from ops.cli.console import add_config_args, console, err_console, print_config, progress_line
 
@@ -206,6 +207,7 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefer_passive_waiting()  # before any command imports torch (feedback/core/threads.py)
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -437,8 +437,8 @@ def _duration(seconds: float) -> str:
 
 
 def login_html(status: int, message: str) -> str:
-    """The login form (a POST of the ops token to `login`), titled for a 401 or a 403."""
-    title = "Forbidden" if status == 403 else "Log in"
+    """The login form (a POST of the ops token to `login`), titled for a 401, 403 or 429."""
+    title = {403: "Forbidden", 429: "Too many failed logins"}.get(status, "Log in")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Flywheel ops dashboard: {title}</title><style>{CSS}
 main {{ display: block; max-width: 560px; }} form {{ display: flex; gap: 8px; margin-top: 12px; }} input[type=password] {{ flex: 1; padding: 6px; }}

@@ -8,33 +8,36 @@
 
 Authentication is the app's ops token (feedback.core.auth, `app.state.tokens`). A browser
 cannot add a bearer header to a page load, so `POST /ops/login` (a form) sets an HttpOnly,
-SameSite=Strict cookie instead. The cookie holds an HMAC of the token, not the token: it opens
-the dashboard and nothing else, and stops working when the token is removed from
-serve.ops_tokens. Tokens never go in URLs. The database is `app.state.database_url`.
+SameSite=Strict cookie instead. The cookie holds the login time signed with the token
+(itsdangerous), not the token: it opens the dashboard and nothing else, the server refuses it
+once serve.dashboard.session_max_age_s have passed, and it stops working when the token is
+removed from serve.ops_tokens. It is `Secure` as serve.dashboard.cookie_secure says. Failed
+logins are limited per client address (serve.dashboard.login_failures: 429 beyond).
+Tokens never go in URLs. The database is `app.state.database_url`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import threading
 from typing import Annotated
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from itsdangerous import BadSignature, TimestampSigner
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from feedback import db
-from feedback.core.auth import matches, require_ops, tokens
+from feedback.core.auth import DashboardLogin, dashboard_login, matches, require_ops, tokens
 from feedback.core.errors import first_line
+from feedback.core.web import rate_limiter
 from ops.dashboard.data import dashboard_data
 from ops.dashboard.page import app_js, login_html, render_html
 
 COOKIE = "flywheel_ops"
-SESSION_MAX_AGE_S = 12 * 3600
 REFRESH_S = 60
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # The served page runs only its own script (app.js); plotly adds inline styles as it draws.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; font-src 'self' data:; "
@@ -48,9 +51,25 @@ PAGE_HEADERS = {
 }
 
 
+def signer(token: str) -> TimestampSigner:
+    return TimestampSigner(token, salt="flywheel ops dashboard session")
+
+
 def session_value(token: str) -> str:
-    """What the cookie holds for `token`: a keyed hash that opens the dashboard and nothing else."""
-    return hmac.new(token.encode(), b"flywheel ops dashboard session", hashlib.sha256).hexdigest()
+    """What the cookie holds for `token`: the login time, signed with the token. It opens the
+    dashboard and nothing else."""
+    return signer(token).sign(b"ops").decode()
+
+
+def session_token(cookie: str, ops_tokens, max_age_s: float) -> str | None:
+    """The ops token that signed `cookie` within the last `max_age_s` seconds, else None."""
+    for token in ops_tokens:
+        try:
+            signer(token).unsign(cookie, max_age=max_age_s)
+            return token
+        except BadSignature:  # also expired (SignatureExpired) and malformed values
+            continue
+    return None
 
 
 def require_ops_session(request: Request) -> str:
@@ -59,10 +78,12 @@ def require_ops_session(request: Request) -> str:
     cookie = request.cookies.get(COOKIE)
     if request.headers.get("authorization") or not cookie:
         return require_ops(request)
-    for token in tokens(request).ops:
-        if matches(cookie, (session_value(token),)):
-            return token
-    raise HTTPException(401, "the dashboard session is no longer valid (was the ops token removed?): log in again")
+    token = session_token(cookie, tokens(request).ops, dashboard_login(request.app.state).session_max_age_s)
+    if token is None:
+        raise HTTPException(
+            401, "the dashboard session has expired or is no longer valid (was the ops token removed?): log in again"
+        )
+    return token
 
 
 OpsSession = Annotated[str, Depends(require_ops_session)]
@@ -92,7 +113,7 @@ def router() -> APIRouter:
     api.get("/dashboard", response_class=HTMLResponse, responses={401: {}, 403: {}, 503: {}})(dashboard)
     api.get("/dashboard.json", responses={401: {}, 403: {}, 503: {}})(dashboard_json)
     api.get("/dashboard/app.js", responses={401: {}, 403: {}})(dashboard_script)
-    api.post("/login", response_class=HTMLResponse, responses={303: {}, 401: {}, 403: {}})(login)
+    api.post("/login", response_class=HTMLResponse, responses={303: {}, 401: {}, 403: {}, 413: {}, 429: {}})(login)
     api.post("/logout", responses={303: {}})(logout)
     return api
 
@@ -122,6 +143,13 @@ def dashboard_script(_token: OpsSession) -> Response:
 
 async def login(request: Request) -> Response:
     """Exchange an ops token (form field `token`) for a dashboard session cookie."""
+    settings = dashboard_login(request.app.state)
+    limiter, address = rate_limiter(request.app.state), request.client.host if request.client else "unknown"
+    what = "failed logins from this address"
+    try:  # refused before the token is looked at, so guessing cannot go on behind the 429s
+        limiter.check(settings.login_failures, "login", address, what=what)
+    except HTTPException as e:
+        return _login_page(e.status_code, str(e.detail), e.headers)
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
     allowed = tokens(request)
@@ -130,16 +158,26 @@ async def login(request: Request) -> Response:
         resp.set_cookie(
             COOKIE,
             session_value(token),
-            max_age=SESSION_MAX_AGE_S,
+            max_age=int(settings.session_max_age_s),
             path="/ops",
             httponly=True,
             samesite="strict",
-            secure=request.url.scheme == "https",
+            secure=_secure(request, settings),
         )
         return resp
+    if token:
+        limiter.count(settings.login_failures, "login", address)
     if token and matches(token, allowed.editor):
         return _login_page(403, "that is an editor token; the dashboard needs an ops token (serve.ops_tokens)")
     return _login_page(401, "wrong token" if token else "enter an ops token")
+
+
+def _secure(request: Request, settings: DashboardLogin) -> bool:
+    """Whether the session cookie is Secure: serve.dashboard.cookie_secure, where `auto` leaves it
+    off only for a page loaded over plain http from a loopback address."""
+    if settings.cookie_secure != "auto":
+        return settings.cookie_secure == "always"
+    return request.url.scheme == "https" or request.url.hostname not in LOOPBACK
 
 
 def logout() -> Response:
@@ -161,6 +199,8 @@ def _app_js_cached() -> str:
         return _js
 
 
-def _login_page(status: int, message: str) -> HTMLResponse:
-    headers = PAGE_HEADERS | ({"WWW-Authenticate": 'Bearer realm="flywheel ops"'} if status == 401 else {})
+def _login_page(status: int, message: str, headers: dict | None = None) -> HTMLResponse:
+    headers = (
+        PAGE_HEADERS | ({"WWW-Authenticate": 'Bearer realm="flywheel ops"'} if status == 401 else {}) | (headers or {})
+    )
     return HTMLResponse(login_html(status, message), status_code=status, headers=headers)

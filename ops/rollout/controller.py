@@ -103,8 +103,9 @@ def tick(engine: Engine, *, now: datetime | None = None) -> Outcome | None:
         # At 100% stable serves nobody: compare with all of stable's traffic since one interval
         # before the rollout began (when it served everyone), so even weights [100] have a control.
         stable_since = r.started_at - timedelta(seconds=r.interval_s) if r.weight >= 100 else clock.window_start
-        canary = read_arm(conn, version=r.candidate_version, since=clock.window_start, until=now)
-        stable = read_arm(conn, version=r.stable_version, since=stable_since, until=now)
+        cap = r.policy.max_per_user
+        canary = read_arm(conn, version=r.candidate_version, since=clock.window_start, until=now, max_per_user=cap)
+        stable = read_arm(conn, version=r.stable_version, since=stable_since, until=now, max_per_user=cap)
     d = decide(canary, stable, r.policy, holds=clock.holds, last_step=r.step_index >= len(r.weights) - 1)
     evidence = d.evidence | {
         "by": "controller",

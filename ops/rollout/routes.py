@@ -8,9 +8,10 @@
     POST /ops/rollouts/{id}/abort          every user back to stable
 
 Every route needs an ops token (feedback.core.auth.OpsToken, read from `app.state.tokens`:
-401 without one, 403 for an editor token). The database comes from the dependency
-`engine_for`; by default the app's `app.state.database_url`, through `db.shared_engine` (one
-pool per URL for the life of the process). Routes are plain `def`: SQL blocks, so FastAPI
+401 without one, 403 for an editor token). Ids and versions are bounded by their SQL columns
+and bodies are `RequestBody`s (valid Unicode, finite numbers): anything else is a 422. The
+database comes from the dependency `engine_for`; by default the app's `app.state.database_url`,
+through `db.shared_engine` (one pool per URL for the life of the process). Routes are plain `def`: SQL blocks, so FastAPI
 runs them in its thread pool.
 
 No `from __future__ import annotations` here: FastAPI must see the route annotations, and
@@ -21,12 +22,14 @@ import hashlib
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from pydantic import BaseModel, Field, ValidationError
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from pydantic import Field, ValidationError
 from sqlalchemy.engine import Engine
 
 from feedback import db
 from feedback.core.auth import OpsToken
+from feedback.core.web import RequestBody
+from feedback.schemas import INT32_MAX, INT64_MAX, NonNegInt32
 from ops.rollout import commands, rows
 from ops.rollout.settings import RolloutSection
 
@@ -39,25 +42,28 @@ def app_engine(request: Request) -> Engine:
     return db.shared_engine(url)
 
 
-class RolloutCreate(BaseModel):
+RolloutId = Annotated[int, Path(ge=0, le=INT64_MAX, description="a rollout id")]
+
+
+class RolloutCreate(RequestBody):
     """Start a rollout; unset fields take the [rollout] defaults."""
 
-    version: int = Field(ge=0)
-    weights: list[float] | None = None
-    interval_s: float | None = None
-    min_samples: int | None = None
+    version: NonNegInt32
+    weights: list[float] | None = Field(default=None, max_length=100)
+    interval_s: float | None = Field(default=None, le=365 * 86400)
+    min_samples: int | None = Field(default=None, le=INT32_MAX)
     alpha: float | None = None
-    max_holds: int | None = None
+    max_holds: int | None = Field(default=None, le=INT32_MAX)
     require_reward: bool | None = None
-    thresholds: dict[str, float] | None = None
-    mode: str | None = None
-    stable: int | None = Field(
-        default=None, ge=0, description="the version to compare with (default: the current stable)"
+    thresholds: dict[str, float] | None = Field(default=None, max_length=16)
+    mode: str | None = Field(default=None, max_length=16)
+    stable: NonNegInt32 | None = Field(
+        default=None, description="the version to compare with (default: the current stable)"
     )
     force: bool = Field(default=False, description="roll out a version that failed the gate, or was rolled out before")
 
 
-class OperatorAction(BaseModel):
+class OperatorAction(RequestBody):
     reason: str | None = Field(default=None, max_length=500)
 
 
@@ -79,7 +85,7 @@ def router(
     def rollouts_status(
         token: OpsToken,
         engine: EngineDep,
-        rollout_id: Annotated[int | None, Query(alias="id")] = None,
+        rollout_id: Annotated[int | None, Query(alias="id", ge=0, le=INT64_MAX)] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 20,
     ) -> dict[str, Any]:
         """The active rollout (else the latest, or `?id=`), its recent steps, recent rollouts, and the serving pools."""
@@ -108,7 +114,7 @@ def router(
 
 def _operator_route(api: APIRouter, name: str, fn, EngineDep) -> None:
     def action(
-        rollout_id: int, token: OpsToken, engine: EngineDep, body: OperatorAction | None = None
+        rollout_id: RolloutId, token: OpsToken, engine: EngineDep, body: OperatorAction | None = None
     ) -> dict[str, Any]:
         return _call(lambda: fn(engine, rollout_id, by=who(token), reason=body.reason if body else None).as_dict())
 

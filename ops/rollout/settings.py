@@ -41,6 +41,12 @@ class RolloutSection(Section):
     """Observations per arm below which a metric is not tested; the step holds until the accept rate has them."""
     alpha: float = Field(default=0.05, gt=0, lt=0.5)
     """Significance level of each one-sided test (canary worse than stable beyond the threshold)."""
+    max_per_user: int = Field(default=20, ge=1)
+    """Most samples one user (`user_hash`) contributes to an arm per step: completions, choices, shown
+    choices and rewards each, the user's earliest in the step's window; the rest is left out of the
+    evidence and counted (`capped_shown`, `capped_rewards`). One editor token can post any number of
+    accepts for its own completions; with this, a single client cannot supply an arm's samples.
+    Arms need min_samples / max_per_user users each (10 at the defaults)."""
     max_holds: int = Field(default=30, ge=0)
     """Under-sampled evaluations a step may hold before the rollout is rolled back for insufficient traffic."""
     require_reward: bool = False
@@ -71,6 +77,7 @@ class RolloutSection(Section):
             alpha=self.alpha,
             max_holds=self.max_holds,
             require_reward=self.require_reward,
+            max_per_user=self.max_per_user,
             **self.thresholds.model_dump(),
         )
 

@@ -182,6 +182,12 @@ class Arm:
     rewards: int = 0
     reward_mean: float | None = None
     reward_var: float | None = None
+    pinned: int = 0
+    """Completions served for requests that pinned this version: not in any count above."""
+    capped_shown: int = 0
+    """Shown choices beyond `Policy.max_per_user` of one user: not in `shown` / `accepted`."""
+    capped_rewards: int = 0
+    """Rewards beyond `Policy.max_per_user` of one user: not in `rewards`."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,9 @@ class Policy:
     reward_drop: float = 0.05
     error_rate_increase: float = 0.01
     p99_latency_ratio: float = 1.5
+    max_per_user: int = 20
+    """Most samples of each kind (completions, choices, shown choices, rewards) one user
+    contributes to an arm in a step (ops/rollout/arms.py): no single client decides a rollout."""
 
     def thresholds(self) -> dict[str, Any]:
         """The JSON kept in rollouts.thresholds (everything but min_samples, which has its own column)."""

@@ -4,10 +4,12 @@ Serving's own routes (completions, events, health/models/metrics) are always the
 route groups (the ops dashboard and rollout routes) are added by whoever builds the app:
 `flywheel serve` through serving/app.py's ingress, the demo, benchmarks and tests. Every
 error answers `{"error": {"message", "type"}}` (OpenAI's shape), and every request is
-counted and timed by route in Prometheus.
+counted and timed by route in Prometheus. A body larger than serve.limits.max_body_bytes
+gets 413 on every route, before it is parsed (feedback/core/web.py).
 
 The app's `state` is an `AppState`: routes read its `api` (an ApiState), the token checks
-its `tokens`, the ops routes its `database_url`.
+its `tokens`, the ops routes its `database_url`, every route group its `limits` and the
+dashboard its `dashboard` settings.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from feedback.core.web import BodyLimit, http_limits
 from serving import metrics
 from serving.http import completions, events, info
 from serving.http.deps import AppState
@@ -34,6 +37,8 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
         description="Code completion that learns from its users. OpenAI- and Tabby-compatible.",
     )
     app.state = AppState()
+    # Inside the request metrics below, so a refused body is counted too.
+    app.add_middleware(BodyLimit, limit=lambda scope: http_limits(app.state).max_body_bytes)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
@@ -49,15 +54,18 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "openai", "tabby"))
+        where = ".".join(str(x) for x in _field_path(first.get("loc", ())))
         message = f"{where}: {first['msg']}" if where else first["msg"]
-        return JSONResponse(
+        # Not the rejected inputs: they may be what cannot be encoded (NaN, a lone surrogate), and
+        # a client has them already.
+        details = [{k: v for k, v in e.items() if k != "input"} for e in errors]
+        return ErrorResponse(
             status_code=422,
             content={
                 "error": {
                     "message": message,
                     "type": "invalid_request_error",
-                    "details": json.loads(json.dumps(errors, default=str)),
+                    "details": json.loads(json.dumps(details, default=str)),
                 }
             },
         )
@@ -71,7 +79,7 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
             if exc.status_code < 500
             else "server_error"
         )
-        return JSONResponse(
+        return ErrorResponse(
             status_code=exc.status_code,
             content={"error": {"message": exc.detail, "type": kind}},
             headers=getattr(exc, "headers", None),
@@ -80,3 +88,21 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
     for r in (completions.router, events.router, info.router, *routers):
         app.include_router(r)
     return app
+
+
+def _field_path(loc) -> list:
+    """A validation error's location as the client wrote it: without FastAPI's leading "body" and
+    the completion shape's tag ("openai" / "tabby"), so `segments.declarations.0.body` stays whole."""
+    loc = list(loc)
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+        if loc[:1] in (["openai"], ["tabby"]):
+            loc = loc[1:]
+    return loc
+
+
+class ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a message that quotes a client's text always encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")

@@ -17,12 +17,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import Discriminator, Tag
 
 from feedback import bus
-from feedback.core.auth import EditorToken
 from feedback.schemas import CompletionChoice, CompletionRecord
 from learner.prompts import EDITOR_STOP
 from serving import metrics
 from serving.engine import SamplingSpec
-from serving.http.deps import ApiState, ReplicaClient, StateDep
+from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
 from serving.routing import user_hash
 from serving.schemas import (
@@ -53,13 +52,15 @@ router = APIRouter()
 
 
 @router.post(
-    "/v1/completions", response_model=CompletionResponse, responses={401: {}, 404: {}, 413: {}, 422: {}, 503: {}}
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={400: {}, 401: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}},
 )
-async def completions(body: CompletionBody, st: StateDep, token: EditorToken, request: Request):
+async def completions(body: CompletionBody, st: StateDep, token: CompletionsToken, request: Request):
     """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
     completion_id = f"cmpl-{uuid.uuid4().hex}"
-    uhash = user_hash(body.user, fallback=token)
+    uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
     gen = _to_generate(st, body, completion_id)
     replica = _pick(st, body, uhash)
     created = int(time.time())
@@ -117,10 +118,15 @@ def _repo_name(git_url: str | None) -> str | None:
     return git_url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1].removesuffix(".git") or None
 
 
+def _is_pinned(body) -> bool:
+    """Whether the request names its version (`model: name@vN`) instead of taking its route."""
+    return "@v" in (getattr(body, "model", None) or "")
+
+
 def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
     """The pool for this request: the one serving a pinned `model: name@vN`, else the user's route."""
     model = getattr(body, "model", None) or ""
-    if "@v" in model:
+    if _is_pinned(body):
         try:
             pinned = int(model.rsplit("@v", 1)[1])
         except ValueError:
@@ -190,6 +196,7 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
         summary_ids=r.summary_ids,
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
+        pinned=_is_pinned(body),
     )
     st.producer.send(bus.COMPLETIONS, record)
     v = str(r.model_version)
@@ -200,6 +207,7 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
         metrics.EMPTY.labels(v).inc()
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
+    metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)
     metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
     if r.summary_fallback:
         metrics.SUMMARY_FALLBACKS.inc()

@@ -3,8 +3,13 @@
 The Ray Serve ingress sets `app.state.api` on the app it builds in its replica
 (serving/app.py); unit tests set it on the app they build. Tokens are checked by
 feedback.core.auth, which reads `app.state.tokens`; route groups that are not serving's own
-(the ops routes) read `app.state.database_url`. On the serving app both follow its ApiState
-(`AppState`), so changing the ApiState's tokens takes effect on the next request.
+(the ops routes) read `app.state.database_url`, and every route group `app.state.limits` and
+`app.state.dashboard` (serve.limits, serve.dashboard). On the serving app these follow its
+ApiState (`AppState`), so changing the ApiState's tokens takes effect on the next request.
+
+`CompletionsToken` and `EventsToken` are the editor token check plus that token's rate limit
+(serve.limits.completions, .events): 429 with Retry-After beyond it, counted in this ingress
+replica's memory.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Annotated, Any, Protocol
 from fastapi import Depends, HTTPException, Request
 from starlette.datastructures import State
 
-from feedback.core.auth import Tokens
+from feedback.core.auth import DashboardLogin, EditorToken, Tokens
+from feedback.core.web import HttpLimits, http_limits, rate_limiter
 from serving.http.routing import RoutingState
 from serving.replica import GenerateRequest, GenerateResult
 from serving.settings import ServeSettings
@@ -59,13 +65,21 @@ class ApiState:
             allow_anonymous=self.cfg.allow_anonymous,
         )
 
+    @property
+    def limits(self) -> HttpLimits:
+        return self.cfg.limits
+
+    @property
+    def dashboard(self) -> DashboardLogin:
+        return self.cfg.dashboard
+
 
 class AppState(State):
-    """The serving app's `app.state`: `api` is its ApiState; `tokens` and `database_url`, unless
+    """The serving app's `app.state`: `api` is its ApiState; the attributes in FOLLOW_API, unless
     set on their own, are the ApiState's (absent while it is not set, so the token checks
     answer 503 "the API is starting up")."""
 
-    FOLLOW_API = ("tokens", "database_url")
+    FOLLOW_API = ("tokens", "database_url", "limits", "dashboard")
 
     def __getattr__(self, key: str) -> Any:
         try:
@@ -85,3 +99,23 @@ def api_state(request: Request) -> ApiState:
 
 
 StateDep = Annotated[ApiState, Depends(api_state)]
+
+
+def completions_quota(request: Request, token: EditorToken) -> str:
+    """The editor token, within its completion rate limit (429 beyond it)."""
+    rate_limiter(request.app.state).hit(
+        http_limits(request.app.state).completions, "completions", token, what="completion requests for this token"
+    )
+    return token
+
+
+def events_quota(request: Request, token: EditorToken) -> str:
+    """The editor token, within its event rate limit (429 beyond it)."""
+    rate_limiter(request.app.state).hit(
+        http_limits(request.app.state).events, "events", token, what="events for this token"
+    )
+    return token
+
+
+CompletionsToken = Annotated[str, Depends(completions_quota)]
+EventsToken = Annotated[str, Depends(events_quota)]

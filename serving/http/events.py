@@ -8,20 +8,19 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 
 from feedback import bus
-from feedback.core.auth import EditorToken
 from feedback.schemas import FeedbackEvent
 from serving import metrics
-from serving.http.deps import StateDep
+from serving.http.deps import EventsToken, StateDep
 from serving.schemas import EventAccepted, EventRequest
 
 router = APIRouter()
 
 
-@router.post("/v1/events", response_model=EventAccepted, responses={401: {}, 422: {}})
+@router.post("/v1/events", response_model=EventAccepted, responses={401: {}, 413: {}, 422: {}, 429: {}})
 async def events(
     body: EventRequest,
     st: StateDep,
-    _token: EditorToken,
+    _token: EventsToken,
     select_kind: Annotated[str | None, Query(pattern="^(full|line|word)$")] = None,
 ):
     """Record what the user did with a completion: view, select (full, line or word), dismiss, or edit."""

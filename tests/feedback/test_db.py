@@ -1,5 +1,8 @@
 """Alembic migrations on SQLite and PostgreSQL; unique keys that idempotency relies on."""
 
+import os
+import stat
+
 import pytest
 from sqlalchemy import insert, inspect
 from sqlalchemy.exc import IntegrityError
@@ -39,6 +42,26 @@ def test_migrations_on_sqlite(tmp_path):
 @pytest.mark.postgres
 def test_migrations_on_postgres(postgres_url):
     _check_schema(postgres_url)
+
+
+def test_a_new_sqlite_database_is_owner_only(tmp_path):
+    old = os.umask(0o022)
+    try:
+        engine = db.make_engine(f"sqlite:///{tmp_path / 'data' / 'db' / 'f.db'}")
+        db.upgrade(engine)
+        with engine.begin() as conn:  # a write: the WAL and shared-memory files exist while it is open
+            conn.execute(
+                insert(db.events).values(
+                    event_id="e", completion_id="c", choice_index=0, type="view", created_at=db.func.now()
+                )
+            )
+            files = sorted((tmp_path / "data" / "db").iterdir())
+            assert [p.name for p in files] == ["f.db", "f.db-shm", "f.db-wal"]
+            assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+        engine.dispose()
+    finally:
+        os.umask(old)
+    assert {stat.S_IMODE((tmp_path / d).stat().st_mode) for d in ("data", "data/db")} == {0o700}
 
 
 def test_cli_db_upgrade_default_sqlite(tmp_path):

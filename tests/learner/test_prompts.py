@@ -10,8 +10,16 @@ from tests.helpers import family_tokenizer
 LONG = "".join(f"def function_{i}(a, b):\n    return a * {i} + b\n\n" for i in range(200))
 
 
-def builder(tok, fmt, budget=256, version=1, cache=None):
-    return PromptBuilder(tok, fmt, budget=budget, chunk_tokens=64, cache=cache or SummaryCache(100), version=version)
+def builder(tok, fmt, budget=256, version=1, cache=None, max_summaries=100):
+    return PromptBuilder(
+        tok,
+        fmt,
+        budget=budget,
+        chunk_tokens=64,
+        cache=cache or SummaryCache(100),
+        version=version,
+        max_summaries=max_summaries,
+    )
 
 
 def run(coro):
@@ -95,3 +103,51 @@ def test_plain_text_summary_markers_where_the_vocabulary_has_no_summary_tokens()
         "[end of summary]"
     )
     assert len(p.ids) <= 256 and text.startswith("<|fim_prefix|>")
+
+
+# Distinct lines, so the order of the chunks summarized is visible; ~36,000 characters.
+NUMBERED = "".join(f"value_{i:04d} = compute({i})\n" for i in range(1200))
+
+
+def test_summarizes_newest_chunks_first_and_stops_at_the_cap(tok, fmt):
+    calls = []
+
+    async def summarize(chunk):  # short summaries: dozens would fit the room
+        calls.append(chunk)
+        return tok.encode("x", add_special_tokens=False).ids
+
+    cache = SummaryCache(100)
+    p = run(builder(tok, fmt, cache=cache, max_summaries=3).build(NUMBERED, "", summarize))
+    assert len(calls) == p.summaries_generated == len(p.summary_ids) == 3
+    starts = [NUMBERED.index(c) for c in calls]
+    assert starts == sorted(starts, reverse=True)  # newest first
+    recent = NUMBERED[starts[0] + len(calls[0]) :]
+    assert recent and tok.decode(p.ids).endswith(recent)  # the first chunk summarized is the one before the tail
+    assert p.summaries_skipped > 50 and p.truncated_tokens > 0 and len(p.ids) <= 256
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert text.count("<|summary_start|>") == 3 and "value_1199 = compute(1199)" in text
+
+    # The next request takes the cached summaries for free and writes at most 3 more.
+    again = run(builder(tok, fmt, cache=cache, max_summaries=3).build(NUMBERED, "", summarize))
+    assert again.summaries_cached == 3 and again.summaries_generated == 3 and len(calls) == 6
+    assert len(again.summary_ids) == 6 and again.summary_ids[-3:] == p.summary_ids
+
+
+def test_summarizing_stops_when_the_room_is_full(tok, fmt):
+    calls = []
+
+    async def summarize(chunk):  # long summaries: two fit the room
+        calls.append(chunk)
+        return tok.encode("y = 1\n" * 10, add_special_tokens=False).ids[:40]
+
+    p = run(builder(tok, fmt, max_summaries=100).build(NUMBERED, "", summarize))
+    assert 0 < len(p.summary_ids) < len(calls) == len(p.summary_ids) + 1  # the one that did not fit ends it
+    assert p.summaries_skipped > 50 and len(p.ids) <= 256
+
+
+def test_no_summaries_allowed_truncates(tok, fmt):
+    async def summarize(chunk):
+        raise AssertionError("must not be called")
+
+    p = run(builder(tok, fmt, max_summaries=0).build(NUMBERED, "", summarize))
+    assert not p.summary_ids and not p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256

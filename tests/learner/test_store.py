@@ -2,15 +2,24 @@
 planning, retention, and the announce/record helpers."""
 
 import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from feedback import bus, db
+from feedback.schemas import ModelVersion
 from learner import delta as D
 from learner import store as S
 from learner.export import checkpoint_tensors, export_packed_fp4, fp4_dequantized
 from learner.model import ModelArgs, Transformer
+from tests.helpers import scaled
 from tests.learner.test_delta import train_steps
 
 
@@ -192,7 +201,7 @@ def test_only_local_stores_and_increasing_versions(tmp_path, chain):
         S.open_store("s3://bucket/weights")
     store = S.open_store(tmp_path)
     publish_all(store, ckpts, 2)
-    with pytest.raises(S.StoreError, match="not newer"):
+    with pytest.raises(S.StoreError, match="already in the store"):
         store.publish(ckpts[2], parent=1, version=1)
     with pytest.raises(S.StoreError, match="parent 7"):
         store.publish(ckpts[2], parent=7)
@@ -200,3 +209,103 @@ def test_only_local_stores_and_increasing_versions(tmp_path, chain):
     bigger = {**ckpts[2], "extra.weight": torch.zeros(4, dtype=torch.bfloat16)}
     m = store.publish(bigger, parent=1)
     assert m.kind == "full" and store.manifest(m.version)["full_reason"] == "the tensor layout changed"
+
+
+# --- two publishers on one store -------------------------------------------------------------------
+
+
+def test_two_publishers_racing_for_one_version_one_wins_and_the_loser_removes_nothing(tmp_path, chain, monkeypatch):
+    """Two learners (each with its own Store, as in two processes) publish v2 at the same moment;
+    slow writes hold the window between the version check and STABLE open for a second."""
+    ckpts, _, _ = chain
+    publish_all(S.LocalStore(tmp_path), ckpts, 2)
+    real = S._write_synced
+
+    def slow(path, data):
+        time.sleep(0.25)
+        real(path, data)
+
+    monkeypatch.setattr(S, "_write_synced", slow)
+    results: dict[int, object] = {}
+
+    def publish(which: int) -> None:
+        try:
+            results[which] = S.LocalStore(tmp_path).publish(ckpts[which], parent=1, version=2)
+        except Exception as e:  # the loser's error, whatever it is
+            results[which] = e
+
+    threads = [threading.Thread(target=publish, args=(w,)) for w in (2, 3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    won = [w for w, r in results.items() if isinstance(r, ModelVersion)]
+    lost = [r for r in results.values() if not isinstance(r, ModelVersion)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert isinstance(lost[0], S.StoreError) and "already in the store" in str(lost[0])
+    reader = S.LocalStore(tmp_path)
+    assert reader.versions() == [0, 1, 2] and results[won[0]].sha256 == reader.model_version(2).sha256
+    assert D.tensor_hashes(reader.materialize(2)) == D.tensor_hashes(ckpts[won[0]])  # the winner's, verified
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+RACER = """
+import json, sys, time
+import torch
+from learner import delta as D
+from learner import store as S
+
+root, role, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = S.LocalStore(root)
+won, lost = [], []
+for v in range(1, last + 1):
+    g = torch.Generator().manual_seed(2 * v + (role == "b"))
+    ckpt = {"w": torch.randn(512, 512, generator=g).to(torch.bfloat16), "b": torch.full((8,), float(v))}
+    while v - 1 not in store.versions():
+        time.sleep(0.01)
+    try:
+        store.publish(ckpt, parent=v - 1, version=v)
+        won.append([v, D.checkpoint_digest(D.tensor_hashes(ckpt))])
+    except S.StoreError as e:
+        lost.append([v, str(e)])
+print(json.dumps({"won": won, "lost": lost}))
+"""
+
+
+def test_two_learner_processes_never_publish_the_same_version(tmp_path):
+    """Two processes race for each of versions 1..8: every version has exactly one author, and
+    the store holds exactly what that author wrote."""
+    store = S.LocalStore(tmp_path / "w")
+    store.publish({"w": torch.zeros(512, 512, dtype=torch.bfloat16), "b": torch.zeros(8)}, parent=None)
+    script = tmp_path / "racer.py"
+    script.write_text(RACER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "w"), role, "8"], stdout=subprocess.PIPE, env=env)
+        for role in ("a", "b")
+    ]
+    outs = [p.communicate(timeout=scaled(300))[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    results = [json.loads(out) for out in outs]
+    wins = [v for r in results for v, _ in r["won"]]
+    assert sorted(wins) == list(range(1, 9)), results  # each version once, by one of them
+    assert all("already in the store" in why for r in results for _, why in r["lost"])
+    reader = S.LocalStore(tmp_path / "w")
+    for r in results:
+        for v, digest in r["won"]:
+            assert reader.manifest(v)["digest"] == digest
+    assert reader.materialize(8)["b"][0].item() == 8.0  # the whole chain verifies
+
+
+def test_the_store_is_created_owner_only(tmp_path, chain):
+    ckpts, _, _ = chain
+    old = os.umask(0o022)
+    try:
+        publish_all(S.LocalStore(tmp_path / "data" / "weights"), ckpts, 2)
+    finally:
+        os.umask(old)
+    paths = [tmp_path / "data", *(tmp_path / "data").rglob("*")]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in paths if p.is_dir()} == {0o700}
+    files = [p for p in paths if p.is_file()]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600} and len(files) == 6 + 1  # + the lock

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
@@ -24,7 +25,13 @@ from serving.settings import ServeSettings
 from tests.helpers import flywheel, scaled
 from tests.ops.cli.test_main import assert_one_line_error
 from tests.serving.conftest import TOKEN, FakeEngine, ListSink, LocalPool
-from tests.serving.test_hotswap import WeightsEngine, make_service, published, sync  # noqa: F401  (published: a fixture)
+from tests.serving.test_hotswap import (  # noqa: F401  (published: a fixture)
+    WeightsEngine,
+    bits_equal,
+    make_service,
+    published,
+    sync,
+)
 
 
 @pytest.fixture
@@ -56,6 +63,38 @@ def test_targets_round_trip(engine):
     assert pools.read(engine) == Routes(stable=5, canary=None, canary_percent=0.0)
     with pytest.raises(ValueError, match="within"):
         pools.set_canary(engine, 6, 101.0)
+
+
+def test_versions_in_use(engine):
+    from datetime import UTC, datetime, timedelta
+
+    from ops.rollout.stats import Policy
+
+    with engine.connect() as conn:
+        assert pools.versions_in_use(conn, now=datetime.now(UTC)) == set()
+    pools.set_canary(engine, 9, 5.0)
+    pools.record_swap(engine, pool=STABLE, replica="a", report={"ok": True, "from_version": 1, "target": 2})
+    pools.record_swap(engine, pool=STABLE, replica="a", report={"ok": False, "from_version": 2, "target": 7})
+    pools.record_swap(engine, pool=CANARY, replica="b", report={"ok": True, "from_version": 3, "target": 4})
+    with engine.begin() as conn:
+        conn.execute(
+            db.rollouts.insert().values(
+                candidate_version=12,
+                stable_version=11,
+                state=db.RUNNING,
+                step_index=0,
+                weights=[5, 100],
+                interval_s=60,
+                thresholds=Policy().thresholds(),
+                min_samples=10,
+            )
+        )
+        conn.execute(db.swap_events.update().where(db.swap_events.c.replica == "b").values(at=datetime(2020, 1, 1)))
+    with engine.connect() as conn:
+        # the canary's target 9; replica a still serves 2 (its swap to 7 failed); b's report is years
+        # old; the running rollout's candidate 12 and stable 11
+        assert pools.versions_in_use(conn, now=datetime.now(UTC)) == {9, 2, 12, 11}
+        assert 4 in pools.versions_in_use(conn, now=datetime.now(UTC), served_within=timedelta(days=365 * 10))
 
 
 def test_record_swap(engine):
@@ -109,7 +148,8 @@ def test_pool_sizes():
 
 def two_pools(tok, engine, canary_reports=None):
     """An app with a stable pool on v3 and a canary pool on v4, its state, and its record sink."""
-    cfg = ServeSettings(auth_tokens=[TOKEN])
+    # Forty users behind one token, as fast as the fake engine answers: no per-token rate limit.
+    cfg = ServeSettings(auth_tokens=[TOKEN], limits={"completions": ""})
     stable = CompletionService(FakeEngine(tok), tok, own_format(tok, 2048), cfg, version=3)
     canary = CompletionService(FakeEngine(tok, text="return y"), tok, own_format(tok, 2048), cfg, version=4)
     sink = ListSink()
@@ -158,7 +198,8 @@ def test_the_canary_gets_its_share_only_once_it_serves_the_target(tok, engine):
     pools.set_canary(engine, 4, 50.0)  # now it does: the users below the share go there, sticky
     refresh(st, engine)
     got = served_by(client)
-    want = {u: "flywheel@v4" if bucket(user_hash(u, TOKEN)) < 50 else "flywheel@v3" for u in USERS}
+    key = st.cfg.user_hash_key()
+    want = {u: "flywheel@v4" if bucket(user_hash(key, token=TOKEN, user=u)) < 50 else "flywheel@v3" for u in USERS}
     assert got == want and set(got.values()) == {"flywheel@v3", "flywheel@v4"}
     assert served_by(client) == want  # the same users again: the same pools
     assert client.get("/v1/health").json()["flywheel"]["canary_live"]
@@ -177,12 +218,15 @@ def test_the_canary_gets_its_share_only_once_it_serves_the_target(tok, engine):
 
 
 def test_pinned_versions_go_to_the_pool_serving_them(tok, engine):
-    client, st, _ = two_pools(tok, engine)
+    client, st, sink = two_pools(tok, engine)
     refresh(st, engine)
     assert set(served_by(client, USERS[:5], model="flywheel@v4").values()) == {
         "flywheel@v4"
     }  # even with no canary share
     assert set(served_by(client, USERS[:5], model="flywheel@v3").values()) == {"flywheel@v3"}
+    served_by(client, USERS[:2], model="flywheel")
+    # the records say which requests chose their version: rollout arms and the learner skip those
+    assert [m.pinned for _, m in sink.sent] == [True] * 10 + [False] * 2
     r = client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@v7"})
     assert r.status_code == 404 and "[3, 4]" in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "x", "model": "flywheel@vX"}).status_code == 400
@@ -320,6 +364,47 @@ async def test_each_pool_follows_its_own_target(tok, published, engine):  # noqa
         for t in loops:
             t.cancel()
     assert {(r.pool, r.to_version, r.ok) for r in swap_rows(engine)} == {(CANARY, 2, True), (STABLE, 3, True)}
+
+
+@sync
+async def test_a_replica_restarted_after_stable_fell_far_behind_still_reaches_its_target(tok, engine, tmp_path):
+    """Stable stays on v3 while the learner publishes 56 more versions, cleaning up after each as
+    it does (keep 32): v3, and the snapshot and deltas it is built from, stay; so do a canary's
+    target and a version a replica still serves. A replica restarted on v0 swaps to v3."""
+    from learner.publish import cleanup
+
+    def ckpt(v: int) -> dict:
+        g = torch.Generator().manual_seed(v)
+        return {"w.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.full((4,), float(v))}
+
+    store = S.open_store(tmp_path / "w", full_every=8)
+    store.publish(ckpt(0), parent=None)
+    for v in range(1, 60):
+        store.publish(ckpt(v), parent=v - 1)
+        if v == 3:
+            pools.set_stable(engine, 3)
+        if v == 6:  # a replica swapped to v6 (its pool's target moved on since)
+            report = {"ok": True, "from_version": 5, "target": 6}
+            pools.record_swap(engine, pool=CANARY, replica="r-old", report=report)
+        if v == 20:
+            pools.set_canary(engine, 20, 5.0)
+        cleanup(store, engine, keep=32, also=(v,))
+    kept = set(store.versions())
+    # full snapshots at 0, 8, 16, ...: v3 and v6 need 0..6, v20 16..20, the newest 32 (28..59) 24..59
+    assert kept == set(range(0, 7)) | set(range(16, 21)) | set(range(24, 60))
+    assert store.plan(3) == S.Plan(3, None, 0, (1, 2, 3), store.plan(3).nbytes)
+
+    service = make_service(tok, WeightsEngine(S.to_hf_tensors(ckpt(0)), version=0))  # restarted from its folder
+    rec = PoolReconciler(engine, pool=STABLE, replica="r1", swapper=HotSwapper(service, S.open_store(tmp_path / "w")))
+    report = await rec.step()
+    assert report["ok"], report["error"]
+    assert service.version == 3 and bits_equal(service.engine.inner.weights, S.to_hf_tensors(ckpt(3)))
+
+    class Down:
+        def connect(self):
+            raise OSError("database is down")
+
+    assert cleanup(store, Down(), keep=1) == [] and set(store.versions()) == kept  # unsure: delete nothing
 
 
 @sync

@@ -183,6 +183,23 @@ def test_long_prompt_is_self_summarized(stack):
     assert float(generated[0].split()[-1]) + float(fallbacks[0].split()[-1]) > 0
 
 
+def test_limits_hold_behind_ray_serve(stack):
+    """Ray Serve's proxy relays the body to the ingress, which refuses it: 413 with or without a
+    Content-Length, 422 for text that is not Unicode; the API answers on."""
+    s, _, client = stack
+    too_big = s.serve.limits.max_body_bytes + 1
+    r = client.post("/v1/completions", content=b"x" * too_big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+    chunks = (b"y" * 65536 for _ in range(too_big // 65536 + 2))
+    r = client.post("/v1/events", content=chunks, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    r = client.post(
+        "/v1/completions", content=b'{"prompt": "x", "user": "\\ud800"}', headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith("user: ")
+    assert client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 2}).status_code == 200
+
+
 def test_broker_outage_still_serves_then_delivers(stack):
     """Acceptance 3: no 5xx and latency within 2x while Kafka is down; records arrive after."""
     s, _, client = stack

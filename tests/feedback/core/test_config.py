@@ -92,6 +92,8 @@ def test_example_config_is_valid_and_complete():
         ("query", query.query),
         ("serve", sim.serve),
         ("serve.engine", sim.serve.engine),
+        ("serve.limits", sim.serve.limits),
+        ("serve.dashboard", sim.serve.dashboard),
         ("simulate", sim.simulate),
         ("learn", learn.learn),
         ("learn.gate", learn.learn.gate),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from datetime import UTC, datetime, timedelta
 
@@ -9,6 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from feedback import db
+from feedback.core.errors import UserError
 from feedback.reward import RewardWeights
 from feedback.schemas import FeedbackEvent, encode
 from feedback.sink import ingest
@@ -38,6 +40,13 @@ class Offsets:
         return msg, Origin(topic, 0, self.n, b"k", encode(msg))
 
 
+@pytest.fixture
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write(engine, now=T0, **parts) -> ingest.Counts:
     with engine.begin() as conn:
         return ingest.write_batch(conn, Batch(**parts), now=now, feedback_window_s=WINDOW)
@@ -64,6 +73,16 @@ def test_a_batch_written_twice_leaves_the_same_rows(engine):
     again = write(engine, completions=comps, events=evs)
     assert (again.completions, again.events, again.held) == (0, 0, 0)
     assert [count(engine, t) for t in ("completions", "completion_choices", "events", "reward_due")] == [3, 3, 3, 3]
+
+
+def test_a_pinned_completion_is_stored_as_pinned(engine):
+    o = Offsets()
+    write(engine, completions=[o(completion("routed")), o(completion("pinned").model_copy(update={"pinned": True}))])
+    with engine.connect() as conn:
+        assert dict(conn.execute(select(db.completions.c.completion_id, db.completions.c.pinned)).all()) == {
+            "routed": False,
+            "pinned": True,
+        }
 
 
 def test_an_event_before_its_completion_is_held_then_promoted(engine):
@@ -231,6 +250,26 @@ def _unvalidated_select(cid: str, accepted_chars: int) -> FeedbackEvent:
         elapsed_ms=None,
         created_at=T0,
     )
+
+
+def test_the_metrics_server_listens_on_this_machine_only_unless_told(unused_port):
+    from feedback.sink.loop import SinkSection, serve_metrics
+
+    assert serve_metrics(SinkSection()) is None  # no port: no server
+    server = serve_metrics(SinkSection(metrics_port=unused_port))
+    try:
+        assert server.server_address == ("127.0.0.1", unused_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    server = serve_metrics(SinkSection(metrics_port=unused_port, metrics_host="0.0.0.0"))
+    try:
+        assert server.server_address == ("0.0.0.0", unused_port)
+        with pytest.raises(UserError, match=f"cannot listen on 127.0.0.1:{unused_port}"):
+            serve_metrics(SinkSection(metrics_port=unused_port))  # taken: one line, not a traceback
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_value_the_database_cannot_hold_is_a_dead_letter_not_a_crash(engine):

@@ -101,10 +101,20 @@ def fim_prompts(tok, files, n: int, window: int, seed: int = 3) -> list[list[int
 
 
 def write_samples(
-    engine, model, tok, texts: list, *, version: int = 0, reward_fn=None, seed: int = 0, max_new: int = 6
+    engine,
+    model,
+    tok,
+    texts: list,
+    *,
+    version: int = 0,
+    reward_fn=None,
+    seed: int = 0,
+    max_new: int = 6,
+    user: str | None = None,
+    pinned: bool = False,
 ) -> list[str]:
     """One completion per text (its tail as the prompt; or a list of prompt ids), rewarded by
-    `reward_fn(token_ids) -> (reward, outcome)`."""
+    `reward_fn(token_ids) -> (reward, outcome)`; from five users in turn, or all from `user`."""
     gen = torch.Generator().manual_seed(seed)
     eos = tok.token_to_id(EOS)
     ids = []
@@ -124,7 +134,8 @@ def write_samples(
                 db.completions.insert().values(
                     completion_id=cid,
                     model_version=version,
-                    user_hash=f"u{i % 5}",
+                    user_hash=user or f"u{i % 5}",
+                    pinned=pinned,
                     prompt_token_ids=prompt,
                     summary_ids=[],
                     n_choices=1,

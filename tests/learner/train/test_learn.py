@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import stat
 
 import pytest
 import torch
@@ -11,7 +13,17 @@ from rich.console import Console
 from feedback import db
 from learner import store as S
 from learner.model import ModelArgs
-from learner.train.learn import Learner, ReplayBuffer, Sample, make_batch, model_from_packed, read_samples
+from learner.train.learn import (
+    Learner,
+    LearnerState,
+    ReplayBuffer,
+    Sample,
+    describe,
+    make_batch,
+    model_from_packed,
+    read_samples,
+    save_state,
+)
 from learner.train.pretrain import ensure_base_model
 from tests.learner.train.learn_support import (
     ListProducer,
@@ -60,6 +72,23 @@ def test_replay_buffer_drops_stale_and_overflow():
     c = ReplayBuffer(2, 4)
     c.load_state_dict(b.state_dict())
     assert [x.reward_id for x in c.items] == [5] and c.dropped_stale == 1
+
+
+def test_the_learner_state_is_saved_owner_only(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    old = os.umask(0o022)
+    try:
+        save_state(
+            tmp_path / "data" / "learner" / "state.pt",
+            model,
+            torch.optim.SGD(model.parameters()),
+            LearnerState(),
+            ReplayBuffer(2, 4),
+        )
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "data" / "learner" / "state.pt").stat().st_mode) == 0o600
+    assert {stat.S_IMODE((tmp_path / d).stat().st_mode) for d in ("data", "data/learner")} == {0o700}
 
 
 def test_make_batch_aligns_targets_with_positions():
@@ -115,6 +144,28 @@ def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
     write_samples(lr.engine, v0, lr.tok, texts(4), reward_fn=lambda t: (0.0, "unseen"))
     assert lr.poll() == 0 and lr.state.samples_skipped == 4 and lr.state.samples_read == 4
+
+
+def test_one_user_supplies_at_most_max_samples_per_user_per_version_and_pinned_never_train(tmp_path, base):
+    lr = started(tmp_path, base, max_samples_per_user=3, min_samples=4)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(10), user="mallory", reward_fn=lambda t: (1.0, "select"))
+    write_samples(lr.engine, v0, lr.tok, texts(4), pinned=True, reward_fn=lambda t: (1.0, "select"))
+    write_samples(lr.engine, v0, lr.tok, texts(5))  # five users, one sample each
+    assert lr.poll() == 3 + 5
+    assert (lr.state.samples_capped, lr.state.samples_skipped, lr.state.samples_read) == (7, 4, 19)
+    assert [s.user_hash for s in lr.buffer.items].count("mallory") == 3 and not any(s.pinned for s in lr.buffer.items)
+    assert "capped 7" in describe(lr.snapshot())
+
+    assert lr.update() is not None  # saves the state: the cursor with the counts behind it
+
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()
+    write_samples(again.engine, v0, again.tok, texts(2), user="mallory", seed=1)
+    assert again.poll() == 0 and again.state.samples_capped == 9
+    again.publish()  # a new version: every user may contribute again
+    write_samples(again.engine, v0, again.tok, texts(5), user="mallory", seed=2)
+    assert again.poll() == 3 and again.state.samples_capped == 11
 
 
 def test_read_samples_pages_by_reward_id(tmp_path, base):

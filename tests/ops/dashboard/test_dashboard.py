@@ -18,7 +18,7 @@ from feedback import db
 from ops.dashboard import write_static
 from ops.dashboard.data import dashboard_data, pick_bucket
 from ops.dashboard.page import render_html
-from ops.dashboard.routes import router, session_value
+from ops.dashboard.routes import router, session_token, signer
 from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.settings import ServeSettings
@@ -450,7 +450,8 @@ def test_dashboard_json_and_page(filled, sqlite_url):
 
 
 def test_login_cookie(filled, sqlite_url):
-    client = TestClient(make_app(sqlite_url), follow_redirects=False)
+    # Plain http from a loopback address: the one place `auto` leaves the cookie without Secure.
+    client = TestClient(make_app(sqlite_url), base_url="http://127.0.0.1:8000", follow_redirects=False)
     r = client.post("/ops/login", data={"token": "wrong"})
     assert r.status_code == 401 and "wrong token" in r.text and "set-cookie" not in r.headers
     r = client.post("/ops/login", data={"token": EDITOR})
@@ -459,18 +460,56 @@ def test_login_cookie(filled, sqlite_url):
     assert r.status_code == 303 and r.headers["location"] == "dashboard"
     cookie = r.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ops" in cookie
-    assert OPS not in cookie  # the cookie is a keyed hash, not the token
+    assert "Max-Age=43200" in cookie and "Secure" not in cookie
+    assert OPS not in cookie  # the cookie is the login time signed with the token, not the token
     assert client.get("/ops/dashboard").status_code == 200
     assert client.get("/ops/dashboard.json").status_code == 200
-    # the cookie opens only the dashboard, not the bearer-token ops endpoints
-    value = re.search(r"flywheel_ops=([0-9a-f]+)", cookie).group(1)
-    assert value == session_value(OPS)
+    value = re.search(r"flywheel_ops=([^;]+)", cookie).group(1)
+    assert session_token(value, {OPS}, max_age_s=60) == OPS and session_token(value, {"other"}, 60) is None
     # revoking the ops token ends the session
     client.app.state.api.ops_tokens = {"another-ops-token"}
     assert client.get("/ops/dashboard.json").status_code == 401
     client.app.state.api.ops_tokens = {OPS}
     assert client.post("/ops/logout").status_code == 303
     assert client.get("/ops/dashboard.json").status_code == 401
+
+
+def test_the_session_expires_on_the_server(filled, sqlite_url):
+    app = make_app(sqlite_url)
+    app.state.api.cfg = ServeSettings(dashboard={"session_max_age_s": "1h"})
+    client = TestClient(app)
+
+    def cookie(age_s: int) -> dict:
+        """A session cookie of a login `age_s` seconds ago (a browser may keep one for as long as it likes)."""
+        s = signer(OPS)
+        s.get_timestamp = lambda: int(time.time()) - age_s
+        return {"Cookie": f"flywheel_ops={s.sign(b'ops').decode()}"}
+
+    assert client.get("/ops/dashboard.json", headers=cookie(3500)).status_code == 200
+    r = client.get("/ops/dashboard.json", headers=cookie(3700))
+    assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+    r = client.get("/ops/dashboard", headers=cookie(3700))
+    assert r.status_code == 401 and '<form method="post" action="login">' in r.text
+    tampered = cookie(3700)["Cookie"].replace("flywheel_ops=ops.", "flywheel_ops=ops.A")
+    assert client.get("/ops/dashboard.json", headers={"Cookie": tampered}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    "base_url, setting, secure",
+    [
+        ("http://127.0.0.1:8000", "auto", False),
+        ("http://localhost:8000", "auto", False),
+        ("http://dash.example.com", "auto", True),  # plain http to a public name: still Secure
+        ("https://dash.example.com", "auto", True),
+        ("http://127.0.0.1:8000", "always", True),
+        ("http://10.0.0.5:8000", "never", False),
+    ],
+)
+def test_cookie_secure_follows_the_setting(base_url, setting, secure):
+    app = make_app(None)
+    app.state.api.cfg = ServeSettings(dashboard={"cookie_secure": setting})
+    r = TestClient(app, base_url=base_url, follow_redirects=False).post("/ops/login", data={"token": OPS})
+    assert r.status_code == 303 and ("; secure" in r.headers["set-cookie"].lower()) == secure
 
 
 def test_dashboard_without_database():

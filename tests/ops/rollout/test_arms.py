@@ -55,3 +55,29 @@ def test_choices_feedback_and_rewards(sqlite_engine):
         arm = read_arm(conn, version=STABLE, since=T0, until=T0 + timedelta(minutes=1))
     assert (arm.choices, arm.shown, arm.accepted, arm.errors, arm.rewards) == (200, 200, 80, 20, 200)
     assert arm.reward_mean == pytest.approx(0.4 * 0.75 + 0.6 * -0.25)
+
+
+def test_pinned_completions_are_left_out_and_counted(engine):
+    """A client that pins `flywheel@vN` chose the arm itself: none of its traffic is evidence."""
+    serve(engine, CANDIDATE, 100, start=T0, accept=0.2)
+    serve(engine, CANDIDATE, 500, start=T0, accept=1.0, user="mallory", pinned=True)
+    with engine.connect() as conn:
+        arm = read_arm(conn, version=CANDIDATE, since=T0, until=T0 + timedelta(minutes=1))
+    assert (arm.completions, arm.choices, arm.shown, arm.accepted, arm.rewards) == (100, 100, 100, 20, 100)
+    assert arm.pinned == 500 and arm.reward_mean == pytest.approx(0.2 * 0.75 + 0.8 * -0.25)
+
+
+def test_each_user_contributes_at_most_max_per_user_samples_their_earliest(engine):
+    serve(engine, CANDIDATE, 100, start=T0, accept=0.2)  # 100 users, one completion each
+    serve(engine, CANDIDATE, 30, start=T0, accept=0.0, user="ana")  # ana's first 30: ignored
+    serve(engine, CANDIDATE, 60, start=T0 + timedelta(seconds=55), accept=1.0, user="ana")  # then 60 accepts
+    until = T0 + timedelta(minutes=2)
+    with engine.connect() as conn:
+        free = read_arm(conn, version=CANDIDATE, since=T0, until=until)
+        capped = read_arm(conn, version=CANDIDATE, since=T0, until=until, max_per_user=20)
+    assert (free.shown, free.accepted, free.rewards, free.capped_shown) == (190, 80, 190, 0)
+    # ana's earliest 20, all ignored, count; her 70 later ones do not
+    counts = (capped.completions, capped.choices, capped.shown, capped.accepted, capped.rewards)
+    assert counts == (120, 120, 120, 20, 120)
+    assert (capped.capped_shown, capped.capped_rewards) == (70, 70)
+    assert capped.reward_mean == pytest.approx((20 * 0.75 - 80 * 0.25 - 20 * 0.25) / 120)

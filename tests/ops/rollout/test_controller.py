@@ -11,7 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 from feedback import db, pools
 from ops.rollout import commands, controller, rows
+from ops.rollout.arms import read_arm
 from ops.rollout.settings import RolloutSection, RolloutSettings
+from ops.rollout.stats import decide
 from tests.helpers import scaled
 from tests.ops.rollout.traffic import (
     CANDIDATE,
@@ -78,6 +80,30 @@ def test_a_degraded_candidate_is_rolled_back_with_its_evidence(engine):
         "2026-03-01T12:00"
     )
     assert controller.tick(engine, now=T0 + timedelta(hours=1)) is None  # finished: nothing more to decide
+
+
+def test_one_user_flooding_accepts_cannot_flip_the_decision(engine):
+    """A worse canary, and one editor client that posts an accept for each of its 2000 canary
+    completions: counted in full, the flood turns the rollback into an advance; capped at
+    rollout.max_per_user per user, the canary is still rolled back, on the same evidence it
+    would have had without the flood. Pinning the version instead gets the flood no further."""
+    r = start(engine, section=SECTION.model_copy(update={"max_per_user": 20}))
+    both_arms(engine, T0, 5, total=6000, canary_accept=0.20, stable_accept=0.45)  # 300 canary users
+    serve(engine, CANDIDATE, 2000, start=T0, accept=1.0, user="mallory")
+    serve(engine, CANDIDATE, 2000, start=T0, accept=1.0, user="mallory", pinned=True)
+    now = T0 + timedelta(seconds=61)
+
+    with engine.connect() as conn:  # the evidence as it was read before the cap
+        canary = read_arm(conn, version=CANDIDATE, since=T0, until=now)
+        stable = read_arm(conn, version=STABLE, since=T0, until=now)
+    flooded = decide(canary, stable, r.policy, holds=0, last_step=False)
+    assert canary.shown == 2300 and flooded.action == "advance", flooded.reason
+
+    out = controller.tick(engine, now=now)
+    assert out.decision.action == "rollback" and out.decision.rule == "accept_rate", out.decision.reason
+    arm = out.decision.evidence["arms"]["canary"]
+    assert (arm["shown"], arm["accepted"], arm["capped_shown"], arm["pinned"]) == (320, 80, 1980, 2000)
+    assert out.decision.evidence["policy"]["max_per_user"] == 20
 
 
 def test_errors_and_latency_roll_back(sqlite_engine):

@@ -48,25 +48,28 @@ def record_versions(engine, versions=((STABLE, True), (CANDIDATE, True), (GATE_F
 _serial = iter(range(10**9))
 
 
-def serve(engine, version, n, *, start, span_s=50.0, accept=0.4, errors=0.0, latency_ms=50.0):
+def serve(engine, version, n, *, start, span_s=50.0, accept=0.4, errors=0.0, latency_ms=50.0, user=None, pinned=False):
     """`n` served single-choice completions of `version` in [start, start + span_s): each shown (a
     `view`), the first `accept` share of every 100 also selected, `errors` share aborted; each
-    with the reward the sink would give it (0.75 accepted, -0.25 ignored)."""
+    with the reward the sink would give it (0.75 accepted, -0.25 ignored). Each completion comes
+    from a user of its own, or all from `user`; `pinned`: the requests named the version."""
     comps, choices, events, rewards = [], [], [], []
     for i in range(n):
-        cid = f"c{version}-{next(_serial)}"
+        serial = next(_serial)
+        cid = f"c{version}-{serial}"
         at = start + timedelta(seconds=span_s * i / n)
         accepted = (i % 100) < accept * 100
         comps.append(
             dict(
                 completion_id=cid,
                 model_version=version,
-                user_hash="u",
+                user_hash=user or f"u{serial}",
                 prompt_token_ids=[1],
                 summary_ids=[],
                 n_choices=1,
                 latency_ms=latency_ms + i % 10,
                 created_at=at,
+                pinned=pinned,
             )
         )
         choices.append(

@@ -165,3 +165,16 @@ def test_engine_failure_is_503_not_500(tok):
     client, sink, _ = make_client(tok, engine=FakeEngine(tok, fail=True))
     r = client.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and sink.sent == []
+
+
+def test_a_prefix_at_the_size_cap_costs_a_bounded_number_of_engine_calls(tok):
+    client, sink, engine = make_client(tok, max_summaries_per_request=3)
+    cap = client.app.state.api.cfg.max_prompt_chars
+    lines = "".join(f"value_{i} = compute({i})\n" for i in range(cap // 10))  # distinct: no cached summary
+    prefix = lines[: cap - 1]
+    r = client.post("/v1/completions", json={"prompt": prefix, "suffix": "\n", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    summaries = [c for c in engine.calls if c[2].startswith("sum-")]
+    assert len(summaries) == 3 and len(engine.calls) == 4  # three summaries, then the completion
+    rec = sink.sent[0][1]
+    assert len(rec.summary_ids) == 3 and len(rec.prompt_token_ids) <= client.app.state.api.cfg.context_budget
