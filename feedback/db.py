@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from pathlib import Path
 
 from sqlalchemy import (
@@ -358,12 +359,17 @@ def _alembic_config(engine: Engine):
     return cfg
 
 
+_UPGRADING = threading.Lock()
+"""Alembic keeps the running migration's context in module globals: two threads of one process
+migrating at once (the demo's sink and learner) break each other (KeyError: 'config')."""
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Run the Alembic migrations up to `revision` (idempotent: a second run does nothing)."""
     from alembic import command
 
     try:
-        with connect(engine) as conn, conn.begin():
+        with _UPGRADING, connect(engine) as conn, conn.begin():
             cfg = _alembic_config(engine)
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)

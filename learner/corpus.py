@@ -12,12 +12,14 @@ another one across.
 
 Training rows (`TrainingData.batch(step)`) are [B, S+1] token ids built from the train
 files. Each row is one of three kinds:
-  - FIM (`fim_rate`): fill-in-the-middle examples (learner.fim), then a plain window; in
+  - FIM (`fim_rate`): fill-in-the-middle examples in the model's template (learner.fim; half
+    of them with the file's path in the template's header), then a plain window; in
     `summary_context_rate` of the Python ones the older part of the prefix is replaced by
-    its summary between the markers, as serving's self-summarization shows long files;
+    its summary between the format's markers, as serving's self-summarization shows long
+    files. A model without FIM tokens gets plain rows instead;
   - summary (`summary_rate`, Python files only): code chunks followed by their structural
     summary (learner.summary), then a plain window;
-  - plain: a window of the train token stream (files joined by <|endoftext|>).
+  - plain: a window of the train token stream (files joined by the model's end-of-document token).
 Everything about a batch derives from (seed, step), so the data position of a resumed run
 is its step: no iterator state to save, and a resumed run sees the same rows as an
 uninterrupted one.
@@ -36,9 +38,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from learner.fim import fim_example_ids, fim_header
+from learner.fim import fim_example_ids
+from learner.formats import ModelFormat, SummaryFormat
 from learner.summary import summarize_python, summary_example_ids
-from learner.tokenizer import EOS_ID, SUMMARY_END, SUMMARY_START
 
 LANGUAGES = {
     ".py": "python",
@@ -168,12 +170,12 @@ def load_corpus(root: Path | None = None, *, heldout_fraction: float = 0.05, max
     return Corpus(root, train, heldout, digest.hexdigest())
 
 
-def token_stream(tok: Tokenizer, files: Sequence[SourceFile]) -> torch.Tensor:
-    """All files encoded and joined, each followed by <|endoftext|>: [N] int64."""
+def token_stream(fmt: ModelFormat, tok: Tokenizer, files: Sequence[SourceFile]) -> torch.Tensor:
+    """All files encoded and joined, each one the model's bos (if any), its text and its
+    end-of-document token: [N] int64."""
     ids: list[int] = []
-    for enc in tok.encode_batch([f.text for f in files]):
-        ids += enc.ids
-        ids.append(EOS_ID)
+    for enc in tok.encode_batch([f.text for f in files], add_special_tokens=False):
+        ids += [*fmt.bos_ids, *enc.ids, fmt.eos_id]
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -193,6 +195,7 @@ class TrainingData:
     def __init__(
         self,
         tok: Tokenizer,
+        fmt: ModelFormat,
         files: Sequence[SourceFile],
         *,
         seq_len: int,
@@ -203,11 +206,11 @@ class TrainingData:
         stream: torch.Tensor | None = None,
         summary_context_rate: float = 0.3,
     ):
-        self.tok, self.files = tok, list(files)
+        self.tok, self.fmt, self.files = tok, fmt, list(files)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.fim_rate, self.summary_rate, self.seed = fim_rate, summary_rate, seed
         self.summary_context_rate = summary_context_rate  # share of Python FIM rows with a summarized prefix
-        self.stream = token_stream(tok, files) if stream is None else stream
+        self.stream = token_stream(fmt, tok, files) if stream is None else stream
         if len(self.stream) <= seq_len + 1:
             raise ValueError(
                 f"train split has {len(self.stream)} tokens; it needs more than seq_len + 1 = {seq_len + 1}"
@@ -223,7 +226,8 @@ class TrainingData:
     def _row(self, rng: random.Random) -> list[int]:
         L = self.seq_len + 1
         u = rng.random()
-        make = self._fim if u < self.fim_rate else self._summary if u < self.fim_rate + self.summary_rate else None
+        fim = self._fim if self.fmt.fim is not None else None
+        make = fim if u < self.fim_rate else self._summary if u < self.fim_rate + self.summary_rate else None
         ids: list[int] = []
         while make is not None:
             ex = make(rng)
@@ -254,21 +258,21 @@ class TrainingData:
         if len(text) < 2:
             return None
         a, b = fim_span(text, rng)
-        header = fim_header(language=f.language, path=f.path) if rng.random() < 0.5 else ""
+        path = f.path if rng.random() < 0.5 else None
         prefix = text[:a]
         if f.language == "python" and rng.random() < self.summary_context_rate:
-            prefix = summarized_prefix(prefix, rng)
-        ids = fim_example_ids(self.tok, prefix, text[a:b], text[b:], header)
+            prefix = summarized_prefix(prefix, rng, self.fmt.summary)
+        ids = fim_example_ids(self.fmt, self.tok, prefix, text[a:b], text[b:], path=path)
         return ids if len(ids) <= self.seq_len + 1 else None
 
     def _summary(self, rng: random.Random) -> list[int] | None:
         if not self._python:
-            return self._fim(rng)
+            return self._fim(rng) if self.fmt.fim is not None else None
         for _ in range(4):  # chunks inside one function body summarize to nothing: try another
             _, text = self._chunk(rng, self._python, rng.randint(self.seq_len, 2 * self.seq_len))
             summary = summarize_python(text)
             if summary:
-                ids = summary_example_ids(self.tok, text, summary)
+                ids = summary_example_ids(self.fmt, self.tok, text, summary)
                 return ids if len(ids) <= self.seq_len + 1 else None
         return None
 
@@ -291,12 +295,13 @@ def fim_span(text: str, rng: random.Random) -> tuple[int, int]:
     return a, rng.randint(a + 1, len(text))
 
 
-def summarized_prefix(prefix: str, rng: random.Random) -> str:
+def summarized_prefix(prefix: str, rng: random.Random, markers: SummaryFormat) -> str:
     """The prefix with its older lines replaced by their summary between the markers.
 
     This is how serving shows a long file (learner/prompts.py): older chunks as
-    `<|summary_start|>summary<|summary_end|>`, then the recent code verbatim. Training on it
-    teaches the model to read summaries in place of the code they stand for.
+    `<open>summary<close>`, then the recent code verbatim. Training on it teaches the model to
+    read summaries in place of the code they stand for. The markers' text encodes to their
+    tokens (Flywheel's special tokens) or is the plain-text form.
     """
     lines = prefix.splitlines(keepends=True)
     if len(lines) < 4:
@@ -305,7 +310,7 @@ def summarized_prefix(prefix: str, rng: random.Random) -> str:
     summary = summarize_python("".join(lines[:k]))
     if not summary:
         return prefix
-    return f"{SUMMARY_START}{summary}{SUMMARY_END}" + "".join(lines[k:])
+    return f"{markers.open_text}{summary}{markers.close_text}" + "".join(lines[k:])
 
 
 def _cumsum(xs):

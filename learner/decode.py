@@ -8,8 +8,8 @@ Pretraining's sample report, the held-out replay (learner.eval) and the learning
     choose    greedy: the logits' argmax; sampled: softmax(logprobs / temperature), drawn from
               `generator`; either way the raw logprob of the token is kept, as the replica
               records it (the learner's behaviour policy)
-    stop      at <|endoftext|> (kept as the last token: it is the "stop here" action the RL
-              loss trains), at the `stop` string (the text is cut before it, as vLLM returns
+    stop      at one of `stop_ids`, the model's EOS tokens (learner.formats; kept as the last
+              token: it is the "stop here" action the RL loss trains), at the `stop` string (the text is cut before it, as vLLM returns
               it; its tokens stay), or after `max_tokens` ("length")
     window    the context keeps its last max_seq_len tokens: once the cache is full, the last
               window is prefilled afresh, which is what a forward without cache over it computes
@@ -20,6 +20,7 @@ so they never reach the sliding case.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,20 +28,20 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from learner.model import KVCache, Transformer, WeightHook
-from learner.tokenizer import EOS_ID
 
 
 @dataclass(frozen=True)
 class Completion:
-    ids: list[int]  # the tokens generated: the stop string's included, <|endoftext|> last when it ended there
+    ids: list[int]  # the tokens generated: the stop string's included, the EOS token last when it ended there
     logprobs: list[float]  # the model's logprob of each (before temperature)
-    text: str  # as served: decoded without <|endoftext|>, cut before the stop string
+    text: str  # as served: decoded without the EOS token, cut before the stop string
     finish: str  # stop | length
+    stop_token: int | None = None  # the EOS token it ended on (the last of `ids`), if any
 
     @property
     def content_ids(self) -> list[int]:
-        """The tokens without a final <|endoftext|>: what the text was decoded from."""
-        return self.ids[:-1] if self.ids and self.ids[-1] == EOS_ID else self.ids
+        """The tokens without a final EOS token: what the text was decoded from."""
+        return self.ids[:-1] if self.stop_token is not None else self.ids
 
 
 def room(window: int, prompt_tokens: int, max_tokens: int) -> int:
@@ -56,13 +57,16 @@ def decode(
     prompt_ids: list[int],
     max_tokens: int,
     *,
+    stop_ids: Sequence[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     stop: str | None = None,
     fp4: WeightHook | None = None,
 ) -> Completion:
     """A completion of `prompt_ids` of at most `max_tokens` tokens (see the module docstring).
-    `temperature` 0: greedy; `fp4`: the model's weight hook (the QAT view of the weights)."""
+    `stop_ids`: the model's EOS tokens (ModelFormat.eos_ids); `temperature` 0: greedy; `fp4`:
+    the model's weight hook (the QAT view of the weights)."""
+    stops = frozenset(stop_ids)
     window = model.args.max_seq_len
     device = next(model.parameters()).device
     context = list(prompt_ids)
@@ -84,7 +88,7 @@ def decode(
             nxt = int(logits_V.argmax())
         out.append(nxt)
         logprobs.append(float(logp_V[nxt]))
-        if nxt == EOS_ID or (stop is not None and stop in tok.decode(out)):
+        if nxt in stops or (stop is not None and stop in tok.decode(out)):
             finish = "stop"
             break
         if len(out) == max_tokens:
@@ -94,7 +98,8 @@ def decode(
             cache, logits_V = prefill()
         else:
             logits_V = model(torch.tensor([[nxt]], device=device), cache=cache, fp4=fp4)[0, -1]
-    text = tok.decode(out[:-1] if out and out[-1] == EOS_ID else out)
+    stop_token = out[-1] if out and out[-1] in stops else None
+    text = tok.decode(out[:-1] if stop_token is not None else out)
     if stop is not None and (cut := text.find(stop)) >= 0:
         text = text[:cut]
-    return Completion(out, logprobs, text, finish)
+    return Completion(out, logprobs, text, finish, stop_token)

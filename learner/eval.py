@@ -6,12 +6,12 @@ take, so the replay scores a model as users would:
 
     prompt    serving's PromptBuilder with the serve budget fitted to the model's window
               (learner.prompts.fit_budget, serve.context_budget and serve.summary_chunk_tokens
-              at their defaults unless passed), the header editor requests get
-              (`fim_header(language, path)`); a prefix past the budget is truncated, as
+              at their defaults unless passed), in the model's FIM template with the file's
+              path, as editor requests get it; a prefix past the budget is truncated, as
               serving's summarization fallback does (summarizing every older chunk, as
               serving does, would take minutes per site here)
     decode    learner.decode, greedy, up to `max_tokens` (clamped to the window, as the replica
-              does), stopping at <|endoftext|> or at "\\n\\n" (the stop string serving gives
+              does), stopping at the model's EOS tokens or at "\\n\\n" (the stop string serving gives
               editor requests, serving/http/completions.py)
     judge     learner.judge against the true continuation: accept fully, by line or by word,
               or dismiss; an empty completion is not shown (the model abstained)
@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from feedback.reward import ChoiceFeedback, RewardWeights, reward
 from learner.corpus import SourceFile
 from learner.decode import decode, room
-from learner.fim import fim_header
+from learner.formats import ModelFormat
 from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
 from learner.model import Transformer, WeightHook
 from learner.prompts import CONTEXT_BUDGET, EDITOR_STOP, SUMMARY_CHUNK_TOKENS, PromptBuilder, SummaryCache, fit_budget
@@ -51,7 +51,7 @@ class SiteResult:
 
     path: str
     text: str  # the suggestion as served: cut before the stop string
-    tokens: int  # completion tokens generated (the stop string's included, <|endoftext|> not)
+    tokens: int  # completion tokens generated (the stop string's included, the EOS token not)
     finish: str  # stop | length
     verdict: str  # judge(): select | dismiss | none (empty: not shown)
     select_kind: str | None
@@ -149,6 +149,7 @@ def heldout_sites(files: Sequence[SourceFile], n: int = 48, *, seed: int = 0) ->
 
 def prompt_builder(
     tok: Tokenizer,
+    fmt: ModelFormat,
     window: int,
     *,
     context_budget: int = CONTEXT_BUDGET,
@@ -157,12 +158,12 @@ def prompt_builder(
     """Serving's prompt builder as a replica of a `window`-token model sets it up (the budget
     and chunk size are serve.context_budget and serve.summary_chunk_tokens)."""
     budget, chunk = fit_budget(window, context_budget, summary_chunk_tokens)
-    return PromptBuilder(tok, budget, chunk, SummaryCache(0), version=0)
+    return PromptBuilder(tok, fmt, budget, chunk, SummaryCache(0), version=0)
 
 
 def site_prompt(builder: PromptBuilder, site: Site) -> tuple[list[int], int]:
     """(prompt ids, prefix tokens truncated) for a site, as serving builds it for an editor request."""
-    coro = builder.build(site.prefix, site.suffix, fim_header(language=site.language, path=site.path), None)
+    coro = builder.build(site.prefix, site.suffix, None, path=site.path)
     # Without a summarizer build() never suspends, so one send() runs it to the end: no event
     # loop needed, and the learner may call this from inside one.
     try:
@@ -181,6 +182,7 @@ def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
 def heldout_replay(
     model: Transformer,
     tok: Tokenizer,
+    fmt: ModelFormat,
     sites: Sequence[Site],
     *,
     max_tokens: int,
@@ -202,7 +204,7 @@ def heldout_replay(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     t0 = time.perf_counter()
     window = model.args.max_seq_len
-    builder = prompt_builder(tok, window, context_budget=context_budget, summary_chunk_tokens=summary_chunk_tokens)
+    builder = prompt_builder(tok, fmt, window, context_budget=context_budget, summary_chunk_tokens=summary_chunk_tokens)
     hook = _frozen(fp4_hook)
     was_training, was_threads = model.training, torch.get_num_threads()
     model.eval()
@@ -212,7 +214,15 @@ def heldout_replay(
     try:
         for site in sites:
             prompt, truncated = site_prompt(builder, site)
-            c = decode(model, tok, prompt, room(window, len(prompt), max_tokens), stop=EDITOR_STOP, fp4=hook)
+            c = decode(
+                model,
+                tok,
+                prompt,
+                room(window, len(prompt), max_tokens),
+                stop_ids=fmt.eos_ids,
+                stop=EDITOR_STOP,
+                fp4=hook,
+            )
             verdict = judge(c.text, site.truth)
             r, parts = reward(editor_feedback(c.text, verdict), weights)
             results.append(
@@ -240,6 +250,7 @@ def evaluate_candidate(
     candidate_model: Transformer,
     stable_model: Transformer,
     tok: Tokenizer,
+    fmt: ModelFormat,
     sites: Sequence[Site],
     *,
     max_tokens: int,
@@ -263,8 +274,8 @@ def evaluate_candidate(
         threads=threads,
     )
     if stable_stats is None:
-        stable_stats = heldout_replay(stable_model, tok, sites, **replay)
-    return stable_stats, heldout_replay(candidate_model, tok, sites, **replay)
+        stable_stats = heldout_replay(stable_model, tok, fmt, sites, **replay)
+    return stable_stats, heldout_replay(candidate_model, tok, fmt, sites, **replay)
 
 
 def _frozen(hook: WeightHook | None) -> WeightHook | None:

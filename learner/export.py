@@ -30,9 +30,10 @@ from tokenizers import Tokenizer
 
 from learner import fp4
 from learner.model import ModelArgs, Transformer
-from learner.tokenizer import save_tokenizer
+from learner.tokenizer import save_tokenizer, special_token_ids
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 PACKED_FILE = "model.fp4.safetensors"
 MANIFEST_FILE = "manifest.json"
 
@@ -54,8 +55,9 @@ def checkpoint_tensors(
     return out
 
 
-def generation_config(args: ModelArgs) -> dict:
-    return {"bos_token_id": args.eos_id, "eos_token_id": args.eos_id, "pad_token_id": args.eos_id}
+def generation_config(tokenizer: Tokenizer) -> dict:
+    """The `generation_config.json` of an exported model: its tokenizer's special tokens."""
+    return special_token_ids(tokenizer)
 
 
 def export_hf(
@@ -76,24 +78,54 @@ def export_hf(
         )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "config.json", args.to_hf_config(dtype))
-    _write_json(folder / "generation_config.json", generation_config(args))
+    _write_json(folder / "config.json", args.to_hf_config(dtype) | special_token_ids(tokenizer))
+    _write_json(folder / "generation_config.json", generation_config(tokenizer))
     save_tokenizer(tokenizer, folder, model_max_length=args.max_seq_len)
     tensors = checkpoint_tensors(model, dtype=dtype, weight_fn=weight_fn)
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     return folder
 
 
-def load_hf(folder: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Transformer, ModelArgs]:
-    """Load a folder written by `export_hf` (or any Qwen3-MoE checkpoint this model
-    supports, in a single safetensors file) into a `Transformer` of `dtype`."""
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a Hugging Face folder: `model.safetensors`, or the shards that
+    `model.safetensors.index.json` names. ValueError naming what is missing."""
     folder = Path(folder)
-    if not (folder / "config.json").is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise ValueError(f"{folder} is not an exported model: it needs config.json and {WEIGHTS_FILE}")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(
+                f"{folder}: {len(missing)} of the {len(names)} shards {INDEX_FILE} names are missing "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); finish the download"
+            )
+        return [folder / n for n in names]
+    if (folder / WEIGHTS_FILE).is_file():
+        return [folder / WEIGHTS_FILE]
+    raise ValueError(f"{folder} has no weights: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+
+
+def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder (one file or its shards), as stored."""
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        out.update(load_file(str(f)))
+    return out
+
+
+def load_hf(folder: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[Transformer, ModelArgs]:
+    """Load a folder written by `export_hf`, or any checkpoint of a family learner.model
+    supports (one safetensors file or shards), into a `Transformer` of `dtype`."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not a model folder: it has no config.json")
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    tensors = read_hf_tensors(folder)
+    if args.tie_embeddings:  # some writers store the tied output layer anyway
+        tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = Transformer(args)
-    model.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True, assign=True)
+    model.load_state_dict(tensors, strict=True, assign=True)
     return model.to(dtype), args
 
 

@@ -1,41 +1,83 @@
-"""Fill-in-the-middle prompts in PSM order (prefix, suffix, middle): the one definition that
-pretraining trains on and serving prompts with.
+"""Fill-in-the-middle prompts in the model's own template (learner.formats): the one definition
+that pretraining trains on and serving prompts with.
 
-    prompt  = [<|fim_prefix|>] + encode(header + prefix) + [<|fim_suffix|>] + encode(suffix) + [<|fim_middle|>]
-    example = prompt + encode(middle) + [<|endoftext|>]
+    prompt  = bos + layout(header, encode(prefix), encode(suffix))
+    example = prompt + encode(middle) + [eos]
 
-The model writes the middle after `<|fim_middle|>` and ends it with `<|endoftext|>`
-(EOS_ID), where generation stops. `header` is optional: one line naming the language and
-the file, `fim_header(language="python", path="pkg/mod.py")` -> "# python: pkg/mod.py\\n".
-It sits at the start of the prefix, so a prompt without it is still in the trained format
-(pretraining adds it to half of its FIM examples).
+For the Qwen template (and Flywheel's own tokenizer, which has the same tokens):
+
+    [<|file_sep|> path \\n] <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>
+
+The model writes the middle and ends it with an EOS token, where generation stops. The header
+carries the file path (and repository) the way the family was trained: a `<|file_sep|>` line
+before the FIM tokens for Qwen and StarCoder 2, a `# path` comment at the start of the prefix
+for DeepSeek-Coder, nothing for Codestral. It is optional: a prompt without it is still in the
+trained format (pretraining adds it to half of its FIM examples).
+
+Everything is encoded without the tokenizer's own special tokens, so a Llama-style tokenizer's
+`<s>` appears once, at the start (ModelFormat.bos_ids), never in the middle of a prompt.
 """
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from learner.tokenizer import EOS_ID, FIM_MIDDLE_ID, FIM_PREFIX_ID, FIM_SUFFIX_ID
+from learner.formats import FimIds, ModelFormat
 
 
-def fim_header(*, language: str | None = None, path: str | None = None) -> str:
-    """ "# {language}: {path}\\n", "# {language}\\n", "# {path}\\n", or "" when neither is known."""
-    if language and path:
-        return f"# {language}: {path}\n"
-    if language or path:
-        return f"# {language or path}\n"
-    return ""
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` with nothing added around it."""
+    return tok.encode(text, add_special_tokens=False).ids if text else []
 
 
-def fim_prompt_ids(tok: Tokenizer, prefix: str, suffix: str, header: str = "") -> list[int]:
-    """Token ids of a FIM prompt; the model continues with the middle, then EOS_ID."""
-    if header and not header.endswith("\n"):
-        header += "\n"
-    return (
-        [FIM_PREFIX_ID] + tok.encode(header + prefix).ids + [FIM_SUFFIX_ID] + tok.encode(suffix).ids + [FIM_MIDDLE_ID]
-    )
+def _fim(fmt: ModelFormat) -> FimIds:
+    if fmt.fim is None:
+        raise ValueError("this model has no fill-in-the-middle tokens: it takes prefix-only prompts")
+    return fmt.fim
 
 
-def fim_example_ids(tok: Tokenizer, prefix: str, middle: str, suffix: str, header: str = "") -> list[int]:
+def fim_header_ids(fmt: ModelFormat, tok: Tokenizer, *, path: str | None = None, repo: str | None = None) -> list[int]:
+    """The file's path (and repository) in the template's own way; [] when neither is known or
+    the template has no place for them."""
+    f = _fim(fmt)
+    ids: list[int] = []
+    if f.template.path_comment:
+        return encode(tok, f"# {path}\n") if path else []
+    if repo and f.repo_name is not None:
+        ids += [f.repo_name, *encode(tok, f"{repo}\n")]
+    if path and f.file_sep is not None:
+        ids += [f.file_sep, *encode(tok, f"{path}\n")]
+    return ids
+
+
+def fim_layout(fmt: ModelFormat, header: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
+    """The template's layout over already-encoded parts (a prefix may hold summary blocks)."""
+    f = _fim(fmt)
+    bos = list(fmt.bos_ids)
+    if f.template.suffix_first:
+        return [*bos, f.suffix, *suffix, f.prefix, *header, *prefix]
+    middle = [f.middle] if f.middle is not None else []
+    if f.template.path_comment:  # the header is the first line of the prefix
+        return [*bos, f.prefix, *header, *prefix, f.suffix, *suffix, *middle]
+    return [*bos, *header, f.prefix, *prefix, f.suffix, *suffix, *middle]
+
+
+def fim_prompt_ids(
+    fmt: ModelFormat, tok: Tokenizer, prefix: str, suffix: str, *, path: str | None = None, repo: str | None = None
+) -> list[int]:
+    """Token ids of a FIM prompt; the model continues with the middle, then an EOS token."""
+    header = fim_header_ids(fmt, tok, path=path, repo=repo)
+    return fim_layout(fmt, header, encode(tok, prefix), encode(tok, suffix))
+
+
+def fim_example_ids(
+    fmt: ModelFormat, tok: Tokenizer, prefix: str, middle: str, suffix: str, *, path: str | None = None
+) -> list[int]:
     """One training example: the prompt, the middle, end of text."""
-    return fim_prompt_ids(tok, prefix, suffix, header) + tok.encode(middle).ids + [EOS_ID]
+    return fim_prompt_ids(fmt, tok, prefix, suffix, path=path) + encode(tok, middle) + [fmt.eos_id]
+
+
+def plain_prompt_ids(fmt: ModelFormat, tok: Tokenizer, text: str) -> list[int]:
+    """A left-to-right prompt: bos and `text`. An empty one starts a document: bos, or the
+    document-ending token where the tokenizer adds no bos (as pretraining joins documents)."""
+    return list(fmt.bos_ids) + encode(tok, text) or [fmt.eos_id]

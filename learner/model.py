@@ -1,25 +1,40 @@
-"""Sparse MoE decoder with the parameter layout and math of HF `Qwen3MoeForCausalLM`.
+"""The Qwen decoder family in one file: HF `Qwen3MoeForCausalLM` (Flywheel's own model, and
+Qwen3-Coder-30B-A3B), `Qwen2MoeForCausalLM`, `Qwen3ForCausalLM` and `Qwen2ForCausalLM`
+(Qwen2.5-Coder), with their parameter layout and math. They differ by a few flags of
+`ModelArgs`, read from config.json by `from_hf_config` (FAMILIES lists them):
 
-`state_dict()` names equal the names in a Qwen3-MoE safetensors checkpoint, so an export
+    qk_norm          RMSNorm per head on q and k (Qwen3, Qwen3-MoE)
+    qkv_bias         a bias on the q, k, v projections (Qwen2, Qwen2-MoE)
+    n_experts        0: a dense SwiGLU MLP in every layer; else routed experts, except in
+                     `dense_layers` (config's mlp_only_layers / decoder_sparse_step)
+    shared_expert_dim  Qwen2-MoE's shared expert beside the routed ones, gated by sigmoid(x W)
+    norm_topk        renormalize the top-k gate weights to sum to 1 (Qwen3-MoE: yes, Qwen2-MoE: no)
+    tie_embeddings   the output layer is the embedding (no lm_head.weight)
+
+`state_dict()` names equal the names in the family's safetensors checkpoint, so an export
 needs no renaming and vLLM / transformers load it unchanged:
 
     model.embed_tokens.weight                          [V, D]
     model.layers.{i}.input_layernorm.weight            [D]
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   [H*Hd, D] [Hkv*Hd, D] [Hkv*Hd, D] [D, H*Hd]
-    model.layers.{i}.self_attn.{q,k}_norm.weight       [Hd]      RMSNorm per head
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias       [H*Hd] [Hkv*Hd] [Hkv*Hd]    qkv_bias
+    model.layers.{i}.self_attn.{q,k}_norm.weight       [Hd]      RMSNorm per head; qk_norm
     model.layers.{i}.post_attention_layernorm.weight   [D]
-    model.layers.{i}.mlp.gate.weight                   [E, D]    router
+    model.layers.{i}.mlp.gate.weight                   [E, D]    router                (MoE layer)
     model.layers.{i}.mlp.experts.{e}.{gate,up}_proj.weight  [F, D]
     model.layers.{i}.mlp.experts.{e}.down_proj.weight  [D, F]
+    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight, .shared_expert_gate.weight [1, D]
+    model.layers.{i}.mlp.{gate,up}_proj.weight         [Fd, D]   dense MLP             (dense layer)
+    model.layers.{i}.mlp.down_proj.weight              [D, Fd]
     model.norm.weight                                  [D]
-    lm_head.weight                                     [V, D]    not tied
+    lm_head.weight                                     [V, D]    unless tied
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, H / Hkv query / kv heads,
-Hd head dim, E experts, K experts per token, F expert hidden dim, V vocabulary, P positions
-held in a KV cache.
+Hd head dim, E experts, K experts per token, F expert hidden dim, Fd dense MLP hidden dim,
+V vocabulary, P positions held in a KV cache.
 
 Router replay: `forward(..., return_routing=True)` also returns the experts each token
-chose, per layer ([B, S, K] int64). Passing such a list back as `routing=` forces those
+chose, per MoE layer ([B, S, K] int64; a dense model has none). Passing such a list back as `routing=` forces those
 experts; the gate weights still come from the router's own softmax at the forced
 indices, so the router keeps its gradient (as in R3 / Megatron's RouterReplay).
 
@@ -49,6 +64,15 @@ from learner.sizes import SIZES
 WeightHook = Callable[[str, torch.Tensor], torch.Tensor]
 
 
+# The architectures from_hf_config reads, and what sets each apart (see the module docstring).
+FAMILIES: dict[str, dict] = {
+    "Qwen3MoeForCausalLM": {"moe": True, "qk_norm": True},
+    "Qwen2MoeForCausalLM": {"moe": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"moe": False, "qk_norm": True},
+    "Qwen2ForCausalLM": {"moe": False, "qk_norm": False},
+}
+
+
 @dataclass
 class ModelArgs:
     vocab_size: int = 4096
@@ -57,22 +81,40 @@ class ModelArgs:
     n_heads: int = 8
     n_kv_heads: int = 4
     head_dim: int = 32
-    n_experts: int = 8
+    n_experts: int = 8  # 0: a dense model
     top_k: int = 2
     moe_dim: int = 256
+    ffn_dim: int = 0  # hidden dim of the dense MLP layers
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that have a dense MLP instead
+    shared_expert_dim: int = 0
+    norm_topk: bool = True
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    architecture: str = "Qwen3MoeForCausalLM"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     max_seq_len: int = 2048
-    eos_id: int = 0  # also bos and pad: `<|endoftext|>` in learner.tokenizer
     init_std: float = 0.02
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if not 1 <= self.top_k <= self.n_experts:
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if (self.n_experts == 0 or self.dense_layers) and self.ffn_dim < 1:
+            raise ValueError("dense MLP layers need ffn_dim (config.json's intermediate_size)")
+        self.dense_layers = tuple(self.dense_layers)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers with routed experts: what router replay's routing lists hold, in order."""
+        return [i for i in range(self.n_layers) if self.is_moe(i)]
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "ModelArgs":
@@ -81,7 +123,12 @@ class ModelArgs:
         return cls(**{**SIZES[name], **overrides})
 
     def to_hf_config(self, dtype: torch.dtype = torch.bfloat16) -> dict:
-        """The `config.json` of the equivalent `Qwen3MoeForCausalLM`."""
+        """The `config.json` of the equivalent `Qwen3MoeForCausalLM` (learner.export adds the
+        tokenizer's special token ids). Flywheel's own layout only: an imported model keeps its
+        own config.json."""
+        own = ModelArgs(**{**asdict(self), **{k: getattr(ModelArgs, k) for k in _FAMILY_FLAGS}})
+        if own != self or not self.n_experts:
+            raise ValueError(f"to_hf_config writes Flywheel's own Qwen3-MoE layout, not {self.architecture}'s flags")
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -110,50 +157,78 @@ class ModelArgs:
             "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
             "initializer_range": self.init_std,
-            "bos_token_id": self.eos_id,
-            "eos_token_id": self.eos_id,
-            "pad_token_id": self.eos_id,
             "use_cache": True,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
-        """Read a Qwen3-MoE `config.json`; refuse features this model does not implement."""
+        """Read the `config.json` of a FAMILIES architecture; ValueError, naming the setting, for
+        features this model does not implement."""
+        arch = (config.get("architectures") or ["Qwen3MoeForCausalLM"])[0]
+        if arch not in FAMILIES:
+            raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(FAMILIES)}")
+        fam = FAMILIES[arch]
         unsupported = {
-            "tie_word_embeddings": (config.get("tie_word_embeddings", False), False),
-            "mlp_only_layers": (config.get("mlp_only_layers") or [], []),
-            "decoder_sparse_step": (config.get("decoder_sparse_step", 1), 1),
-            "norm_topk_prob": (config.get("norm_topk_prob", False), True),
-            "attention_bias": (config.get("attention_bias", False), False),
+            "hidden_act": (config.get("hidden_act", "silu"), "silu"),
             "use_sliding_window": (config.get("use_sliding_window", False), False),
         }
+        if arch.startswith("Qwen3"):  # Qwen3's attention_bias would put a bias on o_proj too
+            unsupported["attention_bias"] = (config.get("attention_bias", False), False)
         for key, (got, want) in unsupported.items():
             if got != want:
                 raise ValueError(f"config.json has {key}={got!r}; this model needs {key}={want!r}")
-        rope = config.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; use 'default'")
-        eos = config.get("eos_token_id", 0)
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported; use 'default'")
+        n_layers = config["num_hidden_layers"]
+        moe = {}
+        if fam["moe"]:
+            step, only = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
+            moe = dict(
+                n_experts=config.get("num_experts", config.get("num_local_experts")),
+                top_k=config["num_experts_per_tok"],
+                moe_dim=config["moe_intermediate_size"],
+                dense_layers=tuple(i for i in range(n_layers) if i in only or (i + 1) % step),
+                shared_expert_dim=config.get("shared_expert_intermediate_size", 0)
+                if arch == "Qwen2MoeForCausalLM"
+                else 0,
+                norm_topk=bool(config.get("norm_topk_prob", False)),
+            )
         return cls(
             vocab_size=config["vocab_size"],
             dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
+            n_layers=n_layers,
             n_heads=config["num_attention_heads"],
-            n_kv_heads=config["num_key_value_heads"],
+            n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-            n_experts=config.get("num_experts", config.get("num_local_experts")),
-            top_k=config["num_experts_per_tok"],
-            moe_dim=config["moe_intermediate_size"],
+            **({"n_experts": 0} | moe),
+            ffn_dim=config.get("intermediate_size", 0) if not moe or moe["dense_layers"] else 0,
+            qk_norm=fam["qk_norm"],
+            qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and config.get("qkv_bias", True)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            architecture=arch,
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
             norm_eps=config.get("rms_norm_eps", 1e-6),
             max_seq_len=config.get("max_position_embeddings", 2048),
-            eos_id=eos[0] if isinstance(eos, list) else eos,
             init_std=config.get("initializer_range", 0.02),
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_FAMILY_FLAGS = (
+    "ffn_dim",
+    "dense_layers",
+    "shared_expert_dim",
+    "norm_topk",
+    "qk_norm",
+    "qkv_bias",
+    "tie_embeddings",
+    "architecture",
+)
 
 
 @dataclass
@@ -228,12 +303,15 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer  # its slot in a KVCache
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(
         self, x: torch.Tensor, cos, sin, fp4: WeightHook | None, cache: KVCache | None = None, start: int = 0
@@ -241,9 +319,9 @@ class Attention(nn.Module):
         """x [B, S, D] at positions start..start+S-1 (cos, sin [S, Hd] of those positions); with
         a cache, its `start` positions are attended to and x's are appended."""
         B, S, _ = x.shape
-        q = self.q_norm(F.linear(x, _w(self.q_proj, fp4)).view(B, S, self.n_heads, self.head_dim))
-        k = self.k_norm(F.linear(x, _w(self.k_proj, fp4)).view(B, S, self.n_kv_heads, self.head_dim))
-        v = F.linear(x, _w(self.v_proj, fp4)).view(B, S, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(F.linear(x, _w(self.q_proj, fp4), self.q_proj.bias).view(B, S, self.n_heads, self.head_dim))
+        k = self.k_norm(F.linear(x, _w(self.k_proj, fp4), self.k_proj.bias).view(B, S, self.n_kv_heads, self.head_dim))
+        v = F.linear(x, _w(self.v_proj, fp4), self.v_proj.bias).view(B, S, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), S, Hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -253,6 +331,8 @@ class Attention(nn.Module):
 
 
 class Expert(nn.Module):
+    """A SwiGLU MLP: each routed expert, Qwen2-MoE's shared expert, and a dense layer's MLP."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
@@ -268,8 +348,18 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k = args.top_k
+        self.norm_topk = args.norm_topk
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_dim) for _ in range(args.n_experts))
+        if args.shared_expert_dim:
+            self.shared_expert = Expert(args.dim, args.shared_expert_dim)
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+
+    def shared(self, x_TD: torch.Tensor, fp4: WeightHook | None) -> torch.Tensor | None:
+        """Qwen2-MoE's shared expert, which every token uses, scaled by its sigmoid gate; None without one."""
+        if not hasattr(self, "shared_expert"):
+            return None
+        return torch.sigmoid(F.linear(x_TD, _w(self.shared_expert_gate, fp4))) * self.shared_expert(x_TD, fp4)
 
     def forward(
         self,
@@ -286,7 +376,9 @@ class MoE(nn.Module):
         else:
             idx_TK = forced_TK
             w_TK = probs_TE.gather(-1, idx_TK)  # differentiable: the router still learns
-        w_TK = (w_TK / w_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+        if self.norm_topk:
+            w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+        w_TK = w_TK.to(x_TD.dtype)
         if balance_losses is not None:
             E = probs_TE.shape[-1]
             f_E = torch.bincount(idx_TK.flatten(), minlength=E).float() / idx_TK.numel()
@@ -308,14 +400,20 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MoE(args)
+        self.mlp = MoE(args) if args.is_moe(layer) else Expert(args.dim, args.ffn_dim)
 
     def forward(self, x, cos, sin, fp4, forced_BSK, balance_losses=None, cache=None, start=0):
+        """-> (x, the experts chosen [B, S, K], or None in a dense layer)."""
         B, S, D = x.shape
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, fp4, cache, start)
+        h_TD = self.post_attention_layernorm(x).reshape(B * S, D)
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(h_TD, fp4).view(B, S, D), None
         forced_TK = None if forced_BSK is None else forced_BSK.reshape(B * S, -1)
-        h_TD, idx_TK = self.mlp(self.post_attention_layernorm(x).reshape(B * S, D), fp4, forced_TK, balance_losses)
-        return x + h_TD.view(B, S, D), idx_TK.view(B, S, -1)
+        out_TD, idx_TK = self.mlp(h_TD, fp4, forced_TK, balance_losses)
+        if (shared_TD := self.mlp.shared(h_TD, fp4)) is not None:
+            out_TD = out_TD + shared_TD
+        return x + out_TD.view(B, S, D), idx_TK.view(B, S, -1)
 
 
 class Decoder(nn.Module):
@@ -331,7 +429,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.model = Decoder(args)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if not args.tie_embeddings:
+            self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Each matrix knows its checkpoint name, which is what the FP4 hook is keyed on.
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -340,11 +439,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float | None = None) -> None:
-        """Normal(0, std) matrices and unit norms, as `Qwen3MoePreTrainedModel` does."""
+        """Normal(0, std) matrices, zero biases and unit norms, as `Qwen3MoePreTrainedModel` does."""
         std = self.args.init_std if std is None else std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
@@ -377,20 +478,23 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(start + S, self.args.head_dim, self.args.rope_theta, x.device)
         cos, sin = cos[start:].to(x.dtype), sin[start:].to(x.dtype)
         chosen = []
-        for i, layer in enumerate(self.model.layers):
-            x, idx_BSK = layer(x, cos, sin, fp4, None if routing is None else routing[i], balance_losses, cache, start)
-            chosen.append(idx_BSK.detach())
+        for layer in self.model.layers:
+            forced = None if routing is None or not isinstance(layer.mlp, MoE) else routing[len(chosen)]
+            x, idx_BSK = layer(x, cos, sin, fp4, forced, balance_losses, cache, start)
+            if idx_BSK is not None:
+                chosen.append(idx_BSK.detach())
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = F.linear(self.model.norm(x), _w(self.lm_head, fp4))  # [B, S or logits_to_keep, V]
+        head = self.model.embed_tokens if self.args.tie_embeddings else self.lm_head
+        logits = F.linear(self.model.norm(x), _w(head, fp4))  # [B, S or logits_to_keep, V]
         return (logits, chosen) if return_routing else logits
 
     def _check_routing(self, routing, B: int, S: int) -> None:
         if routing is None:
             return
         a = self.args
-        if len(routing) != a.n_layers:
-            raise ValueError(f"routing has {len(routing)} layers; the model has {a.n_layers}")
+        if len(routing) != len(a.moe_layers):
+            raise ValueError(f"routing has {len(routing)} layers; the model has {len(a.moe_layers)} MoE layers")
         for r in routing:
             if r.shape != (B, S, a.top_k) or r.dtype != torch.int64:
                 raise ValueError(f"routing entries must be int64 [{B}, {S}, {a.top_k}], got {r.dtype} {tuple(r.shape)}")
@@ -400,7 +504,8 @@ class Transformer(nn.Module):
     def num_params(self, *, active: bool = False) -> int:
         """All parameters, or those one token uses (top_k of n_experts experts)."""
         n = sum(p.numel() for p in self.parameters())
-        if active:
-            per_expert = sum(p.numel() for p in self.model.layers[0].mlp.experts[0].parameters())
-            n -= self.args.n_layers * (self.args.n_experts - self.args.top_k) * per_expert
+        moe = self.args.moe_layers
+        if active and moe:
+            per_expert = sum(p.numel() for p in self.model.layers[moe[0]].mlp.experts[0].parameters())
+            n -= len(moe) * (self.args.n_experts - self.args.top_k) * per_expert
         return n

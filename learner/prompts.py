@@ -1,18 +1,20 @@
-"""Prompt building: fill-in-the-middle with a header, and self-summarization past the budget.
+"""Prompt building: fill-in-the-middle in the model's template, and self-summarization past the budget.
 
-Layout (PSM, the order the model was trained on):
+Layout (the model's FIM template, learner.fim; for Qwen's and Flywheel's own):
 
-    <|fim_prefix|> header  [<|summary_start|> s_1 <|summary_end|> ... s_k]  recent prefix
+    [<|file_sep|> path]  <|fim_prefix|> [<open> s_1 <close> ... s_k]  recent prefix
     <|fim_suffix|> suffix <|fim_middle|>
 
-When prefix + suffix exceed `budget` tokens, the prefix is cut at line boundaries into an
-old part and a recent tail. The old part is split into chunks that the model itself
-summarizes (prompted with the chunk followed by `<|summary_start|>`, the teacher task it
-was pretrained on), and the summaries stand in for the chunks. Only the newest few summaries
-fit, so chunks are summarized newest first until the room is full or `max_summaries` were
-written for this request; older chunks are left out and counted. Summaries are cached by
-(chunk hash, model version). If summarizing fails, the prefix is truncated to the budget
-instead, and the fallback is counted.
+A model without FIM tokens gets prefix-only prompts (the suffix is dropped). When prefix +
+suffix exceed `budget` tokens, the prefix is cut at line boundaries into an old part and a
+recent tail. The old part is split into chunks that the model itself summarizes (prompted
+with the chunk followed by the summary's opening marker, the teacher task Flywheel's own
+model was pretrained on), and the summaries stand in for the chunks, between the format's
+markers (learner.formats.SummaryFormat: Flywheel's summary tokens, or plain text). Only the
+newest few summaries fit, so chunks are summarized newest first until the room is full or
+`max_summaries` were written for this request; older chunks are left out and counted.
+Summaries are cached by (chunk hash, model version). If summarizing fails, the prefix is
+truncated to the budget instead, and the fallback is counted.
 
 Everything here is pure except `build()`, which awaits the summarizer it is given.
 """
@@ -27,8 +29,8 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from learner.fim import fim_prompt_ids
-from learner.tokenizer import EOS_ID, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, SUMMARY_END, SUMMARY_START
+from learner.fim import encode, fim_header_ids, fim_layout, plain_prompt_ids
+from learner.formats import ModelFormat
 
 EDITOR_STOP = "\n\n"
 """Where an editor's suggestion ends when the client names no stop: at the first blank line (a
@@ -41,28 +43,11 @@ are self-summarized into it."""
 SUMMARY_CHUNK_TOKENS = 192
 """Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
 MAX_SUMMARIES = 4
-"""Most summaries one prompt may have the model write (the default of
-serve.max_summaries_per_request): a generation each, and about as many as fit the default budget."""
+"""Summaries one request may have the model write (the default of serve.max_summaries_per_request)."""
 
 log = logging.getLogger(__name__)
 
 Summarizer = Callable[[str], Awaitable[list[int]]]  # chunk text -> summary token ids
-
-
-@dataclass
-class SpecialIds:
-    fim_prefix: int
-    fim_suffix: int
-    fim_middle: int
-    summary_start: int
-    summary_end: int
-
-    @classmethod
-    def of(cls, tok: Tokenizer) -> SpecialIds:
-        ids = [tok.token_to_id(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, SUMMARY_START, SUMMARY_END)]
-        if any(i is None for i in ids):
-            raise ValueError("the tokenizer lacks Flywheel's special tokens (fim_*, summary_*)")
-        return cls(*ids)
 
 
 @dataclass
@@ -77,11 +62,6 @@ class Prompt:
     truncated_tokens: int = 0
     fallback: bool = False
     """Summarization failed and the prefix was truncated instead."""
-
-
-def fim_ids(sp: SpecialIds, header: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
-    """learner.fim's layout over already-encoded parts (the prefix may hold summary blocks)."""
-    return [sp.fim_prefix, *header, *prefix, sp.fim_suffix, *suffix, sp.fim_middle]
 
 
 def fit_budget(
@@ -137,40 +117,46 @@ class SummaryCache:
 @dataclass
 class PromptBuilder:
     tok: Tokenizer
+    fmt: ModelFormat
     budget: int
     chunk_tokens: int
     cache: SummaryCache
     version: int
     max_summaries: int = MAX_SUMMARIES
 
-    def __post_init__(self) -> None:
-        self.sp = SpecialIds.of(self.tok)
-
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids if text else []
+        return encode(self.tok, text)
 
-    async def build(self, prefix: str, suffix: str | None, header: str, summarize: Summarizer | None) -> Prompt:
-        """A FIM prompt within `budget` tokens (plain left-to-right when `suffix` is None)."""
+    async def build(
+        self,
+        prefix: str,
+        suffix: str | None,
+        summarize: Summarizer | None,
+        *,
+        path: str | None = None,
+        repo: str | None = None,
+    ) -> Prompt:
+        """A FIM prompt within `budget` tokens (plain left-to-right when `suffix` is None or the
+        model has no FIM tokens). `path`, `repo`: the file's, for the template's header."""
+        fim = suffix is not None and self.fmt.fim is not None
         suffix_ids = (
-            self.encode(suffix)[: self.budget // 4] if suffix else []
+            self.encode(suffix)[: self.budget // 4] if fim and suffix else []
         )  # the code right after the cursor matters most
-        if suffix is not None:
-            kept_suffix = suffix if len(suffix_ids) == len(self.encode(suffix)) else self.tok.decode(suffix_ids)
-            whole = fim_prompt_ids(self.tok, prefix, kept_suffix, header)  # exactly the trained format
-        else:
-            # An empty plain prompt starts a document: <|endoftext|> doubles as BOS (learner.model).
-            whole = self.encode(header + prefix) or [EOS_ID]
+        header_ids = fim_header_ids(self.fmt, self.tok, path=path, repo=repo) if fim else []
+        prefix_ids = self.encode(prefix)
+
+        def assemble(body: list[int]) -> list[int]:
+            if fim:
+                return fim_layout(self.fmt, header_ids, body, suffix_ids)
+            return [*self.fmt.bos_ids, *body] or plain_prompt_ids(self.fmt, self.tok, "")
+
+        whole = assemble(prefix_ids)  # exactly the trained format
         if len(whole) <= self.budget:
             return Prompt(whole)
 
         if self.max_summaries == 0:
             summarize = None
-        header_ids = self.encode(header)
-        room = self.budget - len(header_ids) - len(suffix_ids) - (3 if suffix is not None else 0)
-        prefix_ids = self.encode(prefix)
-
-        def assemble(body: list[int]) -> list[int]:
-            return fim_ids(self.sp, header_ids, body, suffix_ids) if suffix is not None else header_ids + body
+        room = self.budget - (len(assemble([])) if fim else len(self.fmt.bos_ids))
 
         if summarize is not None:
             try:
@@ -191,12 +177,13 @@ class PromptBuilder:
             total += counts[split]
         recent = self.encode("".join(lines[split:]))[-room:]
         spans = split_lines_by_tokens(lines[:split], counts[:split], self.chunk_tokens)
+        markers = self.fmt.summary
         # Newest chunk first, while its summary fits: only the newest few can, so the older ones
         # cost no generation (a prefix of 200,000 characters has hundreds of chunks).
         left, kept = room - len(recent), []
         cached = generated = 0
         for a, b in reversed(spans):
-            if left < 3:  # full: a summary block is at least its two markers and one token
+            if left <= len(markers.open_ids) + len(markers.close_ids):  # full: no room for a marked summary
                 break
             text = "".join(lines[a:b])
             key = (chunk_hash(text), self.version)
@@ -211,7 +198,7 @@ class PromptBuilder:
                 generated += 1
             else:
                 cached += 1
-            block = [self.sp.summary_start, *ids, self.sp.summary_end]
+            block = [*markers.open_ids, *ids, *markers.close_ids]
             if len(block) > left:
                 break
             kept.insert(0, (key[0], block))

@@ -18,6 +18,13 @@ One folder per version:
 A full version keeps its delta too, so a replica one version behind always fetches a delta;
 the full snapshots only bound how far back a cold reader must go (`materialize`, `plan`).
 
+Beside the versions, `model/` holds the files every version shares: config.json,
+generation_config.json, the tokenizer files and `base.json` (where version 0 came from: an
+imported Hugging Face folder or Flywheel's pretrained base, its FP4 format and targets, the
+version the learner starts from). It is written once, before version 0, and read by serving
+(`export_version` writes a folder vLLM loads) and the learner, so both serve and train the
+model the store holds, never an unrelated folder.
+
 Publishing writes every file into a temporary folder, fsyncs them, renames the folder into
 place, then writes STABLE (temp file, fsync, rename). Readers list only versions with
 STABLE, so a crash at any point leaves nothing half-written visible; the next publish of
@@ -68,6 +75,7 @@ from learner import fp4
 log = logging.getLogger(__name__)
 
 MANIFEST, STABLE, DELTA_FILE, FULL_FILE = "manifest.json", "STABLE", "delta.zst", "full.safetensors"
+MODEL_DIR, BASE_FILE, EXPORT_MARKER = "model", "base.json", "FLYWHEEL_VERSION"
 LOCK_FILE = ".publish.lock"
 FORMAT = "flywheel-weight-store/1"
 DESCRIPTION = (
@@ -250,6 +258,44 @@ class Store(ABC):
                     yield
                 finally:
                     self._writing = 0
+
+    @abstractmethod
+    def _write_model(self, files: Mapping[str, bytes]) -> None:
+        """Make `files` visible as the model files, atomically (replacing any)."""
+
+    @abstractmethod
+    def _read_model(self) -> dict[str, bytes]:
+        """The model files, {} when there are none."""
+
+    # the model files ---------------------------------------------------------------------------
+    def write_model_files(self, files: Mapping[str, bytes]) -> None:
+        """Store the files every version shares (see the module docstring); `base.json` among them.
+        Before version 0 only: afterwards they describe published weights and never change,
+        except `base.json` through `update_base`."""
+        if BASE_FILE not in files:
+            raise ValueError(f"the model files need a {BASE_FILE}")
+        with self._writer():
+            if self._stable():
+                raise StoreError(f"the weight store {self.uri()} holds versions already: its model files are fixed")
+            self._write_model(files)
+
+    def model_files(self) -> dict[str, bytes]:
+        return self._read_model()
+
+    def base(self) -> dict | None:
+        """`base.json`: what version 0 is (None for a store without model files)."""
+        raw = self._read_model().get(BASE_FILE)
+        return json.loads(raw) if raw is not None else None
+
+    def update_base(self, **fields) -> dict:
+        """Change fields of `base.json` (the learner's start version after continued pretraining)."""
+        with self._writer():
+            files = self._read_model()
+            if BASE_FILE not in files:
+                raise StoreError(f"the weight store {self.uri()} has no {BASE_FILE}")
+            base = json.loads(files[BASE_FILE]) | fields
+            self._write_model(files | {BASE_FILE: (json.dumps(base, indent=1) + "\n").encode()})
+            return base
 
     # reading ---------------------------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -603,6 +649,22 @@ class LocalStore(Store):
                 gone.append(p.name)
         return gone
 
+    def _write_model(self, files: Mapping[str, bytes]) -> None:
+        # Each file lands whole (temp file, fsync, rename); base.json goes last, so model files
+        # without it are an import that did not finish.
+        folder = self.root / MODEL_DIR
+        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        for name in sorted(files, key=lambda n: n == BASE_FILE):
+            _write_synced(folder / (name + ".tmp"), files[name])
+            os.rename(folder / (name + ".tmp"), folder / name)
+        _fsync_dir(folder)
+
+    def _read_model(self) -> dict[str, bytes]:
+        folder = self.root / MODEL_DIR
+        if not (folder / BASE_FILE).is_file():
+            return {}
+        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not p.name.endswith(".tmp")}
+
 
 def _write_synced(path: Path, data: bytes) -> None:
     with open_private(path) as f:
@@ -617,6 +679,39 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def export_version(store: Store, version: int, folder: str | Path) -> Path:
+    """A Hugging Face folder of `version` that vLLM and transformers load: the store's model files
+    and `model.safetensors` with the bf16 tensors (FP4 targets dequantized, exact). A folder that
+    already holds exactly that version (its marker names the version's digest) is reused."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    digest = store.manifest(version)["digest"]
+    marker = folder / EXPORT_MARKER
+    if marker.is_file() and marker.read_text().strip() == f"{version} {digest}":
+        return folder
+    files = store.model_files()
+    if not files:
+        raise StoreError(
+            f"the weight store {store.uri()} has no model files (config.json, tokenizer): nothing to export"
+        )
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True, mode=PRIVATE_DIR)
+    try:
+        for name, data in files.items():
+            if name != BASE_FILE:
+                (tmp / name).write_bytes(data)
+        save_file(to_hf_tensors(store.materialize(version)), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / EXPORT_MARKER).write_text(f"{version} {digest}\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
 
 
 def open_store(uri: str | Path, **opts) -> Store:

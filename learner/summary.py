@@ -17,13 +17,15 @@ not parse: then a line scanner finds the same items with regexes and formats eac
 through `ast` where its own text parses, so both paths print the same way. The summary is
 empty when the chunk holds none of these items.
 
-Training format (what `learner.train.pretrain` trains on; serving prompts the same way):
+Training format (what `learner.train.pretrain` trains on; serving prompts the same way), with
+the model's summary markers (learner.formats.SummaryFormat: Flywheel's `<|summary_start|>` and
+`<|summary_end|>` tokens, or plain text for a vocabulary without them):
 
-    ids = encode(code) + [<|summary_start|>] + encode(summary) + [<|summary_end|>, <|endoftext|>]
+    ids = encode(code) + open + encode(summary) + close + [eos]
 
 with no separator between the code and the marker; the summary has no trailing newline.
-To make the model write a summary, prompt with `summary_prompt_ids(tok, code)`
-(= encode(code) + [<|summary_start|>]) and stop at `<|summary_end|>` (SUMMARY_END_ID).
+To make the model write a summary, prompt with `summary_prompt_ids(fmt, tok, code)`
+(= encode(code) + open) and stop at the close marker.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import re
 
 from tokenizers import Tokenizer
 
-from learner.tokenizer import EOS_ID, SUMMARY_END_ID, SUMMARY_START_ID
+from learner.fim import encode
+from learner.formats import ModelFormat
 
 SHORT_VALUE_CHARS = 40  # longer (or multi-line) assigned values print as `...`
 
@@ -52,15 +55,15 @@ def summarize_python(code: str) -> str:
     return "\n".join(_from_body(tree.body, top=True))
 
 
-def summary_prompt_ids(tok: Tokenizer, code: str) -> list[int]:
-    """Prompt that makes the model summarize `code`: stop generating at SUMMARY_END_ID."""
-    return tok.encode(code).ids + [SUMMARY_START_ID]
+def summary_prompt_ids(fmt: ModelFormat, tok: Tokenizer, code: str) -> list[int]:
+    """Prompt that makes the model summarize `code`: stop generating at the close marker."""
+    return [*fmt.bos_ids, *encode(tok, code), *fmt.summary.open_ids]
 
 
-def summary_example_ids(tok: Tokenizer, code: str, summary: str | None = None) -> list[int]:
+def summary_example_ids(fmt: ModelFormat, tok: Tokenizer, code: str, summary: str | None = None) -> list[int]:
     """One training example: code, its summary between the markers, end of text."""
     summary = summarize_python(code) if summary is None else summary
-    return summary_prompt_ids(tok, code) + tok.encode(summary).ids + [SUMMARY_END_ID, EOS_ID]
+    return summary_prompt_ids(fmt, tok, code) + encode(tok, summary) + [*fmt.summary.close_ids, fmt.eos_id]
 
 
 # --- the ast path -------------------------------------------------------------------------------

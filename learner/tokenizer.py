@@ -6,13 +6,19 @@ unchanged. Every byte is in the base alphabet, so any text (tabs, CRLF, emoji, i
 identifiers, trailing newlines) encodes and decodes back exactly: there is no normalizer,
 no added prefix space and no post-processor that adds tokens.
 
-The special tokens take the first ids, in the order of `SPECIAL_TOKENS`:
+The special tokens take the first ids, in the order of `SPECIAL_TOKENS`. Their names are
+Qwen's (and Qwen2.5-Coder's fill-in-the-middle format is the one pretraining teaches), so
+learner.formats reads this tokenizer exactly as it reads a Qwen model's:
 
-    0 <|endoftext|>   end of document; also the pad token
-    1 <|fim_prefix|>  fill-in-the-middle: the code before the cursor follows
-    2 <|fim_suffix|>  the code after the cursor follows
-    3 <|fim_middle|>  the model writes the middle from here
-    4 <|summary_start|> / 5 <|summary_end|>  bracket a self-summary of earlier context
+    <|endoftext|>     end of document; also the pad token
+    <|fim_prefix|>    fill-in-the-middle: the code before the cursor follows
+    <|fim_suffix|>    the code after the cursor follows
+    <|fim_middle|>    the model writes the middle from here
+    <|repo_name|>     the repository name follows (repo-level context)
+    <|file_sep|>      a file's path follows, then its code
+    <|summary_start|> / <|summary_end|>  bracket a self-summary of earlier context (Flywheel's own)
+
+Nothing looks them up by id: prompts and stop tokens come from learner.formats, by name.
 """
 
 import json
@@ -25,10 +31,11 @@ EOS = "<|endoftext|>"
 FIM_PREFIX = "<|fim_prefix|>"
 FIM_SUFFIX = "<|fim_suffix|>"
 FIM_MIDDLE = "<|fim_middle|>"
+REPO_NAME = "<|repo_name|>"
+FILE_SEP = "<|file_sep|>"
 SUMMARY_START = "<|summary_start|>"
 SUMMARY_END = "<|summary_end|>"
-SPECIAL_TOKENS = [EOS, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, SUMMARY_START, SUMMARY_END]
-EOS_ID, FIM_PREFIX_ID, FIM_SUFFIX_ID, FIM_MIDDLE_ID, SUMMARY_START_ID, SUMMARY_END_ID = range(6)
+SPECIAL_TOKENS = [EOS, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, REPO_NAME, FILE_SEP, SUMMARY_START, SUMMARY_END]
 
 # The Qwen2 / GPT-4 split pattern: contractions, words with one leading non-letter,
 # digits one at a time, punctuation runs, and newlines kept apart from the indentation
@@ -87,6 +94,15 @@ def tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict:
         # Decoding must give the source text back byte for byte.
         "clean_up_tokenization_spaces": False,
     }
+
+
+def special_token_ids(tok: Tokenizer) -> dict[str, int]:
+    """The token ids an exported config.json and generation_config.json name: `<|endoftext|>`
+    ends a document and doubles as bos and pad."""
+    eos = tok.token_to_id(EOS)
+    if eos is None:
+        raise ValueError(f"the tokenizer has no {EOS} token")
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
 
 
 def save_tokenizer(tok: Tokenizer, folder: str | Path, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:

@@ -1,7 +1,9 @@
 """`flywheel demo` (what `make demo` runs): the whole loop on one machine, end to end.
 
   1. the local stack: a real Kafka broker, its topics, the SQL schema;
-  2. the base model: the cached pretrained one, or `flywheel pretrain` (about 30 minutes);
+  2. the base model: the cached pretrained one, or `flywheel pretrain` (about 30 minutes); or,
+     with `model.base` (`flywheel demo --base PATH`), an imported Hugging Face model, which the
+     learner makes v0 of the weight store (learner/base.py) and serving then serves;
   3. the feedback sink (Kafka -> SQL, rewards) and the Ray Serve API: a stable and a canary
      pool of vLLM replicas;
   4. the loop, for `demo.minutes`: simulated editors replay held-out files over HTTP; the
@@ -89,6 +91,7 @@ def run(
     from ops.routes import ops_routers
     from ops.simulate import run_sessions
     from serving import app
+    from serving.model_source import store_model_folder
 
     t_start = time.monotonic()
     console.rule("1/6 stack")
@@ -97,10 +100,14 @@ def run(
     console.print(f"Kafka {s.kafka.bootstrap}; database {r.database} (revision {r.revision})")
 
     console.rule("2/6 base model")
-    run_dir = ensure_base_model(s, console)
-    model_dir = run_dir if (run_dir / "config.json").is_file() else run_dir / "hf"
     serving_dtype = app.engine_precision(s.serve)
-    trained_in = _base_precision(model_dir)
+    if s.model.base is not None:
+        pretrained_dir, trained_in = None, None
+        _check_imported_base(s, console)
+    else:
+        run_dir = ensure_base_model(s, console)
+        pretrained_dir = run_dir if (run_dir / "config.json").is_file() else run_dir / "hf"
+        trained_in = _base_precision(pretrained_dir)
 
     console.rule("3/6 sink, learner and serving")
     engine = db.make_engine(s.database_url)
@@ -119,9 +126,11 @@ def run(
         secrets.token_urlsafe(24),
     )  # this run's tokens; never written anywhere
     serve = s.serve.model_copy(
-        update={"auth_tokens": [SecretStr(editor)], "ops_tokens": [SecretStr(ops_token)], "model_dir": model_dir}
+        update={"auth_tokens": [SecretStr(editor)], "ops_tokens": [SecretStr(ops_token)], "model_dir": None}
     )
     serving = s.model_copy(update={"serve": serve})
+    # The store's v0, which the learner published: never a folder the store does not hold.
+    model_dir = store_model_folder(serving) or pretrained_dir
     with console.status("starting Ray Serve and vLLM (stable and canary pools)") as status:
         url = app.start(serving, model_dir, 0, status.update, routers=ops_routers())
     console.print(f"API at {url}; stable and canary pools start on v0 and follow serving_pools")
@@ -244,6 +253,30 @@ def print_machine_report(console: Console, stats, serving_dtype, trained_in: str
         )
 
 
+def _check_imported_base(s: DemoSettings, console: Console) -> None:
+    """Refuse an imported base before anything starts (architecture, tokenizer, shards, and the
+    memory the learner and both pools' replicas need); the learner imports it."""
+    from feedback.core.errors import UserError
+    from learner.base import check_base, check_memory, physical_memory
+    from serving.replica import format_line
+
+    try:
+        info = check_base(s.model.base, fim=s.model.fim)
+        gib = s.model.memory_gib
+        check_memory(
+            info,
+            replicas=s.serve.replicas + s.serve.canary_replicas,
+            available=int(gib * 2**30) if gib else physical_memory(),
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    console.print(
+        f"imported base {info.folder} ({info.args.architecture}, {info.parameters / 1e6:,.1f}M parameters): no pretraining. "
+        f"{format_line(info.format)}",
+        markup=False,
+    )
+
+
 def _base_precision(model_dir: Path) -> str | None:
     """The precision the base was pretrained in (its metrics.json), when recorded."""
     import json
@@ -307,7 +340,8 @@ def publish_degraded(learner, engine, *, parent: int):
     from learner.publish import publish_version
 
     packed = learner.store.materialize(parent)
-    packed["lm_head.weight"] = -packed["lm_head.weight"]
+    head = "lm_head.weight" if "lm_head.weight" in packed else "model.embed_tokens.weight"  # tied: the embedding
+    packed[head] = -packed[head]
     return publish_version(
         learner.store,
         packed,

@@ -178,7 +178,7 @@ class ModelReplica:
         from serving.replica import load_service
 
         self.pool = pool
-        self.service = load_service(Path(model_dir), settings.serve, version)
+        self.service = load_service(Path(model_dir), settings.serve, version, fim=settings.model.fim)
         self.swapper = HotSwapper(
             self.service, default_store_uri(settings), loaded_from=model_dir
         )  # gates admission from now on
@@ -266,10 +266,12 @@ class Ingress:
     ):
         from feedback.db import make_engine
         from feedback.producer import BufferedProducer
+        from learner.formats import read_format
         from learner.tokenizer import load_tokenizer
 
         cfg = settings.serve
         tok = load_tokenizer(tokenizer_dir)
+        prompt_format = read_format(tokenizer_dir, fim=settings.model.fim).describe()
         self.producer = BufferedProducer(settings.kafka, max_buffered=cfg.producer_buffer)
         self.state = ApiState(
             cfg=cfg,
@@ -280,6 +282,7 @@ class Ingress:
             decode=tok.decode,
             ops_tokens=cfg.ops_token_set(),
             database_url=settings.database_url,  # the ops routes' database (app.state.database_url)
+            prompt_format=prompt_format,
         )
         self.routers = tuple(routers)
         engine = make_engine(settings.database_url)
@@ -425,7 +428,7 @@ def warm_up(sizes: dict[str, int]) -> None:
             handle = serve.get_deployment_handle(deployment_name(pool), APP_NAME)
             for i in range(n):  # request ids unique per engine, as vLLM expects
                 calls.append(
-                    handle.complete.remote(GenerateRequest(f"warmup-{pool}-{i}", "def main():\n    ", "\n", "", spec))
+                    handle.complete.remote(GenerateRequest(f"warmup-{pool}-{i}", "def main():\n    ", "\n", None, spec))
                 )
         await asyncio.gather(*calls)
 

@@ -98,7 +98,8 @@ class OutOfService(RuntimeError):
 class WeightSwapExtension:
     """Mixed into vLLM's worker class (engine argument `worker_extension_cls`), so the engine
     can call `collective_rpc("flywheel_load_weights", args=(path, sha256))`. Runs in the worker
-    process: `self` is vLLM's Worker."""
+    process: `self` is vLLM's Worker. After vLLM's reload it redoes what that reload misses on the
+    CPU (below): the experts' prepack, a tied output layer's GEMM handle."""
 
     def flywheel_load_weights(self, path: str, sha256: str) -> dict:
         from safetensors.torch import load
@@ -110,6 +111,7 @@ class WeightSwapExtension:
         tensors = load(data)
         self.reload_weights(weights_iterator=iter(tensors.items()))
         _repack_cpu_experts(self.model_runner.get_model(), tensors)
+        _refresh_tied_output_layer(self.model_runner.get_model(), tensors)
         return {"tensors": len(tensors), "bytes": len(data), "seconds": time.perf_counter() - t0}
 
 
@@ -118,21 +120,38 @@ def _repack_cpu_experts(model, names) -> None:
     grouped-GEMM layout, but a reload writes checkpoint-layout data into that storage and
     skips the prepack (it is meant to run once). Measured: reloading a layer's unchanged
     expert weights changed greedy tokens. Prepack the reloaded layers again."""
-    for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.mlp\.experts)\.\d+\.", n))}):
+    for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.experts)\.\d+\.", n))}):
         for layer in model.get_submodule(prefix).modules():  # the RoutedExperts inside vLLM's MoE runner
             experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
                 experts.process_weights_after_loading(layer)
 
 
-# vLLM fuses some checkpoint tensors into one layer (q/k/v -> qkv_proj, every expert of a layer
-# -> one RoutedExperts, gate/up -> gate_up_proj). Its in-place reload rebuilds a layer only from
-# what is sent: a layer given part of its tensors gets uninitialized memory for the rest
-# (measured: reloading q_proj alone turned greedy logprobs into NaN). So a swap sends whole layers.
+def _refresh_tied_output_layer(model, names) -> None:
+    """Work around vLLM 0.32's CPU reload of tied embeddings: the output layer shares the
+    embedding's weight, but on the CPU it computes through a GEMM handle prepacked from it at
+    load time, and a reload of `embed_tokens` re-processes only the embedding. Measured on a
+    Qwen2 model with tied embeddings: served logprobs were 0.75 off the new weights until the
+    output layer was processed again."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not any(n.endswith("embed_tokens.weight") for n in names) or head is None or embed is None:
+        return
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
+
+
+# vLLM fuses some checkpoint tensors into one layer (q/k/v weights and biases -> qkv_proj, every
+# expert of a layer -> one RoutedExperts, gate/up of a dense MLP or of Qwen2-MoE's shared expert
+# -> gate_up_proj). Its in-place reload rebuilds a layer only from what is sent: a layer given
+# part of its tensors gets uninitialized memory for the rest (measured: reloading q_proj alone
+# turned greedy logprobs into NaN). So a swap sends whole layers. (A tied output layer is the
+# embedding itself: reloading the embedding reloads both.)
 _FUSED = (
-    (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.weight$"), ".qkv_proj"),
-    (re.compile(r"^(.*\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$"), ""),
-    (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.weight$"), ".gate_up_proj"),
+    (re.compile(r"^(.*\.self_attn)\.[qkv]_proj\.(weight|bias)$"), ".qkv_proj"),
+    (re.compile(r"^(.*\.experts)\.\d+\.\w+\.weight$"), ""),
+    (re.compile(r"^(.*)\.(gate|up)_proj\.weight$"), ".gate_up_proj"),
 )
 
 

@@ -1,12 +1,15 @@
 """A model replica: one model version, its prompt builder and summary cache, an engine.
 
 `CompletionService` is plain Python around an `Engine`, so it runs the same under Ray
-Serve (`ModelReplica` below), in a benchmark, or in a unit test with a fake engine.
+Serve (`ModelReplica` below), in a benchmark, or in a unit test with a fake engine. What it
+knows of the model's tokens (EOS, FIM template, summary markers) comes from the model's own
+files (learner.formats.ModelFormat), never from fixed ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +18,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from learner.formats import ModelFormat
 from learner.prompts import PromptBuilder, SummaryCache
-from learner.tokenizer import EOS_ID, SUMMARY_END
 from serving.engine import Engine, Sample, SamplingSpec
 from serving.settings import ServeSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,9 @@ class GenerateRequest:
     completion_id: str
     prefix: str
     suffix: str | None  # None: plain left-to-right continuation of `prefix`
-    header: str
+    path: str | None  # the file's path, for the FIM template's header ("" or None: unknown)
     spec: SamplingSpec
+    repo: str | None = None  # the repository's name, for templates with repo context
 
 
 @dataclass
@@ -49,39 +55,54 @@ class GenerateResult:
 
 
 class CompletionService:
-    def __init__(self, engine: Engine, tok: Tokenizer, cfg: ServeSettings, version: int):
+    def __init__(self, engine: Engine, tok: Tokenizer, fmt: ModelFormat, cfg: ServeSettings, version: int):
         self.engine = engine
         self.tok = tok
+        self.fmt = fmt
         self.cfg = cfg
         self.version = version
         self.prompts = PromptBuilder(
             tok,
+            fmt,
             cfg.context_budget,
             cfg.summary_chunk_tokens,
             SummaryCache(cfg.summary_cache_size),
             version,
             max_summaries=cfg.max_summaries_per_request,
         )
-        self._summary_end = tok.token_to_id(SUMMARY_END)
 
     async def summarize(self, chunk: str) -> list[int]:
-        """The model's own summary of `chunk` (greedy), as it was taught in pretraining."""
-        ids = self.prompts.encode(chunk)[-(self.cfg.engine.max_model_len - self.cfg.summary_max_tokens - 2) :]
+        """The model's own summary of `chunk` (greedy), prompted as Flywheel's pretraining taught
+        it: the chunk, then the summary's opening marker (a token, or plain text)."""
+        markers, bos = self.fmt.summary, list(self.fmt.bos_ids)
+        keep = self.cfg.engine.max_model_len - self.cfg.summary_max_tokens - len(markers.open_ids) - len(bos) - 1
+        ids = [*bos, *self.prompts.encode(chunk)[-keep:], *markers.open_ids]
+        stops = (*markers.stop_ids, *self.fmt.eos_ids)
         spec = SamplingSpec(
-            max_tokens=self.cfg.summary_max_tokens, temperature=0.0, stop_token_ids=(self._summary_end, EOS_ID)
+            max_tokens=self.cfg.summary_max_tokens,
+            temperature=0.0,
+            stop_token_ids=stops,
+            stop=(markers.stop_text,) if markers.stop_text else (),
         )
         final: list[Sample] = []
-        async for final in self.engine.generate([*ids, self.prompts.sp.summary_start], spec, f"sum-{uuid.uuid4().hex}"):
+        async for final in self.engine.generate(ids, spec, f"sum-{uuid.uuid4().hex}"):
             pass
-        return [t for t in final[0].token_ids if t not in (self._summary_end, EOS_ID)] if final else []
+        if not final:
+            return []
+        if markers.stop_text:  # plain-text markers: the text before the closing one
+            return self.prompts.encode(final[0].text.strip("\n"))
+        return [t for t in final[0].token_ids if t not in stops]
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Cumulative results as tokens arrive; the last one has `done=True`."""
         t0 = time.perf_counter()
-        prompt = await self.prompts.build(req.prefix, req.suffix, req.header, self.summarize)
+        prompt = await self.prompts.build(req.prefix, req.suffix, self.summarize, path=req.path or None, repo=req.repo)
         spec = req.spec
-        if req.suffix is not None:  # the middle ends where the model says end-of-text
-            spec = dataclasses.replace(spec, stop_token_ids=(*spec.stop_token_ids, EOS_ID))
+        # Generation ends at the model's EOS tokens; a middle also at its FIM template's own tokens.
+        stops = self.fmt.eos_ids
+        if req.suffix is not None and self.fmt.fim is not None:
+            stops += self.fmt.fim.stop_ids
+        spec = dataclasses.replace(spec, stop_token_ids=(*spec.stop_token_ids, *stops))
         # Generation ends at the context window; vLLM refuses a request that asks for more.
         room = self.cfg.engine.max_model_len - len(prompt.ids)
         if spec.max_tokens > room:
@@ -126,9 +147,23 @@ def model_window(model_dir: Path) -> int:
     return json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
 
 
-def load_service(model_dir: Path, cfg: ServeSettings, version: int) -> CompletionService:
+def format_line(fmt: ModelFormat) -> str:
+    """One line on how this model is prompted, for the start log."""
+    how = (
+        f"{fmt.fim.name} fill-in-the-middle template"
+        if fmt.fim
+        else "prefix-only (no FIM tokens: suffixes are ignored)"
+    )
+    marks = "its summary tokens" if fmt.summary.tokens else "plain-text markers"
+    return f"prompts: {how}; EOS ids {list(fmt.eos_ids)}; self-summaries with {marks}; window {fmt.window}"
+
+
+def load_service(model_dir: Path, cfg: ServeSettings, version: int, *, fim: str = "auto") -> CompletionService:
+    from learner.formats import read_format
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
 
-    cfg = cfg.fitted_to(model_window(model_dir))
-    return CompletionService(VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), cfg, version)
+    fmt = read_format(model_dir, fim=fim)
+    (log.warning if fmt.fim is None else log.info)("%s: %s", model_dir, format_line(fmt))
+    cfg = cfg.fitted_to(fmt.window)
+    return CompletionService(VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), fmt, cfg, version)

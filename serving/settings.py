@@ -13,6 +13,7 @@ from feedback.core.auth import DashboardLogin
 from feedback.core.config import FlywheelSettings, Section
 from feedback.core.files import open_private, private_dir
 from feedback.core.web import HttpLimits
+from learner.base_settings import ModelSection
 from learner.prompts import CONTEXT_BUDGET, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
@@ -105,7 +106,8 @@ class ServeSettings(Section):
     max_summaries_per_request: int = Field(default=MAX_SUMMARIES, ge=0)
     """Most summaries one request may have the model write (cached ones are free): chunks are
     summarized newest first until the summaries fill their room or this many were written; older
-    chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0: truncate."""
+    chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0: truncate.
+    A model without Flywheel's summary tokens is prompted with plain-text markers."""
 
     producer_buffer: int = Field(default=10_000, ge=1)
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""
@@ -168,6 +170,7 @@ class ServingSettings(FlywheelSettings):
     """`flywheel serve`: the Ray Serve application."""
 
     serve: ServeSettings = ServeSettings()
+    model: ModelSection = ModelSection()
 
     def with_user_hash_secret(self) -> ServingSettings:
         """These settings with `serve.user_hash_secret` filled in: as set, else the key in

@@ -52,6 +52,14 @@ def tok():
 
 
 @pytest.fixture(scope="session")
+def fmt(tok):
+    """The prompt format of a model with that tokenizer (learner.formats), as its export reads it."""
+    from learner.formats import own_format
+
+    return own_format(tok, 2048)
+
+
+@pytest.fixture(scope="session")
 def kafka_settings(tmp_path_factory) -> FlywheelSettings:
     """A real single-node Kafka broker for the whole test session, with Flywheel's topics."""
     from feedback import bus

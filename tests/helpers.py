@@ -121,3 +121,23 @@ def cpu_report() -> str:
         f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()} ({flags}); compute dtype {resolve('auto')}; "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
+
+
+# --- tokenizers in other families' image ----------------------------------------------------------
+
+
+def family_tokenizer(texts, vocab_size: int, specials: list[str]):
+    """A byte-level BPE trained on `texts` with no special tokens of its own, then `specials`
+    added after the learned vocabulary: as in Qwen's tokenizer, the special tokens (EOS among
+    them) sit at the end, far from id 0 (a byte-level vocabulary's id 0 is "!")."""
+    from tokenizers import pre_tokenizers, trainers
+
+    from learner.tokenizer import build_untrained_tokenizer
+
+    tok = build_untrained_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(specials)
+    return tok

@@ -16,7 +16,7 @@ choice (sampled token ids, behaviour logprobs, routing when the engine recorded 
 so ids become visible in order; with several sinks on PostgreSQL a row could commit below
 an id already read and be missed (run one sink per database, as `flywheel up` does).
 Samples whose outcome is not in `learn.outcomes` (by default: `unseen`, never shown) are
-skipped and counted. An empty suggestion (just <|endoftext|>) is a legal action, reward 0.
+skipped and counted. An empty suggestion (just an EOS token) is a legal action, reward 0.
 One editor client can post accepts for every completion it was served, so two rules keep it
 from supplying a version's rewards: samples of requests that pinned their version (`model:
 flywheel@vN`: the client aimed its feedback) are skipped, and each user (`user_hash`)
@@ -65,14 +65,15 @@ from sqlalchemy.engine import Engine
 
 from feedback import db
 from feedback.core.files import open_private, private_dir
+from learner.formats import ModelFormat
 from learner.model import ModelArgs, Transformer, WeightHook
-from learner.tokenizer import EOS_ID
 from learner.train.learn_settings import LearnSection, LearnSettings
 from learner.train.rl_loss import RLInputs, rl_loss
 
 log = logging.getLogger(__name__)
 
 STATE_FILE, LAST_GOOD_FILE = "state.pt", "last_good.pt"
+KL_WINDOW = 512  # tokens per held-out window of the gate's KL to stable
 AUDIT_IDS = 100_000
 
 
@@ -201,10 +202,12 @@ class Batch:
     behaviour_BT: torch.Tensor
     reward_B: torch.Tensor
     routing: list[torch.Tensor] | None  # recorded serving routing, [B, S, K] per layer, when every sample has it
+    abstain_B: torch.Tensor  # the completion is a lone EOS token: the model declined to suggest
 
 
-def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
-    """Right-padded tensors; prompts lose their oldest tokens if a sequence exceeds the window."""
+def make_batch(samples: Sequence[Sample], args: ModelArgs, fmt: ModelFormat) -> Batch:
+    """Right-padded (with the model's pad token) tensors; prompts lose their oldest tokens if a
+    sequence exceeds the window."""
     seqs, spans = [], []
     for s in samples:
         toks = s.token_ids[: args.max_seq_len - 1]
@@ -215,8 +218,8 @@ def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
     S = max(len(q) for q in seqs) - 1
     T = max(n for _, n, _ in spans)
     B = len(samples)
-    input_BS = torch.full((B, S), EOS_ID, dtype=torch.long)
-    target_BT = torch.full((B, T), EOS_ID, dtype=torch.long)
+    input_BS = torch.full((B, S), fmt.pad_id, dtype=torch.long)
+    target_BT = torch.full((B, T), fmt.pad_id, dtype=torch.long)
     pos_BT = torch.zeros((B, T), dtype=torch.long)
     mask_BT = torch.zeros((B, T))
     behaviour_BT = torch.zeros((B, T))
@@ -227,7 +230,17 @@ def make_batch(samples: Sequence[Sample], args: ModelArgs) -> Batch:
         mask_BT[b, :n] = 1.0
         behaviour_BT[b, :n] = torch.tensor(s.behaviour[:n])
     routing = _recorded_routing(samples, spans, args, S)
-    return Batch(input_BS, target_BT, pos_BT, mask_BT, behaviour_BT, torch.tensor([s.reward for s in samples]), routing)
+    abstain_B = torch.tensor([len(s.token_ids) == 1 and s.token_ids[0] in fmt.eos_ids for s in samples])
+    return Batch(
+        input_BS,
+        target_BT,
+        pos_BT,
+        mask_BT,
+        behaviour_BT,
+        torch.tensor([s.reward for s in samples]),
+        routing,
+        abstain_B,
+    )
 
 
 def _recorded_routing(samples, spans, args: ModelArgs, S: int) -> list[torch.Tensor] | None:
@@ -235,9 +248,9 @@ def _recorded_routing(samples, spans, args: ModelArgs, S: int) -> list[torch.Ten
     position (record layout: routing[layer][position] = K expert ids over prompt + completion)."""
     if not samples or any(not s.routing for s in samples):
         return None
-    out = [torch.zeros((len(samples), S, args.top_k), dtype=torch.long) for _ in range(args.n_layers)]
+    out = [torch.zeros((len(samples), S, args.top_k), dtype=torch.long) for _ in args.moe_layers]
     for b, (s, (p, n, cut)) in enumerate(zip(samples, spans, strict=True)):
-        if len(s.routing) != args.n_layers:
+        if len(s.routing) != len(args.moe_layers):
             return None
         for i, layer in enumerate(s.routing):
             r = torch.tensor(layer[cut : cut + p + n - 1], dtype=torch.long)
@@ -291,7 +304,7 @@ def rl_update(
     m["mismatch_kl_replay"] = _k3(replayed, batch.behaviour_BT, batch.mask_BT)
     m["mismatch_kl_no_replay"] = _k3(own_BT, batch.behaviour_BT, batch.mask_BT)
     m["recorded_routing"] = float(batch.routing is not None)
-    m["abstain_share"] = float(((batch.mask_BT.sum(1) == 1) & (batch.target_BT[:, 0] == EOS_ID)).float().mean())
+    m["abstain_share"] = float(batch.abstain_B.float().mean())
     return m
 
 
@@ -418,41 +431,33 @@ class Learner:
 
     # set-up ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        from feedback.core.errors import UserError
+        """Load the base and the saved state (or publish the base as v0 on a first start). The
+        base is Flywheel's pretrained model, or with `model.base` set (or a store that holds an
+        imported model) the store's imported model, which is imported first if it is not yet."""
         from learner import store as S
-        from learner.tokenizer import load_tokenizer
-        from learner.train.pretrain import (
-            find_base_model,
-            fp4_hook,
-            load_master_weights,
-            load_training_corpus,
-            pretrain_section,
-        )
+        from learner.train.pretrain import fp4_hook, load_training_corpus, pretrain_section
 
-        base = find_base_model(self.s)
-        if base is None:
-            raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
-        self.base_dir = base
-        self.model, self.args = load_master_weights(base)
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
-        fmt = json.loads((base / "run.json").read_text())["settings"].get("fp4", "off")
-        self.fmt = None if fmt == "off" else fmt
-        self.hook = fp4_hook(self.fmt) if self.fmt else None
-        self.tok = load_tokenizer(base / "hf")
-        corpus = load_training_corpus(pretrain_section(self.s))
-        self.heldout, self.train_files = corpus.heldout, corpus.train
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
-        )
-        self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
         self.store = S.open_store(
             S.default_store_uri(self.s),
             full_every=self.cfg.full_every,
             zstd_level=self.cfg.zstd_level,
             zstd_threads=self.cfg.zstd_threads,
         )
-        self._stable_cache: tuple[int, Transformer, object] | None = None
         db.upgrade(self.engine)
+        imported = self.s.model.base is not None or (self.store.base() or {}).get("kind") == "imported"
+        if imported:
+            self._load_imported()
+        else:
+            self._load_pretrained()
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
+        self.hook = fp4_hook(self.fmt, self.fp4_targets) if self.fmt else None
+        corpus = load_training_corpus(pretrain_section(self.s))
+        self.heldout, self.train_files = corpus.heldout, corpus.train
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+        )
+        self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
+        self._stable_cache: tuple[int, Transformer, object] | None = None
         state_path = self.dir / STATE_FILE
         if state_path.is_file():
             self.state = load_state(state_path, self.model, self.opt, self.buffer)
@@ -460,11 +465,76 @@ class Learner:
                 "resumed the learner at step %d, cursor %d, v%d", self.state.step, self.state.cursor, self.state.version
             )
         else:
-            self.state = LearnerState(last_publish_at=time.time())
-            self._publish_base()
+            v = self.start_version
+            self.state = LearnerState(last_publish_at=time.time(), version=v, last_good=v)
+            if imported:
+                self._check_fresh_store()
+            else:
+                self._publish_base()
             self._save_last_good()
             self._save()
         self._recover_unrecorded()
+
+    def _load_pretrained(self) -> None:
+        """Flywheel's own base: the fp32 master weights of the pretraining run for [pretrain]."""
+        from feedback.core.errors import UserError
+        from learner import fp4
+        from learner.formats import read_format
+        from learner.tokenizer import load_tokenizer
+        from learner.train.pretrain import find_base_model, load_master_weights
+
+        base = find_base_model(self.s)
+        if base is None:
+            raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
+        self.base_dir = base
+        self.model, self.args = load_master_weights(base)
+        fmt = json.loads((base / "run.json").read_text())["settings"].get("fp4", "off")
+        self.fmt = None if fmt == "off" else fmt
+        self.fp4_targets = fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
+        self.tok = load_tokenizer(base / "hf")
+        self.format = read_format(base / "hf")
+        self.start_version = 0
+
+    def _load_imported(self) -> None:
+        """An imported base (learner/base.py): the store's model files and the weights of the version
+        base.json says to start from (v0, or continued pretraining's result), FP4 targets
+        dequantized: the fp32 master weights start exactly on what serving serves."""
+        from feedback.core.errors import UserError
+        from learner.base import ensure_imported
+        from learner.formats import read_format
+        from learner.tokenizer import load_tokenizer
+
+        base = self.store.base()
+        try:
+            if self.s.model.base is not None:
+                base, _ = ensure_imported(
+                    self.s.model, self.store, engine=self.engine, producer=self.producer, replicas=0
+                )
+            folder = private_dir(self.dir / "base")
+            for name, data in self.store.model_files().items():
+                (folder / name).write_bytes(data)
+            self.tok = load_tokenizer(folder)
+            self.format = read_format(folder, fim=self.s.model.fim)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.base_dir = folder
+        self.args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+        self.start_version = base["start_version"]
+        self.model = model_from_packed(self.store.materialize(self.start_version), self.args).train()
+        self.fmt = base["fp4_format"]
+        self.fp4_targets = tuple(base["fp4_targets"])
+
+    def _check_fresh_store(self) -> None:
+        """A first start on an imported base: the store may hold only what import and continued
+        pretraining published (up to base.json's start version)."""
+        from feedback.core.errors import UserError
+
+        later = [v for v in self.store.versions() if v > self.start_version]
+        if later:
+            raise UserError(
+                f"the weight store {self.store.uri()} already holds versions {later[-3:]} after the base's v{self.start_version} "
+                f"but there is no learner state in {self.dir}: restore that folder, or give the learner a fresh data_dir"
+            )
 
     def _publish_base(self) -> None:
         """Version 0: the pretrained base's packed FP4 artifact, exactly what serving loaded. A
@@ -486,6 +556,8 @@ class Learner:
                 f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
                 f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
             )
+        if not stable:  # the files serving loads beside the weights (learner/store.py, "model/")
+            self.store.write_model_files(self._pretrained_model_files())
         publish_version(
             self.store,
             None if stable else packed,  # stored already: record and announce it again
@@ -496,6 +568,23 @@ class Learner:
             gate_passed=True,
             gate_reason=f"the pretrained base model ({self.base_dir.name})",
         )
+
+    def _pretrained_model_files(self) -> dict[str, bytes]:
+        from learner.store import BASE_FILE
+
+        hf = self.base_dir / "hf"
+        files = {p.name: p.read_bytes() for p in sorted(hf.iterdir()) if p.suffix == ".json"}
+        base = {
+            "format": "flywheel-base/1",
+            "kind": "pretrained",
+            "source": str(self.base_dir),
+            "architecture": self.args.architecture,
+            "parameters": self.model.num_params(),
+            "fp4_format": self.fmt,
+            "fp4_targets": list(self.fp4_targets),
+            "start_version": 0,
+        }
+        return files | {BASE_FILE: (json.dumps(base, indent=1) + "\n").encode()}
 
     def _recover_unrecorded(self) -> None:
         """Versions in the store newer than the saved state: published, then the learner died."""
@@ -554,7 +643,9 @@ class Learner:
         if len(self.buffer) < self.cfg.batch_size:
             return None
         samples = self.buffer.take(self.cfg.batch_size)
-        m = rl_update(self.model, self.ref, self.opt, make_batch(samples, self.args), hook=self.hook, cfg=self.cfg)
+        m = rl_update(
+            self.model, self.ref, self.opt, make_batch(samples, self.args, self.format), hook=self.hook, cfg=self.cfg
+        )
         st = self.state
         st.step += 1
         st.samples_trained += len(samples)
@@ -577,9 +668,7 @@ class Learner:
         from learner import store as S
 
         self._save()  # the published weights are a saved state (see the module docstring)
-        packed = S.pack_checkpoint(
-            self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
-        )
+        packed = S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", self.fp4_targets if self.fmt else ())
         passed, reason, metrics = self._gate(packed)
         return self._finish_publish(packed, passed, reason, metrics)
 
@@ -652,6 +741,7 @@ class Learner:
             candidate,
             stable_model,
             self.tok,
+            self.format,
             sites,
             max_tokens=g.max_tokens,
             stable_stats=cached[2] if cached else None,
@@ -677,7 +767,9 @@ class Learner:
         if not hasattr(self, "_windows"):
             from learner.corpus import heldout_windows, token_stream
 
-            self._windows = heldout_windows(token_stream(self.tok, self.heldout), self.args.max_seq_len - 1, 16)[:, :-1]
+            # An imported model's window runs to tens of thousands of tokens: the KL estimate needs far fewer.
+            length = min(self.args.max_seq_len, KL_WINDOW) - 1
+            self._windows = heldout_windows(token_stream(self.format, self.tok, self.heldout), length, 16)[:, :-1]
         return self._windows
 
     # persistence ----------------------------------------------------------------------------------------

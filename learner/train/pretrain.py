@@ -26,6 +26,15 @@ lists the ones that do not):
 A run interrupted (Ctrl-C, SIGTERM, or a kill between checkpoints) continues from its last
 checkpoint when rerun. A finished base is reused when it trained at least the requested
 budget; a larger budget continues training it from its checkpoint.
+
+`continue_pretraining` (`flywheel pretrain --base PATH`) runs the same loop on an imported
+model (learner/base.py) instead of a new one: it starts from the weights of the store's start
+version (FP4 targets dequantized), trains on `pretrain.corpus` in the model's own prompt format
+(learner.formats: its FIM template, plain-text summary markers where it has no summary tokens)
+at `pretrain.continue_lr`, and publishes the result as the next version of the weight store, a
+delta against the base, where the learner then starts. Its run folder is
+`<data_dir>/pretrain/<key>/` (key: the imported v0, the corpus, the settings); it resumes the
+same way.
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ from learner import fp4 as fp4_codec
 from learner.corpus import Corpus, SourceFile, TrainingData, heldout_windows, load_corpus, token_stream
 from learner.decode import decode
 from learner.export import export_hf, export_packed_fp4, fp4_dequantized, load_hf, verify_packed_roundtrip
+from learner.fim import plain_prompt_ids
+from learner.formats import ModelFormat, own_format
 from learner.model import ModelArgs, Transformer, WeightHook
 from learner.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from learner.train.pretrain_settings import PretrainSection
@@ -65,7 +76,7 @@ from learner.train.pretrain_settings import PretrainSection
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
 # Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
 # so a cached base made by the old recipe is not reused.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3  # 3: the FIM rows in Qwen's template, the path as `<|file_sep|>path`
 
 
 # --- pure pieces ------------------------------------------------------------------------------------
@@ -182,7 +193,7 @@ def train_step(
         balance: list[torch.Tensor] = []
         logits = model(x, routing=routing, fp4=hook, balance_losses=balance)
         loss, metrics = lm_loss(logits, y)
-        balance_loss = torch.stack(balance).mean()
+        balance_loss = torch.stack(balance).mean() if balance else torch.zeros((), device=x.device)  # dense: none
     (loss + cfg.balance_coef * balance_loss).backward()
     metrics["balance_loss"] = balance_loss.item()
     metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
@@ -321,8 +332,10 @@ def train(
     device = torch.device(cfg.device)
     tok = _tokenizer(folder, corpus.train, cfg, console)
     args = model_args(cfg)
+    fmt = own_format(tok, args.max_seq_len)
     data = TrainingData(
         tok,
+        fmt,
         corpus.train,
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
@@ -330,7 +343,7 @@ def train(
         summary_rate=cfg.summary_rate,
         seed=cfg.seed,
     )
-    windows = heldout_windows(token_stream(tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
+    windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
 
     torch.manual_seed(cfg.seed)
@@ -352,15 +365,21 @@ def train(
     hook = fp4_hook(cfg.fp4)
     _train_loop(model, opt, data, periodic, hook, cfg, state, folder, console, on_step)
     prompts = completion_prompts(corpus.heldout, 1)
-    return _finish(model, args, tok, data, windows, prompts, cfg, state, folder, console, time.perf_counter() - t_start)
+    return _finish(
+        model, args, tok, fmt, data, windows, prompts, cfg, state, folder, console, time.perf_counter() - t_start
+    )
 
 
-def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Path, console: Console, on_step) -> None:
+def _train_loop(
+    model, opt, data, periodic, hook, cfg, state: _State, folder: Path, console: Console, on_step, label: str = ""
+) -> None:
     tokens_per_step = cfg.batch_size * cfg.seq_len
     last_ckpt = time.perf_counter()
     ema_loss = None
     with _progress(console) as progress, _stop_on_signal() as stop:
-        task = progress.add_task(f"pretrain {cfg.size}", total=1000, step=state.step, loss=float("nan"), tps=0.0)
+        task = progress.add_task(
+            label or f"pretrain {cfg.size}", total=1000, step=state.step, loss=float("nan"), tps=0.0
+        )
         while not is_done(state.step, state.elapsed_s, cfg):
             t0 = time.perf_counter()
             for group in opt.param_groups:
@@ -404,7 +423,18 @@ def _train_loop(model, opt, data, periodic, hook, cfg, state: _State, folder: Pa
 
 
 def _finish(
-    model, args, tok, data, windows, held_prompts, cfg, state: _State, folder: Path, console: Console, wall_s: float
+    model,
+    args,
+    tok,
+    fmt: ModelFormat,
+    data,
+    windows,
+    held_prompts,
+    cfg,
+    state: _State,
+    folder: Path,
+    console: Console,
+    wall_s: float,
 ) -> dict:
     """Export, verify, evaluate the exported model against the bigram baseline, mark COMPLETE."""
     t0 = time.perf_counter()
@@ -443,7 +473,7 @@ def _finish(
         "held-out (exported model)", "loss", "next-token accuracy", title=f"base model {cfg.size}: {folder / 'hf'}"
     )
     t.add_row(
-        f"{args.n_layers}-layer MoE, {state.step} steps, {state.tokens / 1e6:.1f}M tokens",
+        f"{args.n_layers}-layer {'MoE' if args.moe_layers else 'dense model'}, {state.step} steps, {state.tokens / 1e6:.1f}M tokens",
         f"{ev['loss']:.3f}",
         f"{ev['accuracy']:.1%}",
     )
@@ -453,7 +483,7 @@ def _finish(
     console.print(f"trained {state.elapsed_s / 60:.1f} min, this run {metrics['this_run_wall_minutes']:.1f} min{extra}")
     if held_prompts:
         prompt = held_prompts[0]
-        completion = decode(served, tok, tok.encode(prompt).ids, 48).text
+        completion = decode(served, tok, plain_prompt_ids(fmt, tok, prompt), 48, stop_ids=fmt.eos_ids).text
         console.print("greedy completion of held-out code ([dim]prompt[/], then the model's continuation):")
         console.print(Text(prompt[-300:], style="dim") + Text(completion))
     return metrics
@@ -572,3 +602,167 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+# --- continuing an imported model ---------------------------------------------------------------------
+
+
+def continue_pretraining(
+    settings: FlywheelSettings,
+    console: Console,
+    *,
+    producer=None,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> dict:
+    """`flywheel pretrain --base PATH`: see the module docstring. Imports `model.base` first if
+    the store has no model yet. Returns the run's record (steps, held-out metrics, the version
+    published). UserError (one line) when the learner already published after the base, or the
+    corpus or the base is refused."""
+    from feedback import db
+    from learner import store as S
+    from learner.base import ensure_imported
+    from learner.formats import read_format
+    from learner.publish import publish_version
+
+    cfg = pretrain_section(settings)
+    torch.set_num_threads(cfg.threads)
+    corpus = load_training_corpus(cfg)
+    store = S.open_store(S.default_store_uri(settings))
+    engine = db.make_engine(settings.database_url)
+    db.upgrade(engine)
+    own_producer = producer is None
+    if own_producer:
+        from feedback.producer import BufferedProducer
+
+        producer = BufferedProducer(settings.kafka)
+    try:
+        try:
+            base, _ = ensure_imported(settings.model, store, engine=engine, producer=producer, replicas=0)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        start = base["start_version"]
+        later = [v for v in store.versions() if v > start]
+        if later:
+            raise UserError(
+                f"the learner already published v{later[-1]} after the base's v{start} in {store.uri()}: continued "
+                "pretraining starts from the base, before the learner runs (or use a fresh data_dir)"
+            )
+        key = hashlib.sha256(
+            json.dumps(
+                {
+                    "base": store.manifest(0)["digest"],
+                    "settings": cfg.cache_key_fields(),
+                    "corpus": corpus.fingerprint,
+                    "recipe": RECIPE_VERSION,
+                },
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()[:16]
+        folder = Path(settings.data_dir).expanduser() / "pretrain" / key
+        done = finished_base(folder, cfg)
+        if done is not None and done.get("version") in store.versions():
+            console.print(
+                f"already continued on this corpus: v{done['version']} (step {done['step']}, held-out loss "
+                f"{done['metrics']['base_heldout_loss']:.3f} -> {done['metrics']['heldout_loss']:.3f}); {folder}"
+            )
+            return done
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / COMPLETE).unlink(missing_ok=True)
+        model_dir = folder / "model"
+        model_dir.mkdir(exist_ok=True)
+        for name, data in store.model_files().items():
+            (model_dir / name).write_bytes(data)
+        tok, fmt = load_tokenizer(model_dir), read_format(model_dir, fim=settings.model.fim)
+        args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+        with torch.device("meta"):
+            model = Transformer(args)
+        model.load_state_dict({k: v.float() for k, v in S.to_hf_tensors(store.materialize(start)).items()}, assign=True)
+        record = _continue(model.train(), args, tok, fmt, corpus, cfg, base, folder, console, on_step)
+        packed = S.pack_checkpoint(
+            model.state_dict(), base["fp4_format"] or "nvfp4", base["fp4_targets"] if base["fp4_format"] else ()
+        )
+        m = record["metrics"]
+        msg = publish_version(
+            store,
+            packed,
+            parent=start,
+            engine=engine,
+            producer=producer,
+            gate_passed=True,
+            gate_reason=(
+                f"continued pretraining on {corpus.root.name} ({record['step']} steps; held-out loss "
+                f"{m['base_heldout_loss']:.3f} -> {m['heldout_loss']:.3f})"
+            ),
+            metrics={k: float(v) for k, v in m.items() if isinstance(v, int | float)},
+        )
+        store.update_base(start_version=msg.version)
+        record["version"] = msg.version
+        _write_json(folder / COMPLETE, record)  # last: published and recorded
+        console.print(
+            f"published v{msg.version} ({msg.size_bytes:,} B delta against v{start}, {msg.full_size_bytes:,} B full); "
+            "the learner starts from it"
+        )
+        return record
+    finally:
+        if own_producer:
+            producer.close(timeout_s=10)
+
+
+def _continue(model, args, tok, fmt, corpus, cfg: PretrainSection, base: dict, folder: Path, console, on_step) -> dict:
+    """The training loop of `continue_pretraining` on `model` (resumed from `folder`'s checkpoint)."""
+    seq_len = min(cfg.seq_len, fmt.window - 1)
+    data = TrainingData(
+        tok,
+        fmt,
+        corpus.train,
+        seq_len=seq_len,
+        batch_size=cfg.batch_size,
+        fim_rate=cfg.fim_rate,
+        summary_rate=cfg.summary_rate,
+        seed=cfg.seed,
+    )
+    windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), seq_len, cfg.final_eval_windows)
+    periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
+    precision = resolve_precision(cfg.precision, device="cpu", setting="pretrain.precision")
+    run_cfg = cfg.model_copy(update={"lr": cfg.continue_lr, "precision": precision.short, "seq_len": seq_len})
+    hook = fp4_hook(base["fp4_format"], tuple(base["fp4_targets"])) if base["fp4_format"] else None
+    before = evaluate(model, windows, hook=hook)
+    opt = make_optimizer(model, run_cfg)
+    state = _State(history=[])
+    if (folder / CHECKPOINT).is_file():
+        state = _load_checkpoint(folder / CHECKPOINT, model, opt)
+        console.print(f"resuming from step {state.step} ({state.elapsed_s / 60:.1f} min trained) in {folder}")
+    else:
+        console.print(
+            f"continuing {args.architecture} ({model.num_params() / 1e6:.1f}M parameters) from v{base['start_version']} on "
+            f"{len(corpus.train)} files ({len(data.stream) / 1e6:.2f}M tokens), {len(corpus.heldout)} held out; "
+            f"lr {cfg.continue_lr:g}, precision {precision}; run folder {folder}"
+        )
+    _train_loop(
+        model,
+        opt,
+        data,
+        periodic,
+        hook,
+        run_cfg,
+        state,
+        folder,
+        console,
+        on_step,
+        label=f"pretrain {args.architecture}",
+    )
+    after = evaluate(model, windows, hook=hook)
+    metrics = {
+        "base_heldout_loss": before["loss"],
+        "base_heldout_accuracy": before["accuracy"],
+        "heldout_loss": after["loss"],
+        "heldout_accuracy": after["accuracy"],
+        "steps": state.step,
+        "train_tokens": state.tokens,
+        "train_minutes": state.elapsed_s / 60,
+    }
+    console.print(
+        f"held-out loss {before['loss']:.3f} -> {after['loss']:.3f}, accuracy {before['accuracy']:.1%} -> "
+        f"{after['accuracy']:.1%} after {state.step} steps"
+    )
+    return {"step": state.step, "elapsed_s": state.elapsed_s, "metrics": metrics}

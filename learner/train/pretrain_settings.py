@@ -11,6 +11,7 @@ from typing import Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from feedback.core.config import FlywheelSettings, Section
+from learner.base_settings import ModelSection
 from learner.sizes import SIZES
 
 # Fields that change how long or how visibly a run goes, not which model it makes: they stay
@@ -30,6 +31,7 @@ NOT_IN_CACHE_KEY = frozenset(
         "checkpoint_minutes",
         "quality_check",
         "min_steps",
+        "continue_lr",  # continuing an imported model only
     }
 )
 
@@ -40,8 +42,8 @@ class PretrainSection(Section):
     (its *.py files minus tests). The cache key uses the files' contents, not this path."""
     size: str = "small"
     """Named model size from learner.sizes.SIZES: `tiny` (tests) or `small` (the demo)."""
-    vocab_size: int = Field(default=4096, ge=262, le=65536)
-    """BPE vocabulary size (256 bytes + 6 special tokens at least); also the model's vocabulary."""
+    vocab_size: int = Field(default=4096, ge=264, le=65536)
+    """BPE vocabulary size (256 bytes + 8 special tokens at least); also the model's vocabulary."""
     seq_len: int = Field(default=256, ge=16, le=8192)
     """Training sequence length in tokens; also the exported model's max_position_embeddings."""
     batch_size: int = Field(default=16, ge=1)
@@ -53,6 +55,9 @@ class PretrainSection(Section):
     """Train exactly this many optimizer steps (the schedule follows steps); `minutes` still caps the run."""
     lr: float = Field(default=3e-3, gt=0, le=1)
     """Peak AdamW learning rate, reached after warmup, then cosine decay to lr * min_lr_ratio."""
+    continue_lr: float = Field(default=1e-5, gt=0, le=1)
+    """Peak learning rate when continuing an imported model's pretraining (`flywheel pretrain --base`):
+    far below training from scratch, so the model keeps what it knows."""
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     """Final learning rate as a fraction of `lr`."""
     warmup_steps: int = Field(default=50, ge=0)
@@ -119,3 +124,4 @@ class PretrainSettings(FlywheelSettings):
     """`flywheel pretrain` and `flywheel bench fp4`: the shared settings plus `[pretrain]`."""
 
     pretrain: PretrainSection = PretrainSection()
+    model: ModelSection = ModelSection()

@@ -48,6 +48,7 @@ from feedback.core.config import FlywheelSettings
 from learner import delta as codec
 from learner import fp4
 from learner.corpus import TrainingData, load_corpus
+from learner.formats import own_format
 from learner.model import ModelArgs, Transformer
 from learner.store import pack_checkpoint, to_hf_tensors, to_safetensors
 from learner.tokenizer import load_tokenizer, train_tokenizer
@@ -267,6 +268,7 @@ def _base(settings: FlywheelSettings, cfg, console: Console):
     console.print(f"weights: {what}")
     data = TrainingData(
         tok,
+        own_format(tok, SEQ_LEN),
         corpus.train,
         seq_len=SEQ_LEN,
         batch_size=BATCH,
@@ -427,6 +429,7 @@ async def bench_swap(
     import os
 
     from learner.export import export_hf
+    from learner.formats import read_format
     from learner.store import open_store
     from serving.engine import SamplingSpec, VLLMEngine
     from serving.hotswap import HotSwapper
@@ -452,7 +455,7 @@ async def bench_swap(
     engine = VLLMEngine(folder, cfg.engine)
     started_s = time.perf_counter() - t_start
     try:
-        service = CompletionService(engine, tok, cfg, version=0)
+        service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
         swapper = HotSwapper(service, store)
         swapper.adopt(0)
         prompts = [t[:200] for t in texts if len(t) > 200][:64] or ["def f(x):\n    return "]
@@ -466,14 +469,14 @@ async def bench_swap(
                 t0 = time.perf_counter()
                 try:
                     r = await service.complete(
-                        GenerateRequest(f"b{c}-{i}", prompts[(c * 7 + i) % len(prompts)], None, "", spec)
+                        GenerateRequest(f"b{c}-{i}", prompts[(c * 7 + i) % len(prompts)], None, None, spec)
                     )
                     done.append((t0, time.perf_counter(), True, r.model_version))
                 except Exception:
                     done.append((t0, time.perf_counter(), False, -1))
                 i += 1
 
-        await service.complete(GenerateRequest("warmup", prompts[0], None, "", spec))
+        await service.complete(GenerateRequest("warmup", prompts[0], None, None, spec))
         tasks = [asyncio.create_task(client(c)) for c in range(clients)]
         await asyncio.sleep(steady_s)
         windows, reports = [], []

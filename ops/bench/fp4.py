@@ -27,6 +27,7 @@ from rich.table import Table
 from feedback.core.config import FlywheelSettings
 from learner import fp4
 from learner.corpus import TrainingData, heldout_windows, token_stream
+from learner.formats import own_format
 from learner.model import ModelArgs, Transformer
 from learner.tokenizer import load_tokenizer, train_tokenizer
 from learner.train.pretrain import (
@@ -180,8 +181,10 @@ def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Tran
         else train_tokenizer((f.text for f in corpus.train), cfg.vocab_size)
     )
     args = ModelArgs(vocab_size=tok.get_vocab_size(), max_seq_len=REDUCED_SEQ_LEN, **REDUCED)
+    fmt = own_format(tok, REDUCED_SEQ_LEN)
     data = TrainingData(
         tok,
+        fmt,
         corpus.train,
         seq_len=REDUCED_SEQ_LEN,
         batch_size=REDUCED_BATCH,
@@ -189,7 +192,7 @@ def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Tran
         summary_rate=cfg.summary_rate,
         seed=cfg.seed,
     )
-    windows = heldout_windows(token_stream(tok, corpus.heldout), REDUCED_SEQ_LEN, 64)
+    windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), REDUCED_SEQ_LEN, 64)
     run_cfg = cfg.model_copy(update={"steps": steps, "minutes": 1e6, "warmup_steps": min(20, steps // 5)})
 
     def run(fmt: str, replay: bool) -> tuple[Transformer, float]:
@@ -230,7 +233,7 @@ def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Tran
 def _base_heldout(base: Path, cfg) -> torch.Tensor:
     corpus = load_training_corpus(cfg)
     tok = load_tokenizer(base / "tokenizer")
-    return heldout_windows(token_stream(tok, corpus.heldout), cfg.seq_len, 16)[:, :-1]
+    return heldout_windows(token_stream(own_format(tok, cfg.seq_len), tok, corpus.heldout), cfg.seq_len, 16)[:, :-1]
 
 
 def _table(r: dict) -> Table:

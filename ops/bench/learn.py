@@ -46,6 +46,7 @@ def run_bench(
     from learner import eval as E
     from learner import store as S
     from learner.decode import decode, room
+    from learner.formats import read_format
     from learner.judge import cursor_sites, judge
     from learner.prompts import EDITOR_STOP
     from learner.tokenizer import load_tokenizer
@@ -63,21 +64,22 @@ def run_bench(
         raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
     master, args = load_master_weights(base_dir)
     tok = load_tokenizer(base_dir / "hf")
+    model_format = read_format(base_dir / "hf")
     fmt = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
     hook = fp4_hook(fmt)
     corpus = load_training_corpus(pretrain_section(s))
     g = s.learn.gate
     held = E.heldout_sites(corpus.heldout, g.sites, seed=g.seed)
     train = cursor_sites(corpus.train, train_sites, random.Random(7))
-    builder = E.prompt_builder(tok, args.max_seq_len)
+    builder = E.prompt_builder(tok, model_format, args.max_seq_len)
     prompts = [E.site_prompt(builder, site)[0] for site in train]
     from learner.corpus import heldout_windows, token_stream
 
-    windows = heldout_windows(token_stream(tok, corpus.heldout), args.max_seq_len - 1, 16)[:, :-1]
+    windows = heldout_windows(token_stream(model_format, tok, corpus.heldout), args.max_seq_len - 1, 16)[:, :-1]
 
     base_served = model_from_packed(S.pack_checkpoint(master.state_dict(), fmt), args)
     t0 = time.perf_counter()
-    base_stats = E.heldout_replay(base_served, tok, held, max_tokens=g.max_tokens)
+    base_stats = E.heldout_replay(base_served, tok, model_format, held, max_tokens=g.max_tokens)
     console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
     rows = [
         {
@@ -114,6 +116,7 @@ def run_bench(
                             tok,
                             prompts[i],
                             room(args.max_seq_len, len(prompts[i]), g.max_tokens),
+                            stop_ids=model_format.eos_ids,
                             temperature=temperature,
                             generator=gen,
                             stop=EDITOR_STOP,
@@ -123,7 +126,7 @@ def run_bench(
                             Sample(step, f"b{step}", 0, v - 1, prompts[i], c.ids, c.logprobs, r, parts["outcome"])
                         )
                         rewards.append(r)
-                    m = rl_update(policy, ref, opt, make_batch(batch, args), hook=hook, cfg=cfg)
+                    m = rl_update(policy, ref, opt, make_batch(batch, args, model_format), hook=hook, cfg=cfg)
                     mism_replay.append(m["mismatch_kl_replay"])
                     mism_none.append(m["mismatch_kl_no_replay"])
                     step += 1
@@ -132,7 +135,7 @@ def run_bench(
                         f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)"
                     )
                 served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
-                stats = E.heldout_replay(served, tok, held, max_tokens=g.max_tokens)
+                stats = E.heldout_replay(served, tok, model_format, held, max_tokens=g.max_tokens)
                 rows.append(
                     {
                         "lr": lr,

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from learner.corpus import SourceFile
-from learner.fim import fim_header
 from learner.prompts import PromptBuilder, SummaryCache
 from serving.engine import SamplingSpec
 
@@ -97,7 +96,7 @@ async def _evaluate(
         summarize = service.summarize if name == "self-summary" else None
         em, sim, tokens, fallbacks = [], [], [], 0
         for ex in examples:
-            prompt = await builder.build(ex.prefix, ex.suffix, fim_header(language="python", path=ex.path), summarize)
+            prompt = await builder.build(ex.prefix, ex.suffix, summarize, path=ex.path)
             fallbacks += prompt.fallback
             final = []
             async for final in service.engine.generate(prompt.ids, spec, uuid.uuid4().hex):
@@ -135,9 +134,9 @@ def run(settings, model_dir: Path, *, n: int, budget: int, max_tokens: int, seed
     )
     chunk = max(16, budget // 3)
     builders = {
-        "full context": PromptBuilder(tok, window, chunk, SummaryCache(0), 0),
-        "truncation": PromptBuilder(tok, budget, chunk, SummaryCache(0), 0),
-        "self-summary": PromptBuilder(tok, budget, chunk, SummaryCache(4096), 0),
+        "full context": PromptBuilder(tok, service.fmt, window, chunk, SummaryCache(0), 0),
+        "truncation": PromptBuilder(tok, service.fmt, budget, chunk, SummaryCache(0), 0),
+        "self-summary": PromptBuilder(tok, service.fmt, budget, chunk, SummaryCache(4096), 0),
     }
     try:
         results = asyncio.run(_evaluate(service, builders, examples, max_tokens))

@@ -72,19 +72,20 @@ async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int
 
 async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tokens: int) -> Side:
     from learner.fim import fim_prompt_ids
+    from learner.formats import read_format
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
-    from serving.replica import model_window
 
     tok = load_tokenizer(model_dir)
-    engine = VLLMEngine(model_dir, settings.serve.fitted_to(model_window(model_dir)).engine)
+    fmt = read_format(model_dir)
+    engine = VLLMEngine(model_dir, settings.serve.fitted_to(fmt.window).engine)
     spec = SamplingSpec(
         max_tokens=max_tokens, temperature=0.0, stream=False
     )  # as the replica asks for non-streaming requests
 
     async def one(prefix: str, suffix: str) -> int:
         final = []
-        async for final in engine.generate(fim_prompt_ids(tok, prefix, suffix), spec, uuid.uuid4().hex):
+        async for final in engine.generate(fim_prompt_ids(fmt, tok, prefix, suffix), spec, uuid.uuid4().hex):
             pass
         return len(final[0].token_ids)
 

@@ -1,6 +1,8 @@
 """`flywheel` commands of the learner package (registered by ops/cli/main.py; heavy imports stay inside the commands).
 
     flywheel pretrain [--corpus DIR] [--size small] [--minutes N] [--steps N] [--fp4 nvfp4|mxfp4|off] [--force]
+    flywheel pretrain --base PATH --corpus DIR [--minutes N] [--steps N]
+    flywheel base import PATH [--fp4 nvfp4|mxfp4|off]
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
     flywheel bench fp4 [--steps N] [--out results.json]
 
@@ -26,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resuming an interrupted run and reusing a finished one. Settings: the [pretrain] section.",
     )
     p.add_argument("--corpus", metavar="DIR", help="folder of source files (pretrain.corpus)")
+    p.add_argument(
+        "--base",
+        metavar="PATH",
+        help="continue an imported Hugging Face model's pretraining instead (model.base; imported first if needed), "
+        "and publish the result as a new version",
+    )
     p.add_argument("--size", help="model size: tiny or small (pretrain.size)")
     p.add_argument("--minutes", type=float, help="training time budget (pretrain.minutes)")
     p.add_argument("--steps", type=int, help="train exactly N steps (pretrain.steps)")
@@ -33,6 +41,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="retrain even if a finished base is cached")
     add_config_args(p)
     p.set_defaults(fn=cmd_pretrain)
+
+    base = sub.add_parser(
+        "base",
+        help="bring your own model: a Hugging Face folder as the base",
+        description="Bring your own model: a Hugging Face folder as the base the learner trains and serving serves.",
+    )
+    base_sub = base.add_subparsers(dest="base_command", required=True, metavar="ACTION", parser_class=type(base))
+    imp = base_sub.add_parser(
+        "import",
+        help="make a Hugging Face folder version 0 of the weight store",
+        description="Check a Hugging Face model folder (architecture, tokenizer, shards, memory), quantize its FP4 targets "
+        "(an MoE's experts by default) and publish it as version 0 of the weight store, a full snapshot. "
+        "Serving and the learner then use it. Settings: the [model] section.",
+    )
+    imp.add_argument("path", metavar="PATH", help="the model folder (config.json, safetensors, tokenizer.json)")
+    imp.add_argument("--fp4", choices=["nvfp4", "mxfp4", "off"], help="FP4 format of the FP4 targets (model.fp4)")
+    add_config_args(imp)
+    imp.set_defaults(fn=cmd_base_import)
 
     lp = sub.add_parser(
         "learn",
@@ -112,13 +138,20 @@ def _settings(args: argparse.Namespace, flags: dict[str, object]):
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.base is not None:
+        args.overrides = [*args.overrides, f"model.base={json.dumps(str(Path(args.base).expanduser().absolute()))}"]
     s = _settings(
         args, {"corpus": args.corpus, "size": args.size, "minutes": args.minutes, "steps": args.steps, "fp4": args.fp4}
     )
     print_config(s, "flywheel pretrain")
-    from learner.train.pretrain import ensure_base_model
+    from learner.train.pretrain import continue_pretraining, ensure_base_model
 
-    ensure_base_model(s, console, force=args.force)
+    if s.model.base is not None:
+        continue_pretraining(s, console)
+    else:
+        ensure_base_model(s, console, force=args.force)
     return 0
 
 
@@ -203,5 +236,57 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
         swap=args.swap,
         out=args.out,
         command=shlex.join(["flywheel", *sys.argv[1:]]),
+    )
+    return 0
+
+
+def cmd_base_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from feedback.core.errors import UserError
+    from learner.train.learn_settings import LearnSettings
+    from serving.settings import ServingSettings
+
+    class ImportSettings(LearnSettings, ServingSettings):
+        """`flywheel base import`: [model], the store's [learn] options, and [serve] for the replica count."""
+
+    flags = {"base": str(Path(args.path).expanduser().absolute()), "fp4": args.fp4}
+    overrides = list(args.overrides) + [f"model.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    s = ImportSettings.load(args.config, overrides)
+    print_config(s, "flywheel base import")
+    from feedback import db
+    from feedback.producer import BufferedProducer
+    from learner import store as S
+    from learner.base import ensure_imported
+
+    store = S.open_store(
+        S.default_store_uri(s),
+        full_every=s.learn.full_every,
+        zstd_level=s.learn.zstd_level,
+        zstd_threads=s.learn.zstd_threads,
+    )
+    engine = db.make_engine(s.database_url)
+    db.upgrade(engine)
+    producer = BufferedProducer(s.kafka)
+    try:
+        with console.status(f"checking and importing {flags['base']}"):
+            base, published = ensure_imported(
+                s.model, store, engine=engine, producer=producer, replicas=s.serve.replicas + s.serve.canary_replicas
+            )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    finally:
+        producer.close(timeout_s=10)
+    from rich.markup import escape
+
+    v0, tensors = store.model_version(0), store.manifest(0)["tensors"]
+    n_fp4 = sum(t["kind"] == "fp4" for t in tensors.values())
+    fp4 = f"{n_fp4} of {len(tensors)} tensors in {base['fp4_format']}" if n_fp4 else "no FP4 tensors (bf16)"
+    prompts = f"the {base['fim']} FIM template" if base["fim"] else "prefix-only (no FIM tokens)"
+    console.print(
+        f"[green]{'imported' if published else 'already imported'}[/] {escape(base['source'])} ({base['architecture']}, "
+        f"{base['parameters'] / 1e6:,.1f}M parameters) as v0 of {escape(store.uri())}: {v0.full_size_bytes:,} bytes packed, "
+        f"{fp4}; prompts: {prompts}, window {base['window']}. `flywheel serve` and `flywheel learn` now use it.",
+        soft_wrap=True,
     )
     return 0

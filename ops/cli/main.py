@@ -114,9 +114,15 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from ops import demo
 
-    s = demo.DemoSettings.load(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.base is not None:
+        overrides.append(f"model.base={json.dumps(str(Path(args.base).expanduser().absolute()))}")
+    s = demo.DemoSettings.load(args.config, overrides)
     print_config(s, "flywheel demo")
     return demo.run(s, console)
 
@@ -173,12 +179,20 @@ def build_parser() -> Parser:
         ("up", cmd_up, "start the local stack (Kafka broker, topics, database schema)"),
         ("down", cmd_down, "stop what `up` started (data is kept)"),
         ("status", cmd_status, "show the health of Kafka, its topics and the database"),
-        ("demo", cmd_demo, "run the main job end to end"),
         ("simulate", cmd_simulate, "replay held-out code files as editor sessions against the API"),
     ]:
         sp = sub.add_parser(name, help=help_, description=help_)
         add_config_args(sp)
         sp.set_defaults(fn=fn)
+
+    demo = sub.add_parser("demo", help="run the main job end to end", description="run the main job end to end")
+    demo.add_argument(
+        "--base",
+        metavar="PATH",
+        help="run it on an imported Hugging Face model instead of the pretrained base (model.base)",
+    )
+    add_config_args(demo)
+    demo.set_defaults(fn=cmd_demo)
 
     dbp = sub.add_parser("db", help="database schema migrations", description="database schema migrations")
     dbsub = dbp.add_subparsers(dest="db_command", required=True, metavar="ACTION", parser_class=Parser)

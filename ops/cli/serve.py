@@ -103,7 +103,12 @@ def check_ready(s) -> Path:
 
 
 def resolve_model_dir(s) -> Path:
-    """`serve.model_dir`, else the cached pretrained base; UserError if there is neither."""
+    """The weight store's version when the store holds a model (serving/model_source.py), else
+    `serve.model_dir`, else the cached pretrained base; UserError if there is none of them."""
+    from serving.model_source import store_model_folder
+
+    if (folder := store_model_folder(s)) is not None:
+        return folder
     model_dir = s.serve.model_dir
     if model_dir is None:
         from learner.train.pretrain import find_base_model
@@ -123,9 +128,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     s = load_settings(args)
     model_dir = check_ready(s)
     print_config(s, "flywheel serve")
+    from learner.formats import read_format
     from ops.routes import ops_routers
     from serving import app
+    from serving.replica import format_line
 
+    try:
+        fmt = read_format(model_dir, fim=s.model.fim)
+    except ValueError as e:
+        raise UserError(f"{model_dir}: {e}") from None
+    console.print(f"model {model_dir}: {format_line(fmt)}", markup=False, soft_wrap=True)
     update, status = progress_line()
     with status:
         url = app.start(s, model_dir, s.serve.model_version, update, routers=ops_routers())

@@ -18,7 +18,6 @@ from pydantic import Discriminator, Tag
 
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord
-from learner.fim import fim_header
 from learner.prompts import EDITOR_STOP
 from serving import metrics
 from serving.engine import SamplingSpec
@@ -84,14 +83,13 @@ def _to_generate(
     cfg = st.cfg
     if isinstance(body, TabbyCompletionRequest):
         seg = body.segments
-        prefix, suffix = seg.prefix, seg.suffix or ""
-        header = fim_header(language=body.language, path=seg.filepath)
+        prefix, suffix, path, repo = seg.prefix, seg.suffix or "", seg.filepath, _repo_name(seg.git_url)
         temperature = body.temperature if body.temperature is not None else 0.2
         spec = SamplingSpec(
             n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=(EDITOR_STOP,)
         )
     else:
-        prefix, suffix, header = body.prompt_text, body.suffix, ""
+        prefix, suffix, path, repo = body.prompt_text, body.suffix, None, None
         if body.n > cfg.max_n:
             raise HTTPException(400, f"n={body.n} exceeds the limit of {cfg.max_n}")
         max_tokens = body.max_tokens or cfg.default_max_tokens
@@ -110,7 +108,14 @@ def _to_generate(
         raise HTTPException(
             413, f"prompt of {len(prefix) + len(suffix or '')} characters exceeds the limit of {cfg.max_prompt_chars}"
         )
-    return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, header=header, spec=spec)
+    return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, path=path, spec=spec, repo=repo)
+
+
+def _repo_name(git_url: str | None) -> str | None:
+    """The repository's name in a Tabby request's git_url (`https://host/org/name.git` -> `name`)."""
+    if not git_url:
+        return None
+    return git_url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1].removesuffix(".git") or None
 
 
 def _is_pinned(body) -> bool:

@@ -54,6 +54,7 @@ class ApiState:
     started: float = field(default_factory=time.time)
     ops_tokens: set[str] = field(default_factory=set)
     database_url: str | None = None
+    prompt_format: dict = field(default_factory=dict)  # learner.formats.ModelFormat.describe() of the served model
 
     @property
     def tokens(self) -> Tokens:

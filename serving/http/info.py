@@ -18,7 +18,8 @@ router = APIRouter()
 
 @router.get("/v1/health")
 async def health(st: StateDep) -> dict:
-    """Tabby's health report (public), with the pools' served and target versions."""
+    """Tabby's health report (public), with the pools' served and target versions and how the model
+    is prompted (its FIM template, or prefix-only)."""
     rt = st.routing
     return {
         "model": st.cfg.model_name,
@@ -40,6 +41,7 @@ async def health(st: StateDep) -> dict:
             "routing_checked_s_ago": round(time.time() - rt.checked_at, 1) if rt.checked_at else None,
             # Public: that the targets are unreadable, never the driver's message (host, user, database).
             "routing_error": "the serving targets could not be read; see the server log" if rt.error else None,
+            "prompt_format": st.prompt_format,
             "records_buffered": getattr(st.producer, "buffered", 0),
             "uptime_s": round(time.time() - st.started, 1),
         },

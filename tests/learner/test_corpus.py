@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from learner.corpus import TrainingData, heldout_windows, is_heldout, load_corpus, token_stream
-from learner.tokenizer import EOS_ID, FIM_PREFIX_ID, SUMMARY_START_ID, train_tokenizer
+from learner.formats import own_format
+from learner.tokenizer import EOS, FILE_SEP, FIM_PREFIX, SUMMARY_START, train_tokenizer
 
 
 def write_corpus(root, n=30):
@@ -57,16 +58,19 @@ def test_bad_corpus_folders(tmp_path):
 def test_training_rows_are_a_function_of_seed_and_step(tmp_path):
     c = load_corpus(write_corpus(tmp_path), heldout_fraction=0.2)
     tok = train_tokenizer((f.text for f in c.train), 400)
-    data = TrainingData(tok, c.train, seq_len=64, batch_size=32, fim_rate=0.5, summary_rate=0.3, seed=0)
+    fmt = own_format(tok, 64)
+    data = TrainingData(tok, fmt, c.train, seq_len=64, batch_size=32, fim_rate=0.5, summary_rate=0.3, seed=0)
     b = data.batch(7)
     assert b.shape == (32, 65) and b.dtype == torch.long
     assert torch.equal(b, data.batch(7)) and not torch.equal(b, data.batch(8))
-    other = TrainingData(tok, c.train, seq_len=64, batch_size=32, fim_rate=0.5, summary_rate=0.3, seed=1)
+    other = TrainingData(tok, fmt, c.train, seq_len=64, batch_size=32, fim_rate=0.5, summary_rate=0.3, seed=1)
     assert not torch.equal(b, other.batch(7))
     starts = b[:, 0].tolist()
-    assert FIM_PREFIX_ID in starts and (b == SUMMARY_START_ID).any()  # all three kinds of rows
+    fim_prefix, file_sep, summary_start = (tok.token_to_id(t) for t in (FIM_PREFIX, FILE_SEP, SUMMARY_START))
+    assert fim_prefix in starts and file_sep in starts  # FIM rows with and without the path header
+    assert (b == summary_start).any()  # summary rows
 
-    stream = token_stream(tok, c.heldout)
-    assert (stream == EOS_ID).sum() == len(c.heldout)
+    stream = token_stream(fmt, tok, c.heldout)
+    assert (stream == tok.token_to_id(EOS)).sum() == len(c.heldout)
     w = heldout_windows(stream, 16, 4)
     assert w.shape[1] == 17 and torch.equal(w, heldout_windows(stream, 16, 4))

@@ -19,11 +19,12 @@ from feedback.reward import reward
 from learner import eval as E
 from learner.corpus import SourceFile
 from learner.decode import decode
-from learner.fim import fim_header, fim_prompt_ids
+from learner.fim import fim_prompt_ids
+from learner.formats import own_format
 from learner.judge import Site, judge
 from learner.model import ModelArgs, Transformer
 from learner.prompts import EDITOR_STOP
-from learner.tokenizer import EOS_ID, train_tokenizer
+from learner.tokenizer import EOS, train_tokenizer
 from learner.train import gate as G
 from learner.train.pretrain import fp4_hook
 from serving.engine import Sample
@@ -48,6 +49,16 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tok():
     return train_tokenizer([inspect.getsource(m) for m in (json.decoder, json.encoder, textwrap)], vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def fmt(tok):
+    return own_format(tok, WINDOW)
+
+
+@pytest.fixture(scope="module")
+def eos(tok) -> int:
+    return tok.token_to_id(EOS)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +113,10 @@ def failed(result: G.GateResult) -> set[str]:
 # --- the replay ----------------------------------------------------------------------------------------
 
 
-def test_replay_counts_are_consistent_and_deterministic(tok, sites):
+def test_replay_counts_are_consistent_and_deterministic(tok, fmt, sites):
     model = random_model(tok).train()
     torch.set_num_threads(2)
-    st = E.heldout_replay(model, tok, sites, max_tokens=MAX_TOKENS)
+    st = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
     assert model.training and torch.get_num_threads() == 2  # both restored
     torch.set_num_threads(1)
     assert st.n == len(st.results) == len(sites) == 16
@@ -123,17 +134,17 @@ def test_replay_counts_are_consistent_and_deterministic(tok, sites):
     json.dumps(summary, allow_nan=False)
     assert summary["n"] == 16 and 0 <= summary["suggestion_rate"] <= 1
 
-    again = E.heldout_replay(model, tok, sites, max_tokens=MAX_TOKENS)
+    again = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
     assert again.results == st.results
     assert G.check(again, st, online_reward_trend=None, kl=0.0).passed  # the same model passes its own gate
 
 
-def test_replay_suggestions_are_the_decoders_greedy_middles(tok, sites):
+def test_replay_suggestions_are_the_decoders_greedy_middles(tok, fmt, sites):
     model = random_model(tok)
-    st = E.heldout_replay(model, tok, sites[:4], max_tokens=MAX_TOKENS)
-    builder = E.prompt_builder(tok, WINDOW)
+    st = E.heldout_replay(model, tok, fmt, sites[:4], max_tokens=MAX_TOKENS)
+    builder = E.prompt_builder(tok, fmt, WINDOW)
     for site, r in zip(sites, st.results):
-        c = decode(model, tok, E.site_prompt(builder, site)[0], MAX_TOKENS, stop=EDITOR_STOP)
+        c = decode(model, tok, E.site_prompt(builder, site)[0], MAX_TOKENS, stop_ids=fmt.eos_ids, stop=EDITOR_STOP)
         assert (r.text, r.tokens, r.finish) == (c.text, len(c.content_ids), c.finish)
         assert EDITOR_STOP not in r.text
 
@@ -146,11 +157,11 @@ def test_an_accepted_suggestion_earns_the_sinks_reward_for_an_edit(tok):
     assert reward(E.editor_feedback("", judge("", "foo")))[1]["outcome"] == "no_suggestion"
 
 
-def test_an_always_abstaining_candidate_is_blocked_though_its_reward_is_higher(tok, sites):
+def test_an_always_abstaining_candidate_is_blocked_though_its_reward_is_higher(tok, fmt, eos, sites):
     at = token_of(tok, "@")
-    stable = scripted_model(tok, at, {at: EOS_ID})  # suggests "@" everywhere: dismissed
-    hacked = scripted_model(tok, EOS_ID)  # never suggests: reward 0 beats -0.25
-    stable_stats, cand_stats = E.evaluate_candidate(hacked, stable, tok, sites, max_tokens=MAX_TOKENS)
+    stable = scripted_model(tok, at, {at: eos})  # suggests "@" everywhere: dismissed
+    hacked = scripted_model(tok, eos)  # never suggests: reward 0 beats -0.25
+    stable_stats, cand_stats = E.evaluate_candidate(hacked, stable, tok, fmt, sites, max_tokens=MAX_TOKENS)
     result = G.check(cand_stats, stable_stats, online_reward_trend=0.2, kl=0.01)
     assert stable_stats.suggestion_rate == 1.0 and stable_stats.outcomes == {"dismiss": 16}
     assert cand_stats.shown == 0 and cand_stats.outcomes == {"no_suggestion": 16} and cand_stats.mean_reward == 0.0
@@ -159,14 +170,14 @@ def test_an_always_abstaining_candidate_is_blocked_though_its_reward_is_higher(t
     assert result.metrics["candidate"]["suggestion_rate"] == 0.0
 
 
-def test_a_candidate_that_repeats_one_token_is_blocked(tok, sites):
+def test_a_candidate_that_repeats_one_token_is_blocked(tok, fmt, eos, sites):
     at = token_of(tok, "@")
-    stable = scripted_model(tok, at, {at: EOS_ID})  # "@", then stop: 1 token
-    stable_stats = E.heldout_replay(stable, tok, sites, max_tokens=MAX_TOKENS)
+    stable = scripted_model(tok, at, {at: eos})  # "@", then stop: 1 token
+    stable_stats = E.heldout_replay(stable, tok, fmt, sites, max_tokens=MAX_TOKENS)
     assert stable_stats.mean_completion_tokens == 1.0
     repeats = scripted_model(tok, at)  # "@@@@@@@@" to max_tokens
     same_stable, cand_stats = E.evaluate_candidate(
-        repeats, stable, tok, sites, max_tokens=MAX_TOKENS, stable_stats=stable_stats
+        repeats, stable, tok, fmt, sites, max_tokens=MAX_TOKENS, stable_stats=stable_stats
     )
     result = G.check(cand_stats, same_stable, online_reward_trend=None, kl=0.01)
     assert same_stable is stable_stats
@@ -174,15 +185,16 @@ def test_a_candidate_that_repeats_one_token_is_blocked(tok, sites):
     assert not result.passed and failed(result) == {"completion_length"}
 
 
-def test_replay_refuses_a_bad_max_tokens_and_clamps_to_the_window(tok, sites):
+def test_replay_refuses_a_bad_max_tokens_and_clamps_to_the_window(tok, fmt, sites):
     with pytest.raises(ValueError, match="max_tokens"):
-        E.heldout_replay(random_model(tok), tok, sites, max_tokens=0)
-    st = E.heldout_replay(random_model(tok), tok, sites[:4], max_tokens=10 * WINDOW)  # the replica clamps it too
+        E.heldout_replay(random_model(tok), tok, fmt, sites, max_tokens=0)
+    st = E.heldout_replay(random_model(tok), tok, fmt, sites[:4], max_tokens=10 * WINDOW)  # the replica clamps it too
     assert all(r.prompt_tokens + r.tokens <= WINDOW for r in st.results)
 
 
 def test_base_model_replay_against_itself_passes(tmp_path):
     """A (tiny) pretrained base against itself, in FP4 as served: identical stats, so the gate passes."""
+    from learner.formats import read_format
     from learner.tokenizer import load_tokenizer
     from learner.train.pretrain import (
         ensure_base_model,
@@ -198,8 +210,11 @@ def test_base_model_replay_against_itself_passes(tmp_path):
     folder = find_base_model(s)
     model, _ = load_master_weights(folder)
     base_tok = load_tokenizer(folder / "tokenizer")
+    base_fmt = read_format(folder / "hf")
     held = E.heldout_sites(load_training_corpus(pretrain_section(s)).heldout, 48)
-    stable, cand = E.evaluate_candidate(model, model, base_tok, held, max_tokens=32, fp4_hook=fp4_hook("nvfp4"))
+    stable, cand = E.evaluate_candidate(
+        model, model, base_tok, base_fmt, held, max_tokens=32, fp4_hook=fp4_hook("nvfp4")
+    )
     result = G.check(cand, stable, online_reward_trend=None, kl=0.0)
     assert result.passed and cand.results == stable.results and cand.n == 48
     assert replace(cand, seconds=0.0, results=[]) == replace(stable, seconds=0.0, results=[])
@@ -226,11 +241,11 @@ class _PromptRecorder:
         pass
 
 
-def test_replay_prompts_equal_servings_for_editor_requests(tok, sites):
+def test_replay_prompts_equal_servings_for_editor_requests(tok, fmt, sites):
     cfg = ServeSettings().fitted_to(WINDOW)
     engine = _PromptRecorder()
-    service = CompletionService(engine, tok, cfg, version=1)
-    builder = E.prompt_builder(tok, WINDOW)
+    service = CompletionService(engine, tok, fmt, cfg, version=1)
+    builder = E.prompt_builder(tok, fmt, WINDOW)
     short = Site("pkg/m.py", "python", "def f(x):\n    ret", "\n\nprint(f(1))\n", "urn x")
     for site in [short, *sites]:
         # The body ops.simulate sends, through serving's own request translation.
@@ -244,14 +259,14 @@ def test_replay_prompts_equal_servings_for_editor_requests(tok, sites):
         assert engine.prompts[-1] == ids, site.path
         assert engine.specs[-1].max_tokens == min(cfg.default_max_tokens, WINDOW - len(ids))
     assert E.site_prompt(builder, short) == (
-        fim_prompt_ids(tok, short.prefix, short.suffix, fim_header(language="python", path="pkg/m.py")),
+        fim_prompt_ids(fmt, tok, short.prefix, short.suffix, path="pkg/m.py"),
         0,
     )
     assert any(E.site_prompt(builder, s)[1] > 0 for s in sites)  # long prefixes were truncated, and still matched
 
 
 @pytest.mark.parametrize("window", [64, 128, 256, 1024, 2048, 8192])
-def test_replay_budget_is_servings_fitted_to_the_models_window(tok, window):
+def test_replay_budget_is_servings_fitted_to_the_models_window(tok, fmt, window):
     cfg = ServeSettings().fitted_to(window)
-    builder = E.prompt_builder(tok, window)
+    builder = E.prompt_builder(tok, fmt, window)
     assert (builder.budget, builder.chunk_tokens) == (cfg.context_budget, cfg.summary_chunk_tokens)

@@ -10,7 +10,7 @@ import torch
 
 from learner.export import export_hf, load_hf
 from learner.model import ModelArgs, Transformer
-from learner.tokenizer import EOS_ID, load_tokenizer, train_tokenizer
+from learner.tokenizer import EOS, load_tokenizer, train_tokenizer
 from tests.helpers import served_logprob_tolerance
 
 
@@ -41,7 +41,7 @@ def test_export_files_and_round_trip(tok, tmp_path):
         "tokenizer_config.json",
         "model.safetensors",
     }
-    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == EOS_ID
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == tok.token_to_id(EOS)
     loaded, loaded_args = load_hf(tmp_path)
     assert loaded_args == args
     for name, t in model.state_dict().items():

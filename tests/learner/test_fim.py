@@ -1,25 +1,83 @@
-from learner.fim import fim_example_ids, fim_header, fim_prompt_ids
-from learner.tokenizer import EOS_ID, FIM_MIDDLE_ID, FIM_PREFIX_ID, FIM_SUFFIX_ID, train_tokenizer
+"""FIM prompts in each family's template, by token name; the header the way the family was trained."""
+
+import pytest
+
+from learner.fim import fim_example_ids, fim_prompt_ids, plain_prompt_ids
+from learner.formats import ModelFormat, own_format
+from learner.tokenizer import EOS, FILE_SEP, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, REPO_NAME, train_tokenizer
+from tests.helpers import family_tokenizer
 
 CODE = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+PREFIX, MIDDLE, SUFFIX = CODE[:22], CODE[22:32], CODE[32:]
 
 
-def test_psm_layout_with_and_without_header():
+def test_flywheel_tokenizer_uses_the_qwen_layout_with_the_path_as_a_file_sep_line():
     tok = train_tokenizer([CODE] * 4, 300)
-    prefix, middle, suffix = CODE[:22], CODE[22:32], CODE[32:]
-    header = fim_header(language="python", path="pkg/add.py")
-    assert header == "# python: pkg/add.py\n"
-    assert fim_header() == "" and fim_header(language="go") == "# go\n"
+    fmt = own_format(tok, 256)
+    assert fmt.fim.name == "qwen" and fmt.bos_ids == ()
+    prompt = fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="pkg/add.py")
+    assert tok.decode(prompt, skip_special_tokens=False) == (
+        f"{FILE_SEP}pkg/add.py\n{FIM_PREFIX}{PREFIX}{FIM_SUFFIX}{SUFFIX}{FIM_MIDDLE}"
+    )
+    with_repo = fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="pkg/add.py", repo="calc")
+    assert tok.decode(with_repo, skip_special_tokens=False).startswith(f"{REPO_NAME}calc\n{FILE_SEP}pkg/add.py\n")
+    bare = fim_prompt_ids(fmt, tok, PREFIX, SUFFIX)
+    assert bare[0] == tok.token_to_id(FIM_PREFIX) and bare == prompt[prompt.index(bare[0]) :]
 
-    prompt = fim_prompt_ids(tok, prefix, suffix, header)
-    assert prompt[0] == FIM_PREFIX_ID and prompt[-1] == FIM_MIDDLE_ID
-    cut = prompt.index(FIM_SUFFIX_ID)
-    assert tok.decode(prompt[1:cut]) == header + prefix
-    assert tok.decode(prompt[cut + 1 : -1]) == suffix
-    # a header without its newline gets one
-    assert fim_prompt_ids(tok, prefix, suffix, header.rstrip("\n")) == prompt
-    assert fim_prompt_ids(tok, prefix, suffix)[1:cut] != prompt[1:cut]
+    ex = fim_example_ids(fmt, tok, PREFIX, MIDDLE, SUFFIX, path="pkg/add.py")
+    assert ex[: len(prompt)] == prompt and ex[-1] == tok.token_to_id(EOS)
+    assert tok.decode(ex[len(prompt) : -1]) == MIDDLE
 
-    ex = fim_example_ids(tok, prefix, middle, suffix, header)
-    assert ex[: len(prompt)] == prompt and ex[-1] == EOS_ID
-    assert tok.decode(ex[len(prompt) : -1]) == middle
+
+def family(specials: list[str], *, eos: str, **config) -> tuple[object, ModelFormat]:
+    tok = family_tokenizer([CODE] * 4, 300, specials)
+    return tok, ModelFormat.of(
+        tok, config={"max_position_embeddings": 256, **config}, generation_config={"eos_token_id": tok.token_to_id(eos)}
+    )
+
+
+def test_starcoder_deepseek_and_codestral_templates():
+    tok, fmt = family(
+        ["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<file_sep>"], eos="<|endoftext|>"
+    )
+    assert fmt.fim.name == "starcoder"
+    assert (
+        tok.decode(fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="a.py"), skip_special_tokens=False)
+        == f"<file_sep>a.py\n<fim_prefix>{PREFIX}<fim_suffix>{SUFFIX}<fim_middle>"
+    )
+
+    tok, fmt = family(
+        ["<｜end▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], eos="<｜end▁of▁sentence｜>"
+    )
+    assert fmt.fim.name == "deepseek"
+    assert (
+        tok.decode(fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="a.py"), skip_special_tokens=False)
+        == f"<｜fim▁begin｜># a.py\n{PREFIX}<｜fim▁hole｜>{SUFFIX}<｜fim▁end｜>"
+    )
+
+    tok, fmt = family(["</s>", "[PREFIX]", "[SUFFIX]"], eos="</s>")
+    assert fmt.fim.name == "codestral" and fmt.fim.middle is None
+    assert (
+        tok.decode(fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="a.py"), skip_special_tokens=False)
+        == f"[SUFFIX]{SUFFIX}[PREFIX]{PREFIX}"  # suffix first, no path convention
+    )
+
+
+def test_a_vocabulary_without_fim_tokens_has_no_template():
+    tok, fmt = family(["<|endoftext|>"], eos="<|endoftext|>")
+    assert fmt.fim is None and fmt.describe()["prefix_only"]
+    with pytest.raises(ValueError, match="prefix-only"):
+        fim_prompt_ids(fmt, tok, PREFIX, SUFFIX)
+    assert plain_prompt_ids(fmt, tok, PREFIX) == tok.encode(PREFIX).ids
+    assert plain_prompt_ids(fmt, tok, "") == [tok.token_to_id("<|endoftext|>")]  # an empty prompt starts a document
+
+
+def test_the_template_can_be_named_or_turned_off():
+    tok = train_tokenizer([CODE] * 4, 300)
+    config = {"max_position_embeddings": 256, "eos_token_id": 0}
+    assert ModelFormat.of(tok, config=config, fim="none").fim is None
+    assert ModelFormat.of(tok, config=config, fim="qwen").fim.name == "qwen"
+    with pytest.raises(ValueError, match="lacks the starcoder FIM tokens"):
+        ModelFormat.of(tok, config=config, fim="starcoder")
+    with pytest.raises(ValueError, match="unknown FIM template"):
+        ModelFormat.of(tok, config=config, fim="gpt")

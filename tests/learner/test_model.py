@@ -121,8 +121,11 @@ def test_hf_config_round_trip():
         cfg = args.to_hf_config()
         assert cfg["model_type"] == "qwen3_moe" and cfg["torch_dtype"] == "bfloat16"
         assert ModelArgs.from_hf_config(cfg) == args
-    with pytest.raises(ValueError):
-        ModelArgs.from_hf_config({**cfg, "tie_word_embeddings": True})
+    assert ModelArgs.from_hf_config({**cfg, "tie_word_embeddings": True}).tie_embeddings  # a family flag now
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelArgs.from_hf_config({**cfg, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="Flywheel's own Qwen3-MoE layout"):
+        ModelArgs.from_hf_config({**cfg, "tie_word_embeddings": True}).to_hf_config()
     with pytest.raises(ValueError):
         ModelArgs.from_name("huge")
 

@@ -2,15 +2,18 @@
 
 import asyncio
 
-from learner.fim import fim_header, fim_prompt_ids
+from learner.fim import fim_prompt_ids
+from learner.formats import ModelFormat
 from learner.prompts import PromptBuilder, SummaryCache, split_lines_by_tokens
+from tests.helpers import family_tokenizer
 
 LONG = "".join(f"def function_{i}(a, b):\n    return a * {i} + b\n\n" for i in range(200))
 
 
-def builder(tok, budget=256, version=1, cache=None, max_summaries=100):
+def builder(tok, fmt, budget=256, version=1, cache=None, max_summaries=100):
     return PromptBuilder(
         tok,
+        fmt,
         budget=budget,
         chunk_tokens=64,
         cache=cache or SummaryCache(100),
@@ -23,17 +26,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_short_prompt_is_plain_fim(tok):
-    b = builder(tok)
-    header = fim_header(language="python", path="m.py")
-    p = run(b.build("x = 1\n", "\ny = 2", header, None))
-    assert p.ids == fim_prompt_ids(tok, "x = 1\n", "\ny = 2", header)  # the format the model was trained on
+def test_short_prompt_is_plain_fim(tok, fmt):
+    b = builder(tok, fmt)
+    p = run(b.build("x = 1\n", "\ny = 2", None, path="m.py"))
+    assert p.ids == fim_prompt_ids(fmt, tok, "x = 1\n", "\ny = 2", path="m.py")  # the format the model was trained on
     text = tok.decode(p.ids, skip_special_tokens=False)
-    assert text == "<|fim_prefix|># python: m.py\nx = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
+    assert text == "<|file_sep|>m.py\n<|fim_prefix|>x = 1\n<|fim_suffix|>\ny = 2<|fim_middle|>"
     assert not p.summary_ids and not p.fallback and p.truncated_tokens == 0
 
 
-def test_long_prefix_is_summarized_within_budget_and_cached(tok):
+def test_long_prefix_is_summarized_within_budget_and_cached(tok, fmt):
     calls = []
 
     async def summarize(chunk):
@@ -41,7 +43,7 @@ def test_long_prefix_is_summarized_within_budget_and_cached(tok):
         return tok.encode("def f(a, b)", add_special_tokens=False).ids
 
     cache = SummaryCache(100)
-    p = run(builder(tok, cache=cache).build(LONG, "", "", summarize))
+    p = run(builder(tok, fmt, cache=cache).build(LONG, "", summarize))
     assert len(p.ids) <= 256
     assert p.summary_ids and p.summaries_generated == len(calls) > 0 and not p.fallback
     text = tok.decode(p.ids, skip_special_tokens=False)
@@ -50,23 +52,23 @@ def test_long_prefix_is_summarized_within_budget_and_cached(tok):
     assert "return a * 199 + b" in text  # the code right before the cursor stays verbatim
 
     n = len(calls)
-    again = run(builder(tok, cache=cache).build(LONG, "", "", summarize))
+    again = run(builder(tok, fmt, cache=cache).build(LONG, "", summarize))
     assert len(calls) == n and again.summaries_cached == p.summaries_generated and again.ids == p.ids
-    other_version = run(builder(tok, cache=cache, version=2).build(LONG, "", "", summarize))
+    other_version = run(builder(tok, fmt, cache=cache, version=2).build(LONG, "", summarize))
     assert len(calls) > n and other_version.summaries_generated > 0  # keyed by version too
 
 
-def test_summarizer_failure_falls_back_to_truncation(tok):
+def test_summarizer_failure_falls_back_to_truncation(tok, fmt):
     async def broken(chunk):
         raise RuntimeError("no")
 
-    p = run(builder(tok).build(LONG, "", "", broken))
+    p = run(builder(tok, fmt).build(LONG, "", broken))
     assert p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
     assert "return a * 199 + b" in tok.decode(p.ids)
 
 
-def test_no_summarizer_truncates_without_counting_a_fallback(tok):
-    p = run(builder(tok).build(LONG, None, "", None))
+def test_no_summarizer_truncates_without_counting_a_fallback(tok, fmt):
+    p = run(builder(tok, fmt).build(LONG, None, None))
     assert not p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
 
 
@@ -75,17 +77,39 @@ def test_split_lines_by_tokens():
     assert split_lines_by_tokens(["a"], [10], 6) == [(0, 1)]
 
 
-def test_empty_plain_prompt_starts_a_document(tok):
-    from learner.tokenizer import EOS_ID
+def test_empty_plain_prompt_starts_a_document(tok, fmt):
+    assert run(builder(tok, fmt).build("", None, None)).ids == [tok.token_to_id("<|endoftext|>")]
 
-    assert run(builder(tok).build("", None, "", None)).ids == [EOS_ID]
+
+def test_a_model_without_fim_tokens_gets_the_prefix_only(fmt):
+    tok = family_tokenizer([LONG[:2000]], 400, ["<|endoftext|>"])
+    plain = ModelFormat.of(
+        tok, config={"max_position_embeddings": 512, "eos_token_id": tok.token_to_id("<|endoftext|>")}
+    )
+    p = run(builder(tok, plain).build("x = 1\n", "\ny = 2", None, path="m.py"))
+    assert tok.decode(p.ids, skip_special_tokens=False) == "x = 1\n"  # suffix and path dropped
+
+
+def test_plain_text_summary_markers_where_the_vocabulary_has_no_summary_tokens():
+    tok = family_tokenizer([LONG[:4000]], 400, ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"])
+    fmt = ModelFormat.of(tok, config={"max_position_embeddings": 512, "eos_token_id": tok.token_to_id("<|endoftext|>")})
+
+    async def summarize(chunk):
+        return tok.encode("def f(a, b)", add_special_tokens=False).ids
+
+    p = run(builder(tok, fmt).build(LONG, "", summarize))
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert p.summary_ids and text.count("[summary of the code above") == len(p.summary_ids) == text.count(
+        "[end of summary]"
+    )
+    assert len(p.ids) <= 256 and text.startswith("<|fim_prefix|>")
 
 
 # Distinct lines, so the order of the chunks summarized is visible; ~36,000 characters.
 NUMBERED = "".join(f"value_{i:04d} = compute({i})\n" for i in range(1200))
 
 
-def test_summarizes_newest_chunks_first_and_stops_at_the_cap(tok):
+def test_summarizes_newest_chunks_first_and_stops_at_the_cap(tok, fmt):
     calls = []
 
     async def summarize(chunk):  # short summaries: dozens would fit the room
@@ -93,7 +117,7 @@ def test_summarizes_newest_chunks_first_and_stops_at_the_cap(tok):
         return tok.encode("x", add_special_tokens=False).ids
 
     cache = SummaryCache(100)
-    p = run(builder(tok, cache=cache, max_summaries=3).build(NUMBERED, "", "", summarize))
+    p = run(builder(tok, fmt, cache=cache, max_summaries=3).build(NUMBERED, "", summarize))
     assert len(calls) == p.summaries_generated == len(p.summary_ids) == 3
     starts = [NUMBERED.index(c) for c in calls]
     assert starts == sorted(starts, reverse=True)  # newest first
@@ -104,26 +128,26 @@ def test_summarizes_newest_chunks_first_and_stops_at_the_cap(tok):
     assert text.count("<|summary_start|>") == 3 and "value_1199 = compute(1199)" in text
 
     # The next request takes the cached summaries for free and writes at most 3 more.
-    again = run(builder(tok, cache=cache, max_summaries=3).build(NUMBERED, "", "", summarize))
+    again = run(builder(tok, fmt, cache=cache, max_summaries=3).build(NUMBERED, "", summarize))
     assert again.summaries_cached == 3 and again.summaries_generated == 3 and len(calls) == 6
     assert len(again.summary_ids) == 6 and again.summary_ids[-3:] == p.summary_ids
 
 
-def test_summarizing_stops_when_the_room_is_full(tok):
+def test_summarizing_stops_when_the_room_is_full(tok, fmt):
     calls = []
 
     async def summarize(chunk):  # long summaries: two fit the room
         calls.append(chunk)
         return tok.encode("y = 1\n" * 10, add_special_tokens=False).ids[:40]
 
-    p = run(builder(tok, max_summaries=100).build(NUMBERED, "", "", summarize))
+    p = run(builder(tok, fmt, max_summaries=100).build(NUMBERED, "", summarize))
     assert 0 < len(p.summary_ids) < len(calls) == len(p.summary_ids) + 1  # the one that did not fit ends it
     assert p.summaries_skipped > 50 and len(p.ids) <= 256
 
 
-def test_no_summaries_allowed_truncates(tok):
+def test_no_summaries_allowed_truncates(tok, fmt):
     async def summarize(chunk):
         raise AssertionError("must not be called")
 
-    p = run(builder(tok, max_summaries=0).build(NUMBERED, "", "", summarize))
+    p = run(builder(tok, fmt, max_summaries=0).build(NUMBERED, "", summarize))
     assert not p.summary_ids and not p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256

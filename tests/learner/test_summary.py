@@ -1,7 +1,8 @@
 import ast
 
+from learner.formats import TEXT_SUMMARY_CLOSE, TEXT_SUMMARY_OPEN, ModelFormat, own_format
 from learner.summary import summarize_python, summary_example_ids, summary_prompt_ids
-from learner.tokenizer import EOS_ID, SUMMARY_END_ID, SUMMARY_START_ID, train_tokenizer
+from learner.tokenizer import EOS, SUMMARY_END, SUMMARY_START, train_tokenizer
 
 SAMPLE = '''"""Module docstring: def not_a_function(x): and X = 1 inside a string."""
 import os, sys
@@ -78,8 +79,20 @@ def test_scanner_skips_nested_functions_and_docstrings_and_handles_garbage():
 
 def test_training_format_and_prompt():
     tok = train_tokenizer([SAMPLE] * 3, 400)
-    ids = summary_example_ids(tok, SAMPLE)
-    prompt = summary_prompt_ids(tok, SAMPLE)
-    assert prompt[-1] == SUMMARY_START_ID and ids[: len(prompt)] == prompt
-    assert ids[-2:] == [SUMMARY_END_ID, EOS_ID]
+    fmt = own_format(tok, 256)
+    ids = summary_example_ids(fmt, tok, SAMPLE)
+    prompt = summary_prompt_ids(fmt, tok, SAMPLE)
+    start, end, eos = (tok.token_to_id(t) for t in (SUMMARY_START, SUMMARY_END, EOS))
+    assert prompt[-1] == start and ids[: len(prompt)] == prompt
+    assert ids[-2:] == [end, eos]
     assert tok.decode(ids[len(prompt) : -2]) == EXPECTED
+
+
+def test_a_vocabulary_without_summary_tokens_gets_plain_text_markers():
+    from tests.helpers import family_tokenizer
+
+    tok = family_tokenizer([SAMPLE] * 3, 400, ["<|endoftext|>"])
+    fmt = ModelFormat.of(tok, config={"max_position_embeddings": 512, "eos_token_id": tok.token_to_id("<|endoftext|>")})
+    assert not fmt.summary.tokens and fmt.summary.stop_ids == () and fmt.summary.stop_text == "[end of summary]"
+    ids = summary_example_ids(fmt, tok, SAMPLE)
+    assert tok.decode(ids[:-1]) == SAMPLE + TEXT_SUMMARY_OPEN + EXPECTED + TEXT_SUMMARY_CLOSE

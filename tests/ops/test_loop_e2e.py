@@ -172,3 +172,57 @@ def _promoted_and_served(url: str, began: str) -> bool:
 
 def _json(v):
     return json.loads(v) if isinstance(v, str) else v
+
+
+def test_demo_runs_on_an_imported_model(tmp_path, kafka_settings):
+    """`flywheel demo --base PATH`: the same loop on an imported Hugging Face model (a tiny Qwen3-MoE):
+    no pretraining; the learner imports it as v0; serving serves the store's v0; learned versions
+    ship as deltas against it and swap in place."""
+    from tests.learner.family_models import make_family_model
+
+    folder = make_family_model(tmp_path / "model", "qwen3_moe", chat_eos=True)
+    s = demo.DemoSettings(
+        data_dir=tmp_path / "data",
+        cache_dir=tmp_path / "cache",
+        kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
+        model={"base": str(folder)},
+        pretrain={"corpus": str(make_corpus(tmp_path / "corpus")), "heldout_fraction": 0.25},
+        serve={"port": free_port(), "ray_num_cpus": 2},
+        sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
+        simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5, "timeout_s": scaled(60.0)},
+        learn={
+            "publish_every": 15.0,
+            "min_samples": 16,
+            "batch_size": 8,
+            "poll_s": 0.5,
+            "lr": 1e-3,
+            "gate": {"sites": 8, "min_sites": 8, "max_tokens": 8, "max_kl": 5.0, "reward_tolerance": 1.0},
+        },
+        rollout={
+            "auto": True,
+            "group_id": f"loop-test-{uuid.uuid4().hex[:8]}",
+            "weights": [100.0],
+            "interval_s": 8.0,
+            "min_samples": 2,
+            "max_holds": 8,
+            "poll_s": 1.0,
+            "thresholds": {"p99_latency_ratio": 100.0},
+        },
+        demo={"minutes": 2.0, "degraded_candidate": False},
+    )
+    out = io.StringIO()
+    result: dict = {}
+    rc = demo.run(s, Console(file=out, width=200), result)
+    log = out.getvalue()
+    assert rc == 0 and result["simulated"]["errors"] == 0, log[-4000:]
+    assert "imported base" in log and "no pretraining" in log and "qwen fill-in-the-middle template" in log
+    store = S.open_store(S.default_store_uri(s))
+    assert store.base()["kind"] == "imported" and store.base()["source"] == str(folder)
+    published = {p["version"]: p for p in result["published"]}
+    assert published[0]["kind"] == "full" and any(p["kind"] == "delta" for v, p in published.items() if v > 0), log[
+        -4000:
+    ]
+    assert result["swaps"] and all(w["ok"] for w in result["swaps"]), result["swaps"]
+    assert (tmp_path / "data" / "served" / "v000000" / "config.json").read_bytes() == (
+        folder / "config.json"
+    ).read_bytes()

@@ -33,6 +33,7 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     import uvicorn
 
     from feedback.pools import STABLE
+    from learner.formats import own_format
     from learner.judge import Site
     from learner.tokenizer import train_tokenizer
     from ops.simulate import SimulateSection, run_sessions
@@ -68,7 +69,11 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     app.state.api = ApiState(
         cfg=cfg,
         replicas={
-            STABLE: LocalPool(CompletionService(MisbehavingEngine(tok, text="join(*parts)"), tok, cfg, version=0))
+            STABLE: LocalPool(
+                CompletionService(
+                    MisbehavingEngine(tok, text="join(*parts)"), tok, own_format(tok, 2048), cfg, version=0
+                )
+            )
         },
         routing=RoutingState(serving={STABLE: 0}),
         producer=ListSink(),

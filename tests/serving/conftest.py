@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from fastapi.testclient import TestClient
 
 from feedback.pools import STABLE
+from learner.formats import own_format
 from serving.engine import Sample, SamplingSpec
 from serving.http.app import build_app
 from serving.http.deps import ApiState
@@ -79,7 +80,7 @@ def make_client(tok, engine=None, routers=(), **cfg_overrides):
     """A client of an app of serving's routes and `routers` over a FakeEngine pool on v3, its sink, its engine."""
     cfg = ServeSettings(**({"auth_tokens": [TOKEN]} | cfg_overrides))
     engine = engine or FakeEngine(tok)
-    service = CompletionService(engine, tok, cfg, version=3)
+    service = CompletionService(engine, tok, own_format(tok, 2048), cfg, version=3)
     sink = ListSink()
     app = build_app(routers=routers)
     app.state.api = ApiState(

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from learner import delta as D
 from learner import store as S
+from learner.formats import own_format, read_format
 from learner.model import ModelArgs, Transformer
 from serving.engine import Sample, SamplingSpec
 from serving.hotswap import HotSwapper, OutOfService, SwapError, reload_set, vllm_layer
@@ -99,7 +100,7 @@ def published(tmp_path_factory):
 
 
 def make_service(tok, engine) -> CompletionService:
-    return CompletionService(engine, tok, ServeSettings(), version=0)
+    return CompletionService(engine, tok, own_format(tok, 2048), ServeSettings(), version=0)
 
 
 def request(i: int, max_tokens: int = 4) -> GenerateRequest:
@@ -107,7 +108,7 @@ def request(i: int, max_tokens: int = 4) -> GenerateRequest:
         completion_id=f"c{i}",
         prefix="def f(x):\n    return ",
         suffix=None,
-        header="",
+        path=None,
         spec=SamplingSpec(max_tokens=max_tokens),
     )
 
@@ -201,6 +202,24 @@ def test_a_swap_reloads_whole_vllm_layers():
         + ["lm_head.weight"]
         + [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up", "down")]
     )
+
+
+def test_whole_layers_of_the_other_families():
+    """Qwen2's q/k/v biases, a dense MLP's gate/up and Qwen2-MoE's shared expert load fused too."""
+    attn = [f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")]
+    mlp = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    shared = [f"model.layers.1.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names = attn + mlp + shared + ["model.layers.1.mlp.shared_expert_gate.weight", "model.embed_tokens.weight"]
+    assert vllm_layer("model.layers.0.self_attn.v_proj.bias") == "model.layers.0.self_attn.qkv_proj"
+    assert (
+        vllm_layer("model.layers.1.mlp.shared_expert.up_proj.weight") == "model.layers.1.mlp.shared_expert.gate_up_proj"
+    )
+    assert reload_set(["model.layers.0.self_attn.k_proj.bias"], names) == sorted(attn)
+    assert reload_set(["model.layers.0.mlp.up_proj.weight"], names) == sorted(mlp[:2])
+    assert reload_set(["model.layers.1.mlp.shared_expert.gate_proj.weight"], names) == sorted(shared[:2])
+    assert reload_set(["model.layers.1.mlp.shared_expert_gate.weight"], names) == [
+        "model.layers.1.mlp.shared_expert_gate.weight"
+    ]
 
 
 @sync
@@ -392,7 +411,7 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     engine = VLLMEngine(folder, cfg.engine)
     print(f"\nvLLM engine started in {time.perf_counter() - t0:.1f} s")
     try:
-        service = CompletionService(engine, tok, cfg, version=0)
+        service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
         swapper = HotSwapper(service, store)
         swapper.adopt(0)
         greedy = SamplingSpec(max_tokens=12, temperature=0.0)
@@ -400,7 +419,7 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
 
         async def served() -> list:
             return [
-                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy))
+                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, None, greedy))
                 for i, p in enumerate(prompts)
             ]
 
@@ -488,7 +507,7 @@ async def test_vllm_a_reload_that_breaks_off_never_serves_mixed_weights_as_the_o
     )
     engine = VLLMEngine(folder, cfg.engine)
     try:
-        service = CompletionService(engine, tok, cfg, version=0)
+        service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
         swapper = HotSwapper(service, store, loaded_from=folder)
         swapper._recognize = lambda: None  # as if the folder were no stored version: the first swap reloads all
         replica = object.__new__(ModelReplica.func_or_class)
@@ -498,7 +517,7 @@ async def test_vllm_a_reload_that_breaks_off_never_serves_mixed_weights_as_the_o
 
         async def served() -> list:
             return [
-                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, "", greedy))
+                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, None, greedy))
                 for i, p in enumerate(prompts)
             ]
 

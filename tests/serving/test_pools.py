@@ -13,6 +13,7 @@ from sqlalchemy import select
 from feedback import db, pools
 from feedback.pools import CANARY, STABLE, Routes
 from learner import store as S
+from learner.formats import own_format
 from serving.app import PoolReconciler, pool_sizes
 from serving.hotswap import HotSwapper
 from serving.http.app import build_app
@@ -149,8 +150,8 @@ def two_pools(tok, engine, canary_reports=None):
     """An app with a stable pool on v3 and a canary pool on v4, its state, and its record sink."""
     # Forty users behind one token, as fast as the fake engine answers: no per-token rate limit.
     cfg = ServeSettings(auth_tokens=[TOKEN], limits={"completions": ""})
-    stable = CompletionService(FakeEngine(tok), tok, cfg, version=3)
-    canary = CompletionService(FakeEngine(tok, text="return y"), tok, cfg, version=4)
+    stable = CompletionService(FakeEngine(tok), tok, own_format(tok, 2048), cfg, version=3)
+    canary = CompletionService(FakeEngine(tok, text="return y"), tok, own_format(tok, 2048), cfg, version=4)
     sink = ListSink()
     st = ApiState(
         cfg=cfg,

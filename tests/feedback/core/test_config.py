@@ -100,6 +100,8 @@ def test_example_config_is_valid_and_complete():
         ("rollout", rollout.rollout),
         ("rollout.thresholds", rollout.rollout.thresholds),
         ("demo", demo.demo),
+        ("model", demo.model),
+        ("pretrain", learn.pretrain),
     )
     for section, model in sections:
         for name in type(model).model_fields:

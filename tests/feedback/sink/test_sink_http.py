@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from feedback import bus, db
 from feedback.producer import BufferedProducer
+from learner.formats import own_format
 from tests.feedback.sink.sink_support import count, private_topics, running_sink, sink_settings, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -91,7 +92,7 @@ def test_events_over_http_are_stored_exactly_once(kafka_settings, database_url, 
         sink_to = OwnTopics(producer, topics)
         cfg = ServeSettings(auth_tokens=[TOKEN])
         app = build_app()
-        service = CompletionService(FakeEngine(tok), tok, cfg, version=3)
+        service = CompletionService(FakeEngine(tok), tok, own_format(tok, 2048), cfg, version=3)
         app.state.api = ApiState(
             cfg=cfg,
             replicas={"stable": service},

@@ -12,7 +12,7 @@ import torch
 
 from feedback import db
 from learner.corpus import default_corpus_dir
-from learner.tokenizer import EOS_ID
+from learner.tokenizer import EOS
 from learner.train.learn_settings import LearnSettings
 
 FILES = ["textwrap.py", "shlex.py", "string.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py", "colorsys.py"]
@@ -69,12 +69,13 @@ class ListProducer:
 
 @torch.no_grad()
 def sample_completion(
-    model, prompt: list[int], max_new: int, *, abstain: bool = False, temperature: float = 1.0, gen=None
+    model, prompt: list[int], max_new: int, eos: int, *, abstain: bool = False, temperature: float = 1.0, gen=None
 ):
-    """Sample from `model` (the served weights) like the replica does; logprobs are the raw ones."""
+    """Sample from `model` (the served weights) like the replica does, until the `eos` token;
+    logprobs are the raw ones."""
     if abstain:
         lp = torch.log_softmax(model(torch.tensor([prompt]))[0, -1].float(), -1)
-        return [EOS_ID], [float(lp[EOS_ID])]
+        return [eos], [float(lp[eos])]
     ids, toks, lps = list(prompt), [], []
     for _ in range(max_new):
         lp = torch.log_softmax(model(torch.tensor([ids[-model.args.max_seq_len :]]))[0, -1].float(), -1)
@@ -82,7 +83,7 @@ def sample_completion(
         toks.append(t)
         lps.append(float(lp[t]))
         ids.append(t)
-        if t == EOS_ID:
+        if t == eos:
             break
     return toks, lps
 
@@ -92,9 +93,10 @@ def fim_prompts(tok, files, n: int, window: int, seed: int = 3) -> list[list[int
     import random
 
     from learner import eval as E
+    from learner.formats import own_format
     from learner.judge import cursor_sites
 
-    builder = E.prompt_builder(tok, window)
+    builder = E.prompt_builder(tok, own_format(tok, window), window)
     return [E.site_prompt(builder, site)[0] for site in cursor_sites(files, n, random.Random(seed))]
 
 
@@ -114,15 +116,16 @@ def write_samples(
     """One completion per text (its tail as the prompt; or a list of prompt ids), rewarded by
     `reward_fn(token_ids) -> (reward, outcome)`; from five users in turn, or all from `user`."""
     gen = torch.Generator().manual_seed(seed)
+    eos = tok.token_to_id(EOS)
     ids = []
     now = datetime.now(UTC)
     with engine.begin() as conn:
         for i, text in enumerate(texts):
-            prompt = list(text) if isinstance(text, list) else tok.encode(text).ids[-40:] or [EOS_ID]
+            prompt = list(text) if isinstance(text, list) else tok.encode(text).ids[-40:] or [eos]
             abstain = (
                 reward_fn is not None and getattr(reward_fn, "abstain_every", 0) and i % reward_fn.abstain_every == 0
             )
-            toks, lps = sample_completion(model, prompt, max_new, abstain=bool(abstain), gen=gen)
+            toks, lps = sample_completion(model, prompt, max_new, eos, abstain=bool(abstain), gen=gen)
             reward, outcome = (
                 reward_fn(toks) if reward_fn else (1.0 if i % 2 else -0.25, "select" if i % 2 else "dismiss")
             )
@@ -147,7 +150,7 @@ def write_samples(
                     token_ids=toks,
                     logprobs=lps,
                     text=tok.decode(toks),
-                    n_chars=len(tok.decode([t for t in toks if t != EOS_ID])),
+                    n_chars=len(tok.decode([t for t in toks if t != eos])),
                     finish_reason="stop",
                 )
             )

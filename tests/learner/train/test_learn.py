@@ -13,7 +13,6 @@ from rich.console import Console
 from feedback import db
 from learner import store as S
 from learner.model import ModelArgs
-from learner.tokenizer import EOS_ID
 from learner.train.learn import (
     Learner,
     LearnerState,
@@ -93,11 +92,17 @@ def test_the_learner_state_is_saved_owner_only(tmp_path):
 
 
 def test_make_batch_aligns_targets_with_positions():
+    from learner.formats import ModelFormat, SummaryFormat
+
     args = ModelArgs.from_name("tiny", vocab_size=50, max_seq_len=8)
-    a = Sample(1, "a", 0, 0, [5, 6, 7], [8, 9, EOS_ID], [-1.0, -2.0, -3.0], 1.0, "select")
-    b = Sample(2, "b", 0, 0, [1, 2, 3, 4, 5, 6, 7], [EOS_ID], [-0.5], 0.0, "no_suggestion")  # abstain
+    eos, pad = 47, 49  # the format's ids, far from 0
+    fmt = ModelFormat((eos, 48), pad, (), 8, None, SummaryFormat(False, (), (), "", ""))
+    a = Sample(1, "a", 0, 0, [5, 6, 7], [8, 9, eos], [-1.0, -2.0, -3.0], 1.0, "select")
+    b = Sample(2, "b", 0, 0, [1, 2, 3, 4, 5, 6, 7], [48], [-0.5], 0.0, "no_suggestion")  # abstain (the second EOS)
     c = Sample(3, "c", 0, 0, list(range(10, 20)), [30, 31], [-1.0, -1.0], -0.25, "dismiss")  # prompt cut to fit 8
-    batch = make_batch([a, b, c], args)
+    batch = make_batch([a, b, c], args, fmt)
+    assert batch.abstain_B.tolist() == [False, True, False]
+    assert batch.target_BT[1, 1:].tolist() == [pad] * (batch.target_BT.shape[1] - 1)  # padded with the pad token
     assert batch.input_BS.shape[1] <= 7
     for i, s in enumerate((a, b, c)):
         n = len(s.token_ids)
@@ -203,8 +208,11 @@ class PaysForAbstaining:
 
     abstain_every = 2
 
+    def __init__(self, eos: int):
+        self.eos = eos
+
     def __call__(self, toks):
-        return (1.0, "no_suggestion") if toks == [EOS_ID] else (-1.0, "dismiss")
+        return (1.0, "no_suggestion") if len(toks) == 1 and toks[0] == self.eos else (-1.0, "dismiss")
 
 
 def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path, base):
@@ -215,7 +223,7 @@ def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path
         v0,
         lr.tok,
         fim_prompts(lr.tok, lr.train_files, 160, lr.args.max_seq_len),
-        reward_fn=PaysForAbstaining(),
+        reward_fn=PaysForAbstaining(lr.format.eos_id),
     )
     lr.poll()
     good = {k: v.clone() for k, v in lr.model.state_dict().items()}

@@ -51,7 +51,7 @@ def test_tabby_shape_gets_tabby_answer(tok):
     rec = sink.sent[0][1]
     assert rec.language == "python" and rec.filepath == "a/b.py"
     header = tok.decode(engine.calls[0][0], skip_special_tokens=False)
-    assert "a/b.py" in header and "python" in header
+    assert header.startswith("<|file_sep|>a/b.py\n<|fim_prefix|>")  # the path as Qwen's FIM format has it
 
 
 def test_streaming_sse(tok):

@@ -1,0 +1,72 @@
+"""The folder replicas load: the weight store's version of the model, never an unrelated folder.
+
+    the store has model files   the store's `serve.model_version` (0 by default), exported to
+    (learner/store.py "model/") <data_dir>/served/v<N>/ by learner.store.export_version (kept
+                                while it still holds that version); a `serve.model_dir` set as
+                                well must hold exactly that version's weights, else serving
+                                refuses to start
+    model.base set, store empty serving refuses: `flywheel base import` it first
+    otherwise                   None: the caller serves `serve.model_dir` or Flywheel's pretrained
+                                base (the learner publishes that as v0 when it starts: the same
+                                tensors, and then the store's model files)
+
+The replicas then swap to their pool's targets from there (serving/hotswap.py), and their first
+swap sends only what changed: the folder holds exactly a stored version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from feedback.core.errors import UserError
+from serving.settings import ServingSettings
+
+
+def store_model_folder(s: ServingSettings) -> Path | None:
+    """The exported folder of the store's version to serve, or None (see the module docstring)."""
+    from learner import store as S
+
+    store = S.open_store(S.default_store_uri(s))
+    base = store.base()
+    if base is None:
+        if s.model.base is not None:
+            raise UserError(
+                f"model.base is {s.model.base} but the weight store {store.uri()} holds no imported model: "
+                f"run `flywheel base import {s.model.base}` first (or `flywheel learn`, which imports it)"
+            )
+        return None
+    if s.model.base is not None and base.get("source") != str(Path(s.model.base).expanduser().absolute()):
+        raise UserError(
+            f"model.base is {s.model.base}, but the weight store {store.uri()} holds {base.get('kind')} {base.get('source')}: "
+            "use the data_dir of that import"
+        )
+    version = s.serve.model_version
+    if version not in store.versions():
+        raise UserError(
+            f"serve.model_version {version} is not in the weight store {store.uri()} ({store.versions()[-5:]})"
+        )
+    if s.serve.model_dir is not None:
+        if not same_weights(Path(s.serve.model_dir), store, version):
+            raise UserError(
+                f"serve.model_dir {s.serve.model_dir} is not v{version} of the weight store {store.uri()} "
+                f"({base.get('kind')} {base.get('source')}): unset serve.model_dir to serve the store's version"
+            )
+        return Path(s.serve.model_dir)
+    return S.export_version(store, version, Path(s.data_dir).expanduser() / "served" / f"v{version:06d}")
+
+
+def same_weights(folder: Path, store, version: int) -> bool:
+    """Whether `folder` holds exactly `version`'s bf16 tensors (as vLLM would load them)."""
+    import torch
+
+    from learner.export import read_hf_tensors
+    from learner.store import to_hf_tensors
+
+    try:
+        loaded = read_hf_tensors(folder)
+    except (OSError, ValueError):
+        return False
+    stored = to_hf_tensors(store.materialize(version))
+    return loaded.keys() == stored.keys() and all(
+        loaded[k].dtype == stored[k].dtype and torch.equal(loaded[k], stored[k]) for k in stored
+    )
