@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from rich.table import Table
+from rich.text import Text
 from tokenizers import Tokenizer
 
 from feedback.core.stats import percentile
@@ -95,6 +96,8 @@ def _maybe(x: float | None) -> float | None:
 
 def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> Interval:
     """Wilson score interval of the proportion k/n: (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)."""
+    if not 0 <= k <= n:
+        raise ValueError(f"a proportion needs 0 <= k <= n, got {k} of {n}")
     if n == 0:
         return Interval(None, None, None, 0, "wilson")
     z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
@@ -315,7 +318,7 @@ _REPORT_ROWS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 def report_table(columns: Mapping[str, ReplayStats], *, title: str) -> Table:
     """The evaluation as a table, one column per replayed model: each metric with its
     confidence interval, then the sites, suggestions shown and latency percentiles."""
-    t = Table("metric", *columns, title=title, caption=f"[low, high]: {CONFIDENCE:.0%} confidence interval")
+    t = Table("metric", *columns, title=title, caption=Text(f"[low, high]: {CONFIDENCE:.0%} confidence interval"))
     intervals = {name: st.intervals() for name, st in columns.items()}
     for key, label, fmt in _REPORT_ROWS:
         t.add_row(label, *(_cell(intervals[name][key], fmt) for name in columns))
@@ -331,12 +334,12 @@ def report_table(columns: Mapping[str, ReplayStats], *, title: str) -> Table:
     return t
 
 
-def _cell(i: Interval, fmt: Callable[[float], str]) -> str:
+def _cell(i: Interval, fmt: Callable[[float], str]) -> Text:
     if i.value is None or not math.isfinite(i.value):
-        return "-"
+        return Text("-")
     if i.low is None or i.high is None:
-        return fmt(i.value)
-    return f"{fmt(i.value)} [{fmt(i.low)}, {fmt(i.high)}]"
+        return Text(fmt(i.value))
+    return Text(f"{fmt(i.value)} [{fmt(i.low)}, {fmt(i.high)}]")  # Text: the brackets are not markup
 
 
 def json_number(x: float | None) -> float | None:

@@ -271,6 +271,8 @@ def test_wilson_interval_equals_the_hand_computed_one():
     assert none.low == 0.0 and none.high == pytest.approx(3.841459 / 23.841459, abs=1e-6)
     assert E.wilson(20, 20).high == 1.0 and E.wilson(20, 20).low == pytest.approx(1 - 3.841459 / 23.841459, abs=1e-6)
     assert E.wilson(0, 0) == E.Interval(None, None, None, 0, "wilson")
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        E.wilson(7, 6)
 
 
 def test_t_interval_equals_the_hand_computed_one():
