@@ -4,6 +4,7 @@
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
     flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--json]
     flywheel bench fp4 [--steps N] [--out results.json]
+    flywheel bench train [--steps N] [--warmup N] [--size small] [--out results.json]
 
 `flywheel bench` is shared: each package adds its benchmarks with ops.cli.console.bench_subcommands(sub).
 """
@@ -81,6 +82,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_fp4)
+
+    tr = bench_subcommands(sub).add_parser(
+        "train",
+        help="pretraining tokens/s: grouped expert matmuls vs the loop over experts, side by side",
+        description="Pretraining throughput of the grouped expert computation against the expert loop it replaced: "
+        "two copies of one model take turns on the same batches in one process. Settings: the [pretrain] section.",
+    )
+    tr.add_argument("--steps", type=int, default=20, help="timed training steps per arm (default 20)")
+    tr.add_argument("--warmup", type=int, default=2, help="untimed steps per arm first (default 2)")
+    tr.add_argument("--size", help="model size: tiny or small (pretrain.size)")
+    tr.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(tr)
+    tr.set_defaults(fn=cmd_bench_train)
 
     d = bench_subcommands(sub).add_parser(
         "delta",
@@ -226,6 +240,26 @@ def cmd_bench_fp4(args: argparse.Namespace) -> int:
     from ops.bench.fp4 import run_bench
 
     run_bench(s, console, steps=args.steps, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from feedback.core.errors import UserError
+
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
+    s = _settings(args, {"size": args.size})
+    print_config(s, "flywheel bench train")
+    from ops.bench.train import run_bench
+
+    run_bench(
+        s,
+        console,
+        steps=args.steps,
+        warmup=args.warmup,
+        out=args.out,
+        command=shlex.join(["flywheel", *sys.argv[1:]]),
+    )
     return 0
 
 
