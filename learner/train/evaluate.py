@@ -105,8 +105,14 @@ def _store_version(version: int, s: EvalSettings) -> EvalTarget:
         packed = store.materialize(version)
     except StoreError as e:
         raise UserError(f"--model v{version}: {e}") from None
-    label = f"v{version} ({store.uri(version)})"
-    return EvalTarget(model_from_packed(packed, args), load_tokenizer(base / "hf"), label, f"v{version}")
+    try:
+        model = model_from_packed(packed, args)
+    except (RuntimeError, KeyError) as e:  # a store of another base: shapes or names differ
+        raise UserError(
+            f"--model v{version} does not fit the base model of these [pretrain] settings ({base}): "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    return EvalTarget(model, load_tokenizer(base / "hf"), f"v{version} ({store.uri(version)})", f"v{version}")
 
 
 def heldout_files(s: EvalSettings, corpus: Path | None = None) -> tuple[list[SourceFile], str]:

@@ -124,3 +124,13 @@ def test_a_folder_that_is_no_model_is_one_line(base, tmp_path):
 def test_no_base_model_says_what_to_do(tmp_path):
     r = flywheel("eval", "--set", f"cache_dir={tmp_path / 'cache'}", "--set", "pretrain.size=tiny", tmp_path=tmp_path)
     assert r.returncode == 1 and "run `flywheel pretrain` first" in r.stderr, r.stderr
+
+
+def test_a_store_version_of_another_base_is_one_line(base, tmp_path):
+    from learner.model import ModelArgs, Transformer
+
+    other = Transformer(ModelArgs.from_name("tiny", vocab_size=400, dim=96, max_seq_len=96))  # wider than the base
+    S.open_store(tmp_path / "data" / "weights").publish(S.pack_checkpoint(other.state_dict()), None, version=0)
+    r = run_eval(base, tmp_path, "--model", "v0")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "does not fit the base model" in lines[0], r.stderr
