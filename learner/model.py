@@ -15,8 +15,8 @@ needs no renaming and vLLM / transformers load it unchanged:
     lm_head.weight                                     [V, D]    not tied
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, H / Hkv query / kv heads,
-Hd head dim, E experts, K experts per token, R = T*K routed (token, expert) slots, F expert
-hidden dim, V vocabulary, P positions held in a KV cache.
+Hd head dim, E experts, K experts per token, R = T*K routed (token, expert) slots, U experts
+with tokens routed to them, F expert hidden dim, V vocabulary, P positions held in a KV cache.
 
 Router replay: `forward(..., return_routing=True)` also returns the experts each token
 chose, per layer ([B, S, K] int64). Passing such a list back as `routing=` forces those
@@ -304,7 +304,8 @@ class MoE(nn.Module):
     def _experts_grouped(self, x_TD, fp4, idx_TK, w_TK) -> torch.Tensor:
         """All experts at once. The R = T*K (token, choice) slots are sorted by expert, so
         each expert's tokens are one block of rows; one grouped matmul per projection multiplies
-        every block by its expert's weights [E, F, D] (`offs_E`: where each block ends)."""
+        every block by its expert's weights, stacked [U, F, D] for the U experts with tokens
+        (`offs_U`: where each block ends)."""
         K = idx_TK.shape[1]
         # Autocast does not cover grouped_mm: cast as it casts F.linear, so the math is the loop's.
         dev = x_TD.device.type
@@ -314,16 +315,20 @@ class MoE(nn.Module):
         expert_R = idx_TK.flatten()
         order_R = expert_R.argsort(stable=True)  # by expert; within one, in token order
         tok_R = order_R // K
-        offs_E = torch.bincount(expert_R, minlength=len(self.experts)).cumsum(0).to(torch.int32)
+        count_E = torch.bincount(expert_R, minlength=len(self.experts))
+        # Only experts with tokens take part, as in the loop: an expert without any keeps no
+        # gradient (None, not zeros), so AdamW leaves it alone that step instead of decaying it.
+        used = [e for e, c in enumerate(count_E.tolist()) if c]
+        offs_U = count_E[used].cumsum(0).to(torch.int32)
 
-        def stacked(proj: str) -> torch.Tensor:  # [E, out, in]; the FP4 hook is keyed by each expert's name
-            return torch.stack([_w(getattr(e, proj), fp4) for e in self.experts]).to(dtype)
+        def stacked(proj: str) -> torch.Tensor:  # [U, out, in]; the FP4 hook is keyed by each expert's name
+            return torch.stack([_w(getattr(self.experts[e], proj), fp4) for e in used]).to(dtype)
 
         x_RD = x_TD[tok_R]
         # Cast once per matmul, as autocast does: the two input gradients then meet in x's dtype.
-        gate_RF = F.grouped_mm(x_RD.to(dtype), stacked("gate_proj").mT, offs=offs_E)
-        h_RF = F.silu(gate_RF) * F.grouped_mm(x_RD.to(dtype), stacked("up_proj").mT, offs=offs_E)
-        y_RD = F.grouped_mm(h_RF, stacked("down_proj").mT, offs=offs_E) * w_TK.flatten()[order_R, None]
+        gate_RF = F.grouped_mm(x_RD.to(dtype), stacked("gate_proj").mT, offs=offs_U)
+        h_RF = F.silu(gate_RF) * F.grouped_mm(x_RD.to(dtype), stacked("up_proj").mT, offs=offs_U)
+        y_RD = F.grouped_mm(h_RF, stacked("down_proj").mT, offs=offs_U) * w_TK.flatten()[order_R, None]
         return torch.zeros_like(x_TD).index_add(0, tok_R, y_RD.to(x_TD.dtype))
 
     def _experts_looped(self, x_TD, fp4, idx_TK, w_TK) -> torch.Tensor:

@@ -245,20 +245,33 @@ def test_grouped_experts_equal_the_loop_forward_and_backward_with_fp4_and_replay
     assert all(gg[f"model.layers.{i}.mlp.gate.weight"].abs().sum() > 0 for i in range(4))  # the router learns
 
 
-def test_grouped_experts_handle_experts_without_tokens(model, ids):
-    """Routing that sends every token to experts 0 and 1: the others get no rows (empty groups), a
-    zero gradient, and the output is the loop's."""
-    loop = _loop_copy(model)
-    routing = [torch.tensor([0, 1]).expand(*ids.shape, 2).contiguous() for _ in range(model.args.n_layers)]
-    for m in (model, loop):
-        m.zero_grad()
+def test_grouped_experts_leave_experts_without_tokens_alone_as_the_loop_does(ids):
+    """Routing that sends every token to experts 0 and 1: the others take no part, so their
+    gradients stay None as in the loop and an AdamW step (with weight decay) leaves them where
+    they were; every parameter after the step equals the loop's."""
+    torch.manual_seed(0)
+    grouped = Transformer(ModelArgs.from_name("tiny", vocab_size=V)).train()
+    loop = _loop_copy(grouped)
+    before = {n: p.detach().clone() for n, p in grouped.named_parameters()}
+    routing = [torch.tensor([0, 1]).expand(*ids.shape, 2).contiguous() for _ in range(grouped.args.n_layers)]
+    for m in (grouped, loop):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         m(ids, routing=routing).float().pow(2).mean().backward()
-    assert torch.equal(model(ids, routing=routing), loop(ids, routing=routing))
-    for i in range(model.args.n_layers):
-        experts = model.model.layers[i].mlp.experts
-        assert experts[0].up_proj.weight.grad.abs().sum() > 0
-        assert all(e.up_proj.weight.grad is None or not e.up_proj.weight.grad.any() for e in list(experts)[2:])
-    model.zero_grad()
+        assert {n for n, p in m.named_parameters() if p.grad is None} == {
+            f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+            for i in range(m.args.n_layers)
+            for e in range(2, m.args.n_experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
+        opt.step()
+    after_g, after_l = dict(grouped.named_parameters()), dict(loop.named_parameters())
+    assert all(torch.equal(after_g[n], after_l[n]) for n in after_g)
+    assert torch.equal(
+        after_g["model.layers.0.mlp.experts.3.up_proj.weight"], before["model.layers.0.mlp.experts.3.up_proj.weight"]
+    )
+    assert not torch.equal(
+        after_g["model.layers.0.mlp.experts.0.up_proj.weight"], before["model.layers.0.mlp.experts.0.up_proj.weight"]
+    )
 
 
 def test_float64_takes_the_loop_and_still_runs(model, ids):
