@@ -27,6 +27,7 @@ def test_grouped_and_loop_arms_train_identically_and_are_timed(tmp_path):
     assert set(result["arms"]) == {"grouped", "loop"} and all(a["steps"] == 3 for a in result["arms"].values())
     g, lp = result["arms"]["grouped"], result["arms"]["loop"]
     assert result["ratio"] == g["tokens_per_s"] / lp["tokens_per_s"] and g["tokens_per_s"] > 0
+    assert result["paired_ratio"] > 0 and result["cpu_ratio"] > 0
     assert g["tokens_per_s"] == pytest.approx(4 * 64 / (g["median_ms"] / 1e3))
     assert json.loads((tmp_path / "r.json").read_text())["batch_tokens"] == 256
     assert "grouped / loop" in out.getvalue() and "identical at every step" in out.getvalue()
