@@ -18,24 +18,44 @@ take, so the replay scores a model as users would:
     reward    feedback.reward on the events the simulated editor sends for that verdict
               (learner.judge.editor_events), as the sink scores them
 
-`evaluate_candidate` replays a candidate and the stable model on the same sites; the learner's
-gate (learner/train/gate.py) then decides on the two replays' stats, and the learning benchmark
-(ops/bench/learn.py) draws its curve from them.
+This is the one evaluation: `flywheel eval` (learner/train/evaluate.py), the learner's gate
+(learner/train/gate.py, on `evaluate_candidate`'s two replays of the same sites), the learning
+benchmark (ops/bench/learn.py) and the demo's summary all replay with `heldout_replay` and report
+`ReplayStats.intervals()`, each with its own number of sites.
+
+Reported with 95% confidence intervals over the sites (`intervals`):
+
+    accept rate                 accepted / shown suggestions        Wilson score interval
+    suggestion rate             shown / requests                    Wilson
+    exact match                 requests whose suggestion's first   Wilson
+                                line is the rest of the line
+    accepted chars / request    mean over requests                  Student's t interval
+    mean reward                 mean over requests                  Student's t
+    latency ms                  prompt + greedy decode per request, Student's t
+                                in-process on this CPU (not serving's: `flywheel bench serve`)
+
+Wilson, not the normal approximation, because accept rates near 0 are the common case and the
+normal interval would reach below 0; t on the means, since with hundreds of sites the sample
+mean is close to normal even for the zero-heavy accepted characters, and it is exact to check.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich.table import Table
+from rich.text import Text
 from tokenizers import Tokenizer
 
+from feedback.core.stats import percentile
 from feedback.reward import ChoiceFeedback, RewardWeights, reward
 from learner.corpus import SourceFile
 from learner.decode import decode, room
@@ -43,6 +63,115 @@ from learner.formats import ModelFormat
 from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
 from learner.model import Transformer, WeightHook
 from learner.prompts import CONTEXT_BUDGET, EDITOR_STOP, SUMMARY_CHUNK_TOKENS, PromptBuilder, SummaryCache, fit_budget
+
+# --- confidence intervals ---------------------------------------------------------------------------
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A metric's value and its two-sided confidence interval over `n` observations; the bounds
+    are None where they are undefined (no observations; a mean of one)."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+    n: int
+    method: str  # wilson | t
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "value": _maybe(self.value),
+            "low": _maybe(self.low),
+            "high": _maybe(self.high),
+            "n": self.n,
+            "method": self.method,
+        }
+
+
+def _maybe(x: float | None) -> float | None:
+    return None if x is None else json_number(x)
+
+
+def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> Interval:
+    """Wilson score interval of the proportion k/n: (p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)."""
+    if not 0 <= k <= n:
+        raise ValueError(f"a proportion needs 0 <= k <= n, got {k} of {n}")
+    if n == 0:
+        return Interval(None, None, None, 0, "wilson")
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    # At k = 0 (k = n) the bound is exactly 0 (1); rounding would leave it a hair off.
+    low = 0.0 if k == 0 else max(0.0, centre - half)
+    high = 1.0 if k == n else min(1.0, centre + half)
+    return Interval(p, low, high, n, "wilson")
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
+    """Student's t interval of the mean: mean ± t(confidence, n-1) · s / sqrt(n)."""
+    n = len(values)
+    if n == 0:
+        return Interval(None, None, None, 0, "t")
+    mean = statistics.fmean(values)
+    if n == 1:
+        return Interval(mean, None, None, 1, "t")
+    half = t_quantile(confidence, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n, "t")
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    """The t with P(|T| <= t) = `confidence` for Student's t with `df` degrees of freedom: the
+    two-sided critical value (2.262 for 95% and df 9). Bisection on the exact distribution
+    function; beyond 1000 degrees of freedom, the Cornish-Fisher expansion in 1/df (Abramowitz
+    and Stegun 26.7.5), whose first omitted term is below 1e-12 there."""
+    if not 0 < confidence < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0 < confidence < 1 and df >= 1, got {confidence}, {df}")
+    if df > 1000:
+        z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+        g = (
+            (z**3 + z) / 4,
+            (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+            (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+            (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+        )
+        return z + sum(gi / df ** (i + 1) for i, gi in enumerate(g))
+    lo, hi = 0.0, 1.0
+    while _t_within(hi, df) < confidence:
+        lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_within(mid, df) < confidence else (lo, mid)
+        if hi - lo < 1e-13 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def _t_within(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with integer `df`, in closed form (Abramowitz and Stegun
+    26.7.3-4): with θ = atan(t / sqrt(df)), odd df: (2/π)(θ + sin θ Σ a_j cos^(2j+1) θ),
+    a_0 = 1, a_j = a_(j-1) 2j/(2j+1), j < (df-1)/2; even df: sin θ Σ b_j cos^(2j) θ, b_0 = 1,
+    b_j = b_(j-1) (2j-1)/(2j), j < df/2."""
+    theta = math.atan(t / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    total, term = 0.0, 1.0
+    if df % 2:
+        term = c
+        for j in range((df - 1) // 2):
+            if j:
+                term *= c * c * (2 * j) / (2 * j + 1)
+            total += term
+        return 2 / math.pi * (theta + s * total)
+    for j in range(df // 2):
+        if j:
+            term *= c * c * (2 * j - 1) / (2 * j)
+        total += term
+    return s * total
+
+
+# --- the replay ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -60,6 +189,9 @@ class SiteResult:
     reward: float
     prompt_tokens: int
     truncated_tokens: int  # prefix tokens dropped to fit the budget
+    exact: bool = False  # the suggestion's first line is the rest of the line (exact_match)
+    # A measurement, not an outcome: two replays of one model agree on everything else.
+    latency_s: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -73,6 +205,7 @@ class ReplayStats:
     reward_sum: float = 0.0
     completion_tokens: int = 0  # summed over the shown suggestions
     length_capped: int = 0  # suggestions that ran to max_tokens
+    exact: int = 0  # requests whose suggestion's first line is the rest of the line
     truncated_prompts: int = 0  # prompts whose prefix was cut to the budget
     seconds: float = 0.0
     outcomes: dict[str, int] = field(default_factory=dict)
@@ -97,6 +230,11 @@ class ReplayStats:
         return self.accepted_chars / self.n if self.n else 0.0
 
     @property
+    def exact_match(self) -> float:
+        """Requests whose suggestion's first line equals the rest of the line / requests."""
+        return self.exact / self.n if self.n else 0.0
+
+    @property
     def mean_completion_tokens(self) -> float:
         """Mean length of the shown suggestions (abstentions are the suggestion rate's business)."""
         return self.completion_tokens / self.shown if self.shown else 0.0
@@ -112,28 +250,96 @@ class ReplayStats:
             reward_sum=sum(r.reward for r in results),
             completion_tokens=sum(r.tokens for r in shown),
             length_capped=sum(r.finish == "length" for r in shown),
+            exact=sum(r.exact for r in results),
             truncated_prompts=sum(r.truncated_tokens > 0 for r in results),
             seconds=seconds,
             outcomes=dict(Counter(r.outcome for r in results)),
             results=list(results),
         )
 
+    def intervals(self, confidence: float = CONFIDENCE) -> dict[str, Interval]:
+        """The reported metrics with their confidence intervals (see the module docstring).
+        The means need the per-site results; stats built without them get no bounds for those."""
+        per_site = len(self.results) == self.n
+
+        def mean(values: list[float], aggregate: float) -> Interval:
+            return t_interval(values, confidence) if per_site else Interval(aggregate, None, None, self.n, "t")
+
+        return {
+            "accept_rate": wilson(self.accepted, self.shown, confidence),
+            "accepted_chars_per_request": mean(
+                [r.accepted_chars for r in self.results], self.accepted_chars_per_request
+            ),
+            "suggestion_rate": wilson(self.shown, self.n, confidence),
+            "exact_match": wilson(self.exact, self.n, confidence),
+            "mean_reward": mean([r.reward for r in self.results], self.mean_reward),
+            "latency_ms": mean([r.latency_s * 1e3 for r in self.results], float("nan")),
+        }
+
+    def latency_percentiles_ms(self) -> dict[str, float | None]:
+        """p50 and p99 of the per-request latency (nearest rank), in ms."""
+        ms = [r.latency_s * 1e3 for r in self.results]
+        return {"p50": json_number(percentile(ms, 0.5)), "p99": json_number(percentile(ms, 0.99))}
+
     def summary(self) -> dict[str, Any]:
-        """JSON-safe aggregates (no per-site results)."""
+        """JSON-safe aggregates (no per-site results), with the confidence intervals."""
         return {
             "n": self.n,
             "shown": self.shown,
             "accepted": self.accepted,
+            "exact": self.exact,
             "mean_reward": json_number(self.mean_reward),
             "accept_rate": json_number(self.accept_rate),
             "suggestion_rate": json_number(self.suggestion_rate),
             "accepted_chars_per_request": json_number(self.accepted_chars_per_request),
+            "exact_match": json_number(self.exact_match),
             "mean_completion_tokens": json_number(self.mean_completion_tokens),
             "length_capped": self.length_capped,
             "truncated_prompts": self.truncated_prompts,
             "outcomes": dict(self.outcomes),
             "seconds": json_number(self.seconds),
+            "confidence": CONFIDENCE,
+            "intervals": {name: i.as_dict() for name, i in self.intervals().items()},
+            "latency_ms": self.latency_percentiles_ms(),
         }
+
+
+# How each reported metric is printed: its label and how to format a value of it.
+_REPORT_ROWS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("accept_rate", "accept rate (of shown)", lambda x: f"{x:.1%}"),
+    ("accepted_chars_per_request", "accepted chars / request", lambda x: f"{x:.2f}"),
+    ("suggestion_rate", "suggestion rate", lambda x: f"{x:.1%}"),
+    ("exact_match", "exact match, rest of line", lambda x: f"{x:.1%}"),
+    ("mean_reward", "mean reward", lambda x: f"{x:+.3f}"),
+    ("latency_ms", "latency ms (in-process)", lambda x: f"{x:.0f}"),
+)
+
+
+def report_table(columns: Mapping[str, ReplayStats], *, title: str) -> Table:
+    """The evaluation as a table, one column per replayed model: each metric with its
+    confidence interval, then the sites, suggestions shown and latency percentiles."""
+    t = Table("metric", *columns, title=title, caption=Text(f"[low, high]: {CONFIDENCE:.0%} confidence interval"))
+    intervals = {name: st.intervals() for name, st in columns.items()}
+    for key, label, fmt in _REPORT_ROWS:
+        t.add_row(label, *(_cell(intervals[name][key], fmt) for name in columns))
+    t.add_row("sites (requests)", *(str(st.n) for st in columns.values()))
+    t.add_row("suggestions shown, accepted", *(f"{st.shown}, {st.accepted}" for st in columns.values()))
+    t.add_row(
+        "latency p50 / p99 ms",
+        *(
+            f"{p['p50']:.0f} / {p['p99']:.0f}" if p["p50"] is not None else "-"
+            for p in (st.latency_percentiles_ms() for st in columns.values())
+        ),
+    )
+    return t
+
+
+def _cell(i: Interval, fmt: Callable[[float], str]) -> Text:
+    if i.value is None or not math.isfinite(i.value):
+        return Text("-")
+    if i.low is None or i.high is None:
+        return Text(fmt(i.value))
+    return Text(f"{fmt(i.value)} [{fmt(i.low)}, {fmt(i.high)}]")  # Text: the brackets are not markup
 
 
 def json_number(x: float | None) -> float | None:
@@ -174,6 +380,13 @@ def site_prompt(builder: PromptBuilder, site: Site) -> tuple[list[int], int]:
     raise AssertionError("PromptBuilder.build suspended without a summarizer")
 
 
+def line_matches(suggestion: str, truth: str) -> bool:
+    """Whether the suggestion's first line is the rest of the line (trailing whitespace aside).
+    An empty suggestion matches nothing: abstaining is not a match."""
+    first_line = suggestion.split("\n", 1)[0]
+    return bool(first_line.strip()) and first_line.rstrip() == truth.rstrip()
+
+
 def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
     """The served choice and the events the simulated editor sends about it, as the sink sees them."""
     return ChoiceFeedback(n_chars=len(text), text=text, events=editor_events(verdict))
@@ -191,6 +404,7 @@ def heldout_replay(
     context_budget: int = CONTEXT_BUDGET,
     summary_chunk_tokens: int = SUMMARY_CHUNK_TOKENS,
     threads: int | None = 1,
+    progress: Callable[[SiteResult], None] | None = None,
 ) -> ReplayStats:
     """Simulated editor sessions on `sites` with `model` in-process (see the module docstring).
 
@@ -199,7 +413,8 @@ def heldout_replay(
     the sink's reward weights; `context_budget`, `summary_chunk_tokens`: the serve settings
     whose prompt budget to mirror; `threads`: torch's CPU threads while replaying (None: leave
     them). One token at a time is too little work to split, and next to busy vLLM workers the
-    thread pool's waits made a 2-thread replay of the small model take 570 s instead of 4 s."""
+    thread pool's waits made a 2-thread replay of the small model take 570 s instead of 4 s.
+    `progress` is called with each site's result as it is done."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     t0 = time.perf_counter()
@@ -213,6 +428,7 @@ def heldout_replay(
     results = []
     try:
         for site in sites:
+            started = time.perf_counter()
             prompt, truncated = site_prompt(builder, site)
             c = decode(
                 model,
@@ -223,6 +439,7 @@ def heldout_replay(
                 stop=EDITOR_STOP,
                 fp4=hook,
             )
+            latency = time.perf_counter() - started
             verdict = judge(c.text, site.truth)
             r, parts = reward(editor_feedback(c.text, verdict), weights)
             results.append(
@@ -238,12 +455,44 @@ def heldout_replay(
                     r,
                     len(prompt),
                     truncated,
+                    exact=line_matches(c.text, site.truth),
+                    latency_s=latency,
                 )
             )
+            if progress is not None:
+                progress(results[-1])
     finally:
         model.train(was_training)
         torch.set_num_threads(was_threads)
     return ReplayStats.of(results, time.perf_counter() - t0)
+
+
+def evaluate(
+    model: Transformer,
+    tok: Tokenizer,
+    fmt: ModelFormat,
+    files: Sequence[SourceFile],
+    *,
+    sites: int,
+    seed: int,
+    max_tokens: int,
+    fp4_hook: WeightHook | None = None,
+    threads: int | None = 1,
+    progress: Callable[[SiteResult], None] | None = None,
+) -> ReplayStats:
+    """The evaluation: `sites` cursor sites of the held-out `files` picked by `seed`, replayed with
+    `model` (heldout_replay, serve settings at their defaults). `flywheel eval`, the learning
+    benchmark and the demo's summary call it; the gate replays the same sites for two models."""
+    return heldout_replay(
+        model,
+        tok,
+        fmt,
+        heldout_sites(files, sites, seed=seed),
+        max_tokens=max_tokens,
+        fp4_hook=fp4_hook,
+        threads=threads,
+        progress=progress,
+    )
 
 
 def evaluate_candidate(

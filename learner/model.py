@@ -30,8 +30,9 @@ needs no renaming and vLLM / transformers load it unchanged:
     lm_head.weight                                     [V, D]    unless tied
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, H / Hkv query / kv heads,
-Hd head dim, E experts, K experts per token, F expert hidden dim, Fd dense MLP hidden dim,
-V vocabulary, P positions held in a KV cache.
+Hd head dim, E experts, K experts per token, R = T*K routed (token, expert) slots, U experts
+with tokens routed to them, F expert hidden dim, Fd dense MLP hidden dim, V vocabulary, P positions
+held in a KV cache.
 
 Router replay: `forward(..., return_routing=True)` also returns the experts each token
 chose, per MoE layer ([B, S, K] int64; a dense model has none). Passing such a list back as `routing=` forces those
@@ -344,7 +345,14 @@ class Expert(nn.Module):
         return F.linear(h, _w(self.down_proj, fp4))
 
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped_mm multiplies
+
+
 class MoE(nn.Module):
+    # The reference computation, one expert at a time (HF's Qwen3MoeSparseMoeBlock loops so):
+    # `flywheel bench train` measures against it and the tests check the grouped one equals it.
+    expert_loop: bool = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k = args.top_k
@@ -383,7 +391,40 @@ class MoE(nn.Module):
             E = probs_TE.shape[-1]
             f_E = torch.bincount(idx_TK.flatten(), minlength=E).float() / idx_TK.numel()
             balance_losses.append(E * (f_E * probs_TE.mean(0)).sum())
+        mix = self._experts_looped if self.expert_loop else self._experts_grouped
+        return mix(x_TD, fp4, idx_TK, w_TK), idx_TK
 
+    def _experts_grouped(self, x_TD, fp4, idx_TK, w_TK) -> torch.Tensor:
+        """All experts at once. The R = T*K (token, choice) slots are sorted by expert, so
+        each expert's tokens are one block of rows; one grouped matmul per projection multiplies
+        every block by its expert's weights, stacked [U, F, D] for the U experts with tokens
+        (`offs_U`: where each block ends)."""
+        K = idx_TK.shape[1]
+        # Autocast does not cover grouped_mm: cast as it casts F.linear, so the math is the loop's.
+        dev = x_TD.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
+        if dtype not in _GROUPED_MM_DTYPES:  # float64: an exact reference in the tests, speed moot
+            return self._experts_looped(x_TD, fp4, idx_TK, w_TK)
+        expert_R = idx_TK.flatten()
+        order_R = expert_R.argsort(stable=True)  # by expert; within one, in token order
+        tok_R = order_R // K
+        count_E = torch.bincount(expert_R, minlength=len(self.experts))
+        # Only experts with tokens take part, as in the loop: an expert without any keeps no
+        # gradient (None, not zeros), so AdamW leaves it alone that step instead of decaying it.
+        used = [e for e, c in enumerate(count_E.tolist()) if c]
+        offs_U = count_E[used].cumsum(0).to(torch.int32)
+
+        def stacked(proj: str) -> torch.Tensor:  # [U, out, in]; the FP4 hook is keyed by each expert's name
+            return torch.stack([_w(getattr(self.experts[e], proj), fp4) for e in used]).to(dtype)
+
+        x_RD = x_TD[tok_R]
+        # Cast once per matmul, as autocast does: the two input gradients then meet in x's dtype.
+        gate_RF = F.grouped_mm(x_RD.to(dtype), stacked("gate_proj").mT, offs=offs_U)
+        h_RF = F.silu(gate_RF) * F.grouped_mm(x_RD.to(dtype), stacked("up_proj").mT, offs=offs_U)
+        y_RD = F.grouped_mm(h_RF, stacked("down_proj").mT, offs=offs_U) * w_TK.flatten()[order_R, None]
+        return torch.zeros_like(x_TD).index_add(0, tok_R, y_RD.to(x_TD.dtype))
+
+    def _experts_looped(self, x_TD, fp4, idx_TK, w_TK) -> torch.Tensor:
         out_TD = torch.zeros_like(x_TD)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.where(idx_TK == e)
@@ -391,7 +432,7 @@ class MoE(nn.Module):
                 continue
             y = expert(x_TD[tok], fp4) * w_TK[tok, slot, None]
             out_TD = out_TD.index_add(0, tok, y)
-        return out_TD, idx_TK
+        return out_TD
 
 
 class Block(nn.Module):

@@ -13,7 +13,10 @@
      version is promoted, the demo also publishes a deliberately degraded candidate (the output
      layer negated, the gate skipped) to show the automatic rollback;
   5. a summary: per version accept rate, reward, suggestion rate, accepted characters; delta
-     sizes against full; swap pauses; every rollout decision with its evidence;
+     sizes against full; swap pauses; every rollout decision with its evidence; and the held-out
+     evaluation of `flywheel eval` (learner.eval.evaluate, with 95% intervals) of the base and
+     of the version stable serves at the end, on `eval.sites` sites (200 here, not 500: two
+     replays of 500 would add minutes to a ten-minute demo);
   6. a static copy of the ops dashboard.
 
 Everything runs for real: vLLM engines in Ray Serve, a Kafka broker, SQLite (or the
@@ -40,6 +43,7 @@ from sqlalchemy import text
 
 from feedback.core.config import Section
 from feedback.sink.loop import SinkSection, SinkSettings
+from learner.train.eval_settings import EvalSection, EvalSettings
 from learner.train.learn_settings import GateSection, LearnSection, LearnSettings
 from ops import stack
 from ops.rollout.settings import RolloutSection, RolloutSettings
@@ -58,7 +62,7 @@ class DemoSection(Section):
     """Where the static dashboard goes. Empty: <data_dir>/dashboard.html."""
 
 
-class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSettings, RolloutSettings):
+class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSettings, EvalSettings, RolloutSettings):
     """`flywheel demo`: every section the loop uses, with defaults sized for one 2-core machine
     and about ten minutes: short feedback windows, a version every 90 s, 20-second canary steps."""
 
@@ -71,6 +75,7 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     rollout: RolloutSection = RolloutSection(
         auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0
     )
+    eval: EvalSection = EvalSection(sites=200)
 
 
 def run(
@@ -206,6 +211,7 @@ def run(
     }
     summary["precision"] = {"serving": serving_dtype.dtype, "pretraining": trained_in}
     summary["events"] = events
+    summary["heldout"] = evaluate_versions(learner, engine, s.eval, console)
     if result is not None:
         result.update(summary)
     print_machine_report(console, stats, serving_dtype, trained_in, timeout_s=sim.timeout_s)
@@ -275,6 +281,36 @@ def _check_imported_base(s: DemoSettings, console: Console) -> None:
         f"{format_line(info.format)}",
         markup=False,
     )
+
+
+def evaluate_versions(learner, engine, cfg: EvalSection, console: Console) -> dict:
+    """`flywheel eval`'s evaluation of the base (v0) and of the version stable serves now, on the
+    same held-out sites, printed side by side with their intervals; returns their summaries."""
+    from feedback import pools
+    from learner import eval as E
+    from learner.train.learn import model_from_packed
+
+    with engine.connect() as conn:
+        stable = pools.current_stable(conn) or 0
+    names = {0: "v0 (base)"} | ({stable: f"v{stable} (stable)"} if stable else {})
+    stats = {}
+    with console.status("") as status:
+        for v, name in names.items():
+            status.update(f"held-out evaluation of v{v}: {cfg.sites} sites")
+            model = model_from_packed(learner.store.materialize(v), learner.args)
+            stats[name] = E.evaluate(
+                model,
+                learner.tok,
+                learner.format,
+                learner.heldout,
+                sites=cfg.sites,
+                seed=cfg.seed,
+                max_tokens=cfg.max_tokens,
+                threads=cfg.threads,
+            )
+    title = f"held-out evaluation: {cfg.sites} sites (`flywheel eval --model vN --sites {cfg.sites}`)"
+    console.print(E.report_table(stats, title=title))
+    return {name: st.summary() for name, st in stats.items()}
 
 
 def _base_precision(model_dir: Path) -> str | None:

@@ -7,11 +7,13 @@ One run, one process, the learner's own code path on simulated editor feedback:
         N updates: the FP4 policy (as served) samples completions at cursor sites of the
                    *training* files, the simulated editor judges them (learner.judge),
                    feedback.reward scores them as the sink would, learner.train.learn.rl_update trains
-        publish:   pack to FP4, then the gate's held-out replay (learner.eval) on the *held-out* files
+        publish:   pack to FP4, then the evaluation (learner.eval.evaluate, as `flywheel eval`:
+                   eval.sites held-out sites, or --sites) of the served weights
 
-Reported per version: held-out reward, accept rate, suggestion rate, accepted characters per
-request and the KL to the base, each beside the base model's. No Kafka, vLLM or HTTP: this
-measures learning, not serving; the demo and the e2e test run the same learner on real traffic.
+Reported per version: held-out reward, accept rate and accepted characters per request with their
+95% confidence intervals, suggestion rate, exact match and the KL to the base, each beside the
+base model's. No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e
+test run the same learner on real traffic.
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ import random
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from learner.train.eval_settings import EvalSettings
 from learner.train.learn_settings import LearnSettings
 
 
+class BenchLearnSettings(LearnSettings, EvalSettings):
+    """`flywheel bench learn`: the learner's settings ([learn]) and the evaluation's ([eval])."""
+
+
 def run_bench(
-    s: LearnSettings,
+    s: BenchLearnSettings,
     console: Console,
     *,
     lrs: tuple[float, ...],
@@ -41,6 +48,8 @@ def run_bench(
     out: str | None,
     command: str,
 ) -> dict:
+    import torch
+
     from feedback.core.errors import UserError
     from feedback.reward import reward
     from learner import eval as E
@@ -68,8 +77,14 @@ def run_bench(
     fmt = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
     hook = fp4_hook(fmt)
     corpus = load_training_corpus(pretrain_section(s))
-    g = s.learn.gate
-    held = E.heldout_sites(corpus.heldout, g.sites, seed=g.seed)
+    g, ev = s.learn.gate, s.eval
+    n_held = ev.sites
+
+    def evaluate(model) -> E.ReplayStats:
+        return E.evaluate(
+            model, tok, model_format, corpus.heldout, sites=n_held, seed=ev.seed, max_tokens=ev.max_tokens
+        )
+
     train = cursor_sites(corpus.train, train_sites, random.Random(7))
     builder = E.prompt_builder(tok, model_format, args.max_seq_len)
     prompts = [E.site_prompt(builder, site)[0] for site in train]
@@ -79,7 +94,7 @@ def run_bench(
 
     base_served = model_from_packed(S.pack_checkpoint(master.state_dict(), fmt), args)
     t0 = time.perf_counter()
-    base_stats = E.heldout_replay(base_served, tok, model_format, held, max_tokens=g.max_tokens)
+    base_stats = evaluate(base_served)
     console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
     rows = [
         {
@@ -135,7 +150,7 @@ def run_bench(
                         f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)"
                     )
                 served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
-                stats = E.heldout_replay(served, tok, model_format, held, max_tokens=g.max_tokens)
+                stats = evaluate(served)
                 rows.append(
                     {
                         "lr": lr,
@@ -154,13 +169,14 @@ def run_bench(
         "version",
         "updates",
         "held-out reward",
-        "accept rate",
+        "accept rate [95% CI]",
         "suggestion rate",
-        "accepted chars / request",
+        "exact match",
+        "accepted chars / request [95% CI]",
         "KL to base",
         "train reward",
         "mismatch KL replay / none",
-        title=f"learning curve: {len(held)} held-out sites, {cfg.batch_size} samples/update, {updates} updates/version",
+        title=f"learning curve: {n_held} held-out sites (flywheel eval's replay), {cfg.batch_size} samples/update, {updates} updates/version",
     )
     for r in rows:
         table.add_row(
@@ -168,9 +184,10 @@ def run_bench(
             str(r["version"]),
             str(r["updates"]),
             f"{r['reward']:+.3f}",
-            f"{r['accept_rate']:.1%}",
+            _with_interval(r, "accept_rate", "{:.1%}"),
             f"{r['suggestion_rate']:.1%}",
-            f"{r['accepted_chars_per_request']:.2f}",
+            f"{r['exact_match']:.1%}",
+            _with_interval(r, "accepted_chars_per_request", "{:.2f}"),
             f"{r['kl_to_base']:.2e}",
             "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
             ""
@@ -181,7 +198,7 @@ def run_bench(
     result = {
         "command": command,
         "base": str(base_dir),
-        "heldout_sites": len(held),
+        "heldout_sites": n_held,
         "train_sites": len(train),
         "temperature": temperature,
         "batch_size": cfg.batch_size,
@@ -194,14 +211,23 @@ def run_bench(
 
 
 def _summary(st) -> dict:
-    """The curve's columns, from learner.eval.ReplayStats' own aggregates."""
+    """The curve's columns, from learner.eval.ReplayStats' own aggregates and intervals."""
     return {
         "reward": st.mean_reward,
         "accept_rate": st.accept_rate,
         "suggestion_rate": st.suggestion_rate,
         "accepted_chars_per_request": st.accepted_chars_per_request,
+        "exact_match": st.exact_match,
         "sites": st.n,
+        "intervals": {name: i.as_dict() for name, i in st.intervals().items()},
     }
+
+
+def _with_interval(row: dict, name: str, fmt: str) -> Text:
+    i = row["intervals"][name]
+    if i["low"] is None or i["high"] is None:
+        return Text(fmt.format(row[name]))
+    return Text(f"{fmt.format(row[name])} [{fmt.format(i['low'])}, {fmt.format(i['high'])}]")
 
 
 def _row_text(r: dict, base: dict) -> str:

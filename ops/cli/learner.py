@@ -4,7 +4,9 @@
     flywheel pretrain --base PATH --corpus DIR [--minutes N] [--steps N]
     flywheel base import PATH [--fp4 nvfp4|mxfp4|off]
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
+    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--json]
     flywheel bench fp4 [--steps N] [--out results.json]
+    flywheel bench train [--steps N] [--warmup N] [--size small] [--out results.json]
 
 `flywheel bench` is shared: each package adds its benchmarks with ops.cli.console.bench_subcommands(sub).
 """
@@ -78,6 +80,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(lp)
     lp.set_defaults(fn=cmd_learn)
 
+    ev = sub.add_parser(
+        "eval",
+        help="held-out evaluation: accept rate, accepted chars, suggestion rate, exact match, latency, with 95% intervals",
+        description="Replay held-out editor sites through the served prompt format, judged as the simulated editor does, "
+        "and report each metric with its 95% confidence interval. Settings: the [eval] section.",
+    )
+    ev.add_argument(
+        "--model",
+        metavar="RUN|HF|vN",
+        help="a pretraining run folder, a Hugging Face folder, or a weight-store version (v7); default: the cached base model",
+    )
+    ev.add_argument("--corpus", metavar="DIR", help="evaluate on the held-out split of this folder (pretrain.corpus)")
+    ev.add_argument("--sites", type=int, help="held-out sites to replay (eval.sites, default 500)")
+    ev.add_argument("--seed", type=int, help="picks the sites (eval.seed)")
+    ev.add_argument("--max-tokens", type=int, help="longest suggestion (eval.max_tokens)")
+    ev.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress on stderr)")
+    add_config_args(ev)
+    ev.set_defaults(fn=cmd_eval)
+
     b = bench_subcommands(sub).add_parser(
         "fp4",
         help="NVFP4 vs MXFP4 error, pack/unpack speed, QAT vs bf16 loss, router replay KL",
@@ -87,6 +108,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_fp4)
+
+    tr = bench_subcommands(sub).add_parser(
+        "train",
+        help="pretraining tokens/s: grouped expert matmuls vs the loop over experts, side by side",
+        description="Pretraining throughput of the grouped expert computation against the expert loop it replaced: "
+        "two copies of one model take turns on the same batches in one process. Settings: the [pretrain] section.",
+    )
+    tr.add_argument("--steps", type=int, default=20, help="timed training steps per arm (default 20)")
+    tr.add_argument("--warmup", type=int, default=2, help="untimed steps per arm first (default 2)")
+    tr.add_argument("--size", help="model size: tiny or small (pretrain.size)")
+    tr.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(tr)
+    tr.set_defaults(fn=cmd_bench_train)
 
     d = bench_subcommands(sub).add_parser(
         "delta",
@@ -123,6 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bl.add_argument(
         "--train-sites", type=int, default=400, help="cursor sites on training files to sample from (default 400)"
     )
+    bl.add_argument("--sites", type=int, help="held-out sites each version is evaluated on (default eval.sites)")
     bl.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(bl)
     bl.set_defaults(fn=cmd_bench_learn)
@@ -190,12 +225,33 @@ def cmd_learn(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_learn(args: argparse.Namespace) -> int:
-    from learner.train.learn_settings import LearnSettings
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
 
-    s = LearnSettings.load(args.config, list(args.overrides))
+    from learner.train.eval_settings import EvalSettings
+    from ops.cli.console import err_console
+
+    flags = {"sites": args.sites, "seed": args.seed, "max_tokens": args.max_tokens}
+    overrides = list(args.overrides) + [f"eval.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    s = EvalSettings.load(args.config, overrides)
+    out = err_console if args.json else console
+    if not args.json:
+        print_config(s, "flywheel eval")
+    from learner.train.evaluate import run
+
+    corpus = Path(args.corpus).expanduser() if args.corpus else None
+    report = run(s, out, model=args.model, corpus=corpus, table=not args.json)
+    if args.json:
+        sys.stdout.write(json.dumps({"command": shlex.join(["flywheel", *sys.argv[1:]]), **report}, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_learn(args: argparse.Namespace) -> int:
+    from ops.bench.learn import BenchLearnSettings, run_bench
+
+    overrides = list(args.overrides) + ([f"eval.sites={args.sites}"] if args.sites is not None else [])
+    s = BenchLearnSettings.load(args.config, overrides)
     print_config(s, "flywheel bench learn")
-    from ops.bench.learn import run_bench
 
     run_bench(
         s,
@@ -217,6 +273,26 @@ def cmd_bench_fp4(args: argparse.Namespace) -> int:
     from ops.bench.fp4 import run_bench
 
     run_bench(s, console, steps=args.steps, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from feedback.core.errors import UserError
+
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError(f"--steps must be at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
+    s = _settings(args, {"size": args.size})
+    print_config(s, "flywheel bench train")
+    from ops.bench.train import run_bench
+
+    run_bench(
+        s,
+        console,
+        steps=args.steps,
+        warmup=args.warmup,
+        out=args.out,
+        command=shlex.join(["flywheel", *sys.argv[1:]]),
+    )
     return 0
 
 

@@ -270,3 +270,99 @@ def test_replay_budget_is_servings_fitted_to_the_models_window(tok, fmt, window)
     cfg = ServeSettings().fitted_to(window)
     builder = E.prompt_builder(tok, fmt, window)
     assert (builder.budget, builder.chunk_tokens) == (cfg.context_budget, cfg.summary_chunk_tokens)
+
+
+# --- confidence intervals: hand-computed values --------------------------------------------------------
+
+
+def test_wilson_interval_equals_the_hand_computed_one():
+    # 10 of 50, z = 1.959964: p = 0.2, z²/n = 0.0768292, centre = (0.2 + 0.0384146) / 1.0768292 = 0.2214043,
+    # half = 1.959964 * sqrt(0.2 * 0.8 / 50 + 3.841459 / 10000) / 1.0768292 = 0.1089668
+    i = E.wilson(10, 50)
+    assert (i.value, i.n, i.method) == (0.2, 50, "wilson")
+    assert i.low == pytest.approx(0.2214043 - 0.1089668, abs=1e-6) and i.high == pytest.approx(0.3303711, abs=1e-6)
+    # none of 20: the interval starts at 0 and does not collapse onto it (z² / (n + z²) = 0.1611)
+    none = E.wilson(0, 20)
+    assert none.low == 0.0 and none.high == pytest.approx(3.841459 / 23.841459, abs=1e-6)
+    assert E.wilson(20, 20).high == 1.0 and E.wilson(20, 20).low == pytest.approx(1 - 3.841459 / 23.841459, abs=1e-6)
+    assert E.wilson(0, 0) == E.Interval(None, None, None, 0, "wilson")
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        E.wilson(7, 6)
+
+
+def test_t_interval_equals_the_hand_computed_one():
+    # 1..10: mean 5.5, s = sqrt(82.5 / 9) = 3.0276504, s / sqrt(10) = 0.9574271, t(0.975, 9) = 2.2621572
+    i = E.t_interval([float(x) for x in range(1, 11)])
+    assert (i.value, i.n, i.method) == (5.5, 10, "t")
+    assert i.low == pytest.approx(5.5 - 2.2621572 * 0.9574271, abs=1e-6)
+    assert i.high == pytest.approx(5.5 + 2.2621572 * 0.9574271, abs=1e-6)
+    assert E.t_interval([3.0]) == E.Interval(3.0, None, None, 1, "t")  # one value: no spread to go on
+    assert E.t_interval([2.0, 2.0, 2.0]) == E.Interval(2.0, 2.0, 2.0, 3, "t")
+    assert E.t_interval([]).value is None
+
+
+@pytest.mark.parametrize(
+    "df, expected",
+    # two-sided 95% critical values of Student's t, as printed in statistical tables (6 decimals)
+    [(1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (9, 2.262157), (29, 2.045230), (120, 1.979930)]
+    + [(499, 1.964729), (1000, 1.962339), (5000, 1.960439)],
+)
+def test_t_quantile_matches_the_tables(df, expected):
+    assert E.t_quantile(0.95, df) == pytest.approx(expected, abs=1e-6)
+
+
+def test_t_quantile_refuses_nonsense():
+    with pytest.raises(ValueError):
+        E.t_quantile(1.0, 5)
+    with pytest.raises(ValueError):
+        E.t_quantile(0.95, 0)
+
+
+def test_replay_intervals_are_the_formulas_on_its_own_counts(tok, fmt, sites):
+    st = E.heldout_replay(random_model(tok), tok, fmt, sites, max_tokens=MAX_TOKENS)
+    iv = st.intervals()
+    assert set(iv) == {
+        "accept_rate",
+        "accepted_chars_per_request",
+        "suggestion_rate",
+        "exact_match",
+        "mean_reward",
+        "latency_ms",
+    }
+    assert iv["accept_rate"] == E.wilson(st.accepted, st.shown)
+    assert iv["suggestion_rate"] == E.wilson(st.shown, st.n)
+    assert iv["exact_match"] == E.wilson(st.exact, st.n)
+    assert iv["accepted_chars_per_request"] == E.t_interval([r.accepted_chars for r in st.results])
+    assert iv["mean_reward"].value == pytest.approx(st.mean_reward)
+    assert iv["latency_ms"].n == st.n and 0 < iv["latency_ms"].low <= iv["latency_ms"].value <= iv["latency_ms"].high
+    summary = st.summary()
+    json.dumps(summary, allow_nan=False)
+    assert summary["intervals"]["accept_rate"]["method"] == "wilson" and summary["confidence"] == 0.95
+    # built from aggregates only (no per-site results): the means carry no bounds rather than wrong ones
+    bare = replace(st, results=[])
+    assert bare.intervals()["accepted_chars_per_request"].low is None
+    assert bare.intervals()["accept_rate"] == iv["accept_rate"]
+
+
+def test_exact_match_is_the_rest_of_the_line():
+    assert E.line_matches("urn x", "urn x") and E.line_matches("urn x\n    y = 1", "urn x")
+    assert E.line_matches("urn x  ", "urn x")  # trailing whitespace aside
+    assert not E.line_matches("urn", "urn x") and not E.line_matches("urn x + 1", "urn x")
+    assert not E.line_matches("", "") and not E.line_matches("\nfoo", "")  # abstaining is no match
+
+
+def test_replay_reports_each_site_as_it_goes(tok, fmt, sites):
+    seen = []
+    st = E.heldout_replay(random_model(tok), tok, fmt, sites[:5], max_tokens=MAX_TOKENS, progress=seen.append)
+    assert seen == st.results and all(r.latency_s > 0 for r in seen)
+
+
+def test_report_table_shows_each_metric_with_its_interval(tok, fmt, sites):
+    st = E.heldout_replay(random_model(tok), tok, fmt, sites, max_tokens=MAX_TOKENS)
+    out = io.StringIO()
+    Console(file=out, width=200).print(E.report_table({"a": st, "b": st}, title="t"))
+    text = out.getvalue()
+    lo, hi = E.wilson(st.shown, st.n).low, E.wilson(st.shown, st.n).high
+    assert f"{st.suggestion_rate:.1%} [{lo:.1%}, {hi:.1%}]" in text
+    for label in ("accept rate", "accepted chars / request", "exact match", "latency", "95% confidence"):
+        assert label in text

@@ -192,3 +192,97 @@ def test_the_cache_refuses_positions_past_the_window():
         with pytest.raises(ValueError, match="max_seq_len=16 .16 cached, 1 new"):
             small(torch.zeros((1, 1), dtype=torch.long), cache=cache)
     assert len(cache) == 16  # unchanged by the refused forward
+
+
+# --- the grouped expert computation is the loop's math ------------------------------------------------
+
+
+def _loop_copy(m: Transformer) -> Transformer:
+    import copy
+
+    from learner.model import MoE
+
+    loop = copy.deepcopy(m)
+    for mod in loop.modules():
+        if isinstance(mod, MoE):
+            mod.expert_loop = True
+    return loop
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    # The same products, summed in the same order: equal on the machines this was written on. The
+    # tolerance leaves room for a matmul kernel that blocks a sum differently: a few roundings of
+    # the dtype the matmuls run in, relative to the tensor's largest value.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(a, b, rtol=4 * eps, atol=4 * eps * float(b.abs().max()) + 1e-30)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_grouped_experts_equal_the_loop_forward_and_backward_with_fp4_and_replay(autocast):
+    """Random weights, the small size's expert layout (8 experts, top-2), FP4 QAT hook and router
+    replay as in pretraining: the same logits, routing and every parameter's gradient."""
+    from learner.train.pretrain import fp4_hook
+
+    torch.manual_seed(0)
+    grouped = Transformer(ModelArgs.from_name("small", vocab_size=V, max_seq_len=64)).train()
+    loop = _loop_copy(grouped)
+    ids = torch.randint(0, V, (3, 48), generator=torch.Generator().manual_seed(2))
+    hook = fp4_hook("nvfp4")
+    got = {}
+    for name, m in (("grouped", grouped), ("loop", loop)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.no_grad():
+                _, routing = m(ids, return_routing=True)
+            balance: list[torch.Tensor] = []
+            logits, chosen = m(ids, routing=routing, fp4=hook, return_routing=True, balance_losses=balance)
+            loss = torch.nn.functional.cross_entropy(logits.float()[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        (loss + 0.01 * torch.stack(balance).mean()).backward()
+        got[name] = (logits.detach(), routing, chosen, {n: p.grad for n, p in m.named_parameters()})
+    (lg, rg, cg, gg), (ll, rl, cl, gl) = got["grouped"], got["loop"]
+    dtype = torch.bfloat16 if autocast else torch.float32
+    _assert_same(lg, ll, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(rg + cg, rl + cl))  # replay forced the same experts
+    assert all(torch.equal(a, b) for a, b in zip(cg, rg))
+    for n in gl:
+        _assert_same(gg[n], gl[n], dtype)
+    assert all(gg[f"model.layers.{i}.mlp.gate.weight"].abs().sum() > 0 for i in range(4))  # the router learns
+
+
+def test_grouped_experts_leave_experts_without_tokens_alone_as_the_loop_does(ids):
+    """Routing that sends every token to experts 0 and 1: the others take no part, so their
+    gradients stay None as in the loop and an AdamW step (with weight decay) leaves them where
+    they were; every parameter after the step equals the loop's."""
+    torch.manual_seed(0)
+    grouped = Transformer(ModelArgs.from_name("tiny", vocab_size=V)).train()
+    loop = _loop_copy(grouped)
+    before = {n: p.detach().clone() for n, p in grouped.named_parameters()}
+    routing = [torch.tensor([0, 1]).expand(*ids.shape, 2).contiguous() for _ in range(grouped.args.n_layers)]
+    for m in (grouped, loop):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        m(ids, routing=routing).float().pow(2).mean().backward()
+        assert {n for n, p in m.named_parameters() if p.grad is None} == {
+            f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+            for i in range(m.args.n_layers)
+            for e in range(2, m.args.n_experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
+        opt.step()
+    after_g, after_l = dict(grouped.named_parameters()), dict(loop.named_parameters())
+    assert all(torch.equal(after_g[n], after_l[n]) for n in after_g)
+    assert torch.equal(
+        after_g["model.layers.0.mlp.experts.3.up_proj.weight"], before["model.layers.0.mlp.experts.3.up_proj.weight"]
+    )
+    assert not torch.equal(
+        after_g["model.layers.0.mlp.experts.0.up_proj.weight"], before["model.layers.0.mlp.experts.0.up_proj.weight"]
+    )
+
+
+def test_float64_takes_the_loop_and_still_runs(model, ids):
+    """grouped_mm has no float64; a float64 copy (the exact reference of the logprob tolerance) computes."""
+    import copy
+
+    exact = copy.deepcopy(model).double()
+    with torch.no_grad():
+        # fp32 against float64 through two tiny layers: each of the few hundred roundings on a logit's
+        # path is at most 6e-8 relative, far inside 1e-4.
+        torch.testing.assert_close(exact(ids).float(), model(ids), rtol=1e-4, atol=1e-4)

@@ -73,6 +73,7 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
         },
         # An upper bound: the loop ends as soon as what this test checks has happened.
         demo={"minutes": scaled(6.0), "degraded_candidate": True},
+        eval={"sites": 8, "max_tokens": 8},
     )
     # The session's broker is shared: other tests' records sit on its topics and the sink ingests
     # them too. Only what this loop served (created after it began) is checked below.
@@ -141,6 +142,11 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
             logits = model(torch.tensor([prompt + gen]))[0, len(prompt) - 1 : -1]
         mine = torch.log_softmax(logits.float(), -1)[torch.arange(len(gen)), gen]
         assert (mine - torch.tensor(_json(r.logprobs))).abs().max() < tol
+
+    # The summary's held-out evaluation (flywheel eval's) of the base and of what stable serves at the end.
+    heldout = result["heldout"]
+    assert "v0 (base)" in heldout and all(h["n"] == 8 and "accept_rate" in h["intervals"] for h in heldout.values())
+    assert "held-out evaluation: 8 sites" in log
 
     # Sticky users: while a rollout runs, nobody goes from the candidate back to stable.
     for ro in rollouts:

@@ -83,7 +83,7 @@ def test_example_config_is_valid_and_complete():
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
     sim = demo  # every section the loop uses, [serve] and [simulate] among them
     sink, query = SinkSettings.load(example), QuerySettings.load(example)
-    assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48
+    assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48 and demo.eval.sites == 500
     sections = (
         ("kafka", s.kafka),
         ("database", s.database),
@@ -97,6 +97,7 @@ def test_example_config_is_valid_and_complete():
         ("simulate", sim.simulate),
         ("learn", learn.learn),
         ("learn.gate", learn.learn.gate),
+        ("eval", demo.eval),
         ("rollout", rollout.rollout),
         ("rollout.thresholds", rollout.rollout.thresholds),
         ("demo", demo.demo),

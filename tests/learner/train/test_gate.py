@@ -92,16 +92,16 @@ def test_kl_spike_and_non_finite_kl_block():
 def test_too_few_or_different_sites_block():
     assert failed(
         G.check(
-            stats(n=8, shown=6, completion_tokens=60),
-            stats(n=8, shown=6, completion_tokens=60),
+            stats(n=8, shown=6, accepted=2, completion_tokens=60),
+            stats(n=8, shown=6, accepted=2, completion_tokens=60),
             online_reward_trend=None,
             kl=0.0,
         )
     ) == {"sites"}
     assert "sites" in failed(G.check(stats(n=40), stats(n=48), online_reward_trend=None, kl=0.0))
     assert G.check(
-        stats(n=8, shown=6, completion_tokens=60),
-        stats(n=8, shown=6, completion_tokens=60),
+        stats(n=8, shown=6, accepted=2, completion_tokens=60),
+        stats(n=8, shown=6, accepted=2, completion_tokens=60),
         online_reward_trend=None,
         kl=0.0,
         thresholds=GateThresholds(min_sites=8),

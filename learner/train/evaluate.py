@@ -1,0 +1,216 @@
+"""`flywheel eval`: one model replayed on held-out editor sites (learner/eval.py), reported with
+95% confidence intervals.
+
+    model     --model: a pretraining run folder (its `hf/`), an exported Hugging Face folder, or
+              a version in the weight store (`v7` or `7`: its served weights, FP4 dequantized, on
+              the base model's config and tokenizer, as a replica runs it); default: the base
+              model of the [pretrain] settings
+    sites     eval.sites cursor sites picked by eval.seed from the held-out split of the corpus
+              (pretrain.corpus, or --corpus; the split is pretraining's, by a hash of each path,
+              so a model pretrained on that corpus never saw these files)
+    replay    learner.eval.evaluate: serving's prompt format, greedy decoding, the simulated
+              editor's judge, the sink's reward
+
+The learner's gate, `flywheel bench learn` and the demo's summary replay with the same function.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from tokenizers import Tokenizer
+
+from feedback.core.errors import UserError
+from learner import eval as E
+from learner.corpus import SourceFile, load_corpus
+from learner.formats import ModelFormat
+from learner.model import Transformer
+from learner.train.eval_settings import EvalSection, EvalSettings
+
+_VERSION = re.compile(r"v?(\d+)")
+
+
+@dataclass
+class EvalTarget:
+    """A model ready to replay, and what it is (for the report)."""
+
+    model: Transformer
+    tok: Tokenizer
+    fmt: ModelFormat  # its tokens, template and window: the prompts are built as serving builds them
+    label: str  # where it came from
+    name: str  # a column heading: base, v7, the folder's name
+
+
+def load_target(spec: str | None, s: EvalSettings) -> EvalTarget:
+    """The model `spec` names (see the module docstring); UserError (one line) if it names none."""
+    if spec is None:
+        if s.model.base is not None:  # an imported base: the folder the user named
+            hf = Path(s.model.base).expanduser()
+            model, tok, fmt = _load_folder(hf, "model.base", s.model.fim)
+            return EvalTarget(model, tok, fmt, f"base model {hf}", "base")
+        folder = _base_folder(s)
+        model, tok, fmt = _load_folder(folder / "hf", "the base model", s.model.fim)
+        return EvalTarget(model, tok, fmt, f"base model {folder / 'hf'}", "base")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        hf = path if (path / "config.json").is_file() else path / "hf"
+        if not (hf / "config.json").is_file():
+            raise UserError(
+                f"--model {spec}: neither a Hugging Face folder (config.json) nor a pretraining run folder (hf/config.json)"
+            )
+        model, tok, fmt = _load_folder(hf, f"--model {spec}", s.model.fim)
+        return EvalTarget(model, tok, fmt, str(hf), path.name)
+    m = _VERSION.fullmatch(spec)
+    if m is None:
+        raise UserError(f"--model {spec}: no such folder, and not a store version (v7 or 7)")
+    return _store_version(int(m[1]), s)
+
+
+def _load_folder(hf: Path, what: str, fim: str) -> tuple[Transformer, Tokenizer, ModelFormat]:
+    from learner.export import load_hf
+    from learner.formats import read_format
+    from learner.tokenizer import load_tokenizer
+
+    try:
+        model, _ = load_hf(hf)
+        return model.eval(), load_tokenizer(hf), read_format(hf, fim=fim)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{what}: cannot load the model in {hf}: {e}") from None
+
+
+def _base_folder(s: EvalSettings) -> Path:
+    from learner.train.pretrain import find_base_model
+
+    folder = find_base_model(s)
+    if folder is None:
+        raise UserError(
+            "no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first, or pass --model"
+        )
+    return folder
+
+
+def _store_version(version: int, s: EvalSettings) -> EvalTarget:
+    """A published version as a replica serves it: the packed weights on the config and tokenizer
+    the store keeps beside its versions (an imported base's), or else the pretrained base's."""
+    import json
+    import tempfile
+
+    from learner.formats import read_format
+    from learner.model import ModelArgs
+    from learner.store import BASE_FILE, StoreError, default_store_uri, open_store
+    from learner.tokenizer import load_tokenizer
+    from learner.train.learn import model_from_packed
+
+    store = open_store(default_store_uri(s))
+    have = store.versions()
+    if version not in have:
+        listed = ", ".join(f"v{v}" for v in have[-8:]) or "none"
+        raise UserError(f"--model v{version}: not in the weight store {store.uri()} (its newest versions: {listed})")
+    with tempfile.TemporaryDirectory(prefix="flywheel-eval-") as tmp:
+        files = store.model_files()
+        if files:
+            folder, where = Path(tmp), f"the model files of {store.uri()}"
+            for name, data in files.items():
+                if name != BASE_FILE:
+                    (folder / name).write_bytes(data)
+        else:
+            folder = _base_folder(s) / "hf"
+            where = f"the base model of these [pretrain] settings ({folder})"
+        args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+        tok, fmt = load_tokenizer(folder), read_format(folder, fim=s.model.fim)
+    try:
+        packed = store.materialize(version)
+    except StoreError as e:
+        raise UserError(f"--model v{version}: {e}") from None
+    try:
+        model = model_from_packed(packed, args)
+    except (RuntimeError, KeyError) as e:  # a store of another base: shapes or names differ
+        raise UserError(f"--model v{version} does not fit {where}: {str(e).splitlines()[0]}") from None
+    return EvalTarget(model, tok, fmt, f"v{version} ({store.uri(version)})", f"v{version}")
+
+
+def heldout_files(s: EvalSettings, corpus: Path | None = None) -> tuple[list[SourceFile], str]:
+    """The held-out split of `corpus` (default: pretrain.corpus) and a name for it."""
+    cfg = s.pretrain
+    root = corpus if corpus is not None else cfg.corpus
+    try:
+        c = load_corpus(root, heldout_fraction=cfg.heldout_fraction, max_file_bytes=cfg.max_file_kb * 1024)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not c.heldout:
+        raise UserError(
+            f"the corpus {c.root} has no held-out files (pretrain.heldout_fraction={cfg.heldout_fraction}); "
+            "pass a larger --corpus or raise the fraction"
+        )
+    return c.heldout, str(c.root)
+
+
+def replay(target: EvalTarget, files: list[SourceFile], cfg: EvalSection, console: Console) -> E.ReplayStats:
+    """`learner.eval.evaluate` with a progress bar on `console`."""
+    with Progress(
+        TextColumn("[bold]eval[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[line]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("eval", total=cfg.sites, line="")
+        seen = {"shown": 0, "accepted": 0}
+
+        def on_site(r: E.SiteResult) -> None:
+            seen["shown"] += bool(r.text)
+            seen["accepted"] += r.verdict == "select"
+            progress.update(task, advance=1, line=f"{seen['shown']} shown, {seen['accepted']} accepted")
+
+        return E.evaluate(
+            target.model,
+            target.tok,
+            target.fmt,
+            files,
+            sites=cfg.sites,
+            seed=cfg.seed,
+            max_tokens=cfg.max_tokens,
+            threads=cfg.threads,
+            progress=on_site,
+        )
+
+
+def run(
+    s: EvalSettings, console: Console, *, model: str | None, corpus: Path | None, table: bool = True
+) -> dict[str, Any]:
+    """Evaluate `model`, showing progress on `console`; print the report as a table there unless
+    `table` is off; return it as JSON-safe data."""
+    cfg = s.eval
+    target = load_target(model, s)
+    files, corpus_name = heldout_files(s, corpus)
+    stats = replay(target, files, cfg, console)
+    if stats.n < cfg.sites:
+        console.print(f"only {stats.n} sites found in {len(files)} held-out files (eval.sites={cfg.sites})")
+    report = {
+        "model": target.label,
+        "corpus": corpus_name,
+        "heldout_files": len(files),
+        "sites": stats.n,
+        "seed": cfg.seed,
+        "max_tokens": cfg.max_tokens,
+        "stats": stats.summary(),
+    }
+    if not table:
+        return report
+    console.print(E.report_table({target.name: stats}, title="flywheel eval"))
+    console.print(
+        f"{target.name}: {target.label}; {stats.n} sites of {len(files)} held-out files in {corpus_name} "
+        f"(seed {cfg.seed}, max_tokens {cfg.max_tokens}), replayed in {stats.seconds:.0f} s",
+        markup=False,
+        soft_wrap=True,
+    )
+    return report

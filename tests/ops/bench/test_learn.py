@@ -1,0 +1,57 @@
+"""`flywheel bench learn` evaluates each version with `flywheel eval`'s evaluation (a tiny base
+trained in the test, one short curve)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from learner import eval as E
+from learner import store as S
+from learner.formats import read_format
+from learner.tokenizer import load_tokenizer
+from learner.train.learn import model_from_packed
+from learner.train.pretrain import ensure_base_model, find_base_model, load_master_weights, load_training_corpus
+from ops.bench.learn import BenchLearnSettings, run_bench
+from tests.learner.train.learn_support import make_corpus, tiny_learn_settings
+
+
+def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
+    tiny = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    s = BenchLearnSettings(**tiny.model_dump(), eval={"sites": 6, "max_tokens": 8})
+    ensure_base_model(s, Console(file=io.StringIO()))
+    out = io.StringIO()
+    result = run_bench(
+        s,
+        Console(file=out, width=240),
+        lrs=(1e-4,),
+        versions=1,
+        updates=1,
+        temperature=0.7,
+        train_sites=8,
+        out=str(tmp_path / "curve.json"),
+        command="test",
+    )
+    base_row, v1 = result["rows"]
+    assert result["heldout_sites"] == 6 and base_row["sites"] == v1["sites"] == 6
+
+    # The base row is learner.eval.evaluate on the base's served weights, the sites eval.seed picks.
+    folder = find_base_model(s)
+    master, args = load_master_weights(folder)
+    served = model_from_packed(S.pack_checkpoint(master.state_dict(), "nvfp4"), args)
+    here = E.evaluate(
+        served,
+        load_tokenizer(folder / "hf"),
+        read_format(folder / "hf"),
+        load_training_corpus(s.pretrain).heldout,
+        sites=6,
+        seed=s.eval.seed,
+        max_tokens=8,
+    )
+    assert base_row["accept_rate"] == here.accept_rate and base_row["exact_match"] == here.exact_match
+    assert base_row["reward"] == pytest.approx(here.mean_reward)
+    assert base_row["intervals"]["suggestion_rate"] == pytest.approx(here.intervals()["suggestion_rate"].as_dict())
+    assert v1["intervals"]["accept_rate"]["method"] == "wilson" and v1["intervals"]["latency_ms"]["n"] == 6
+    assert "accept rate [95% CI]" in out.getvalue() and (tmp_path / "curve.json").is_file()

@@ -1,0 +1,39 @@
+"""The demo's summary evaluates with `flywheel eval`'s evaluation: the base and the version stable
+serves, side by side (a learner on a tiny base and SQLite; no broker, no vLLM)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from feedback import pools
+from learner import eval as E
+from learner.train.eval_settings import EvalSection
+from learner.train.learn import Learner, model_from_packed
+from learner.train.pretrain import ensure_base_model
+from ops import demo
+from tests.learner.train.learn_support import ListProducer, make_corpus, tiny_learn_settings
+
+
+def test_summary_evaluates_the_base_and_the_stable_version(tmp_path):
+    s = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    ensure_base_model(s, Console(file=io.StringIO()))
+    learner = Learner(s, producer=ListProducer())
+    learner.start()  # publishes the base as v0
+    packed = learner.store.materialize(0)
+    packed["lm_head.weight"] = -packed["lm_head.weight"]  # a v1 that differs
+    learner.store.publish(packed, 0, version=1)
+    pools.set_stable(learner.engine, 1)
+    cfg = EvalSection(sites=5, max_tokens=6)
+
+    out = io.StringIO()
+    got = demo.evaluate_versions(learner, learner.engine, cfg, Console(file=out, width=200))
+    assert list(got) == ["v0 (base)", "v1 (stable)"]
+    for v, name in ((0, "v0 (base)"), (1, "v1 (stable)")):
+        model = model_from_packed(learner.store.materialize(v), learner.args)
+        here = E.evaluate(model, learner.tok, learner.format, learner.heldout, sites=5, seed=cfg.seed, max_tokens=6)
+        assert (got[name]["n"], got[name]["shown"], got[name]["accepted"]) == (5, here.shown, here.accepted)
+        assert got[name]["outcomes"] == here.outcomes and "accept_rate" in got[name]["intervals"]
+    assert "held-out evaluation: 5 sites" in out.getvalue() and "v1 (stable)" in out.getvalue()
+    learner.close()
