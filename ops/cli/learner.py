@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     ev = sub.add_parser(
         "eval",
-        help="held-out evaluation: accept rate, accepted chars, suggestion rate, exact match, latency, with 95% intervals",
+        help="held-out evaluation: accept rate, accepted chars, suggestion rate, exact match, latency, with 95%% intervals",
         description="Replay held-out editor sites through the served prompt format, judged as the simulated editor does, "
         "and report each metric with its 95% confidence interval. Settings: the [eval] section.",
     )
