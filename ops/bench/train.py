@@ -33,6 +33,7 @@ def run_bench(s: PretrainSettings, console: Console, *, steps: int, warmup: int,
 
     from feedback.core.precision import resolve as resolve_precision
     from learner.corpus import TrainingData
+    from learner.formats import own_format
     from learner.model import MoE, Transformer
     from learner.tokenizer import load_tokenizer, train_tokenizer
     from learner.train.pretrain import (
@@ -59,6 +60,7 @@ def run_bench(s: PretrainSettings, console: Console, *, steps: int, warmup: int,
             tok, tok_from = train_tokenizer((f.text for f in corpus.train), cfg.vocab_size), "trained here"
         data = TrainingData(
             tok,
+            own_format(tok, model_args(cfg).max_seq_len),
             corpus.train,
             seq_len=cfg.seq_len,
             batch_size=cfg.batch_size,
