@@ -174,17 +174,8 @@ class PartDelta:
         return np.ascontiguousarray(self.values.reshape(self.w, -1).T)
 
     def apply_to(self, raw: np.ndarray) -> np.ndarray:
-        """`raw` [n * w] bytes XOR this part: a copy with the changed elements XORed in place
-        (a handful of numpy calls whatever the size: most parts are small, and calls cost more
-        than their bytes there)."""
-        out = raw.copy()
-        index = np.flatnonzero(self.changed())  # [k]: by index, twice as fast as by boolean mask
-        word = _WORD.get(self.w)
-        if word is not None:
-            out.view(word)[index] ^= self.xor_words().view(word).reshape(-1)
-        else:
-            out.reshape(self.n, self.w)[index] ^= self.xor_words()
-        return out
+        """`raw` [n * w] bytes XOR this part, as a new array."""
+        return xor_parts([(raw, self)])[0]
 
     def xor(self) -> np.ndarray:
         """The full XOR bytes [n * w] (zero where nothing changed); for inspection."""
@@ -280,43 +271,92 @@ def apply(
             f"this base has digest {checkpoint_digest(hashes)[:12]}"
         )
     names = list(delta.changed)
-    one = lambda n: _apply_tensor(n, base[n], delta.changed[n], hashed[n] if hashed else None)  # noqa: E731
+    touched = [parts(base[n]) for n in names]
+    for name, ps in zip(names, touched, strict=True):
+        td = delta.changed[name]
+        if layout(base[name]) != td.layout:
+            raise DeltaError(f"{name}: the delta's layout {td.layout} does not match the base's {layout(base[name])}")
+        if len(td.parts) != len(ps):
+            raise DeltaError(f"{name}: the delta has {len(td.parts)} parts, the base {len(ps)}")
+        for p, part in zip(ps, td.parts, strict=True):
+            if part.w != p.element_size():
+                raise DeltaError(f"{name}: delta part of width {part.w}, the base part's is {p.element_size()}")
+        if hashed is not None and hashed[name] != td.base_sha256:
+            raise _modified_base(name)
+    raws = [[_bytes(p) for p in ps] for ps in touched]
+    new_raws = _unflatten(
+        xor_parts(
+            [
+                (raw, part)
+                for rs, n in zip(raws, names, strict=True)
+                for raw, part in zip(rs, delta.changed[n].parts, strict=True)
+            ]
+        ),
+        raws,
+    )
+
+    def check(i: int) -> None:
+        name, td = names[i], delta.changed[names[i]]
+        if _sha256(td.layout, new_raws[i]) != td.sha256:  # XOR keeps the layout: the base's is the result's
+            if _sha256(td.layout, raws[i]) != td.base_sha256:
+                raise _modified_base(name)
+            raise DeltaError(f"{name}: result sha256 mismatch after applying the delta (corrupt delta)")
+
     workers = min(threads or os.cpu_count() or 1, len(names))
     if workers <= 1:
-        results = [one(n) for n in names]
-    else:
+        for i in range(len(names)):
+            check(i)
+    else:  # hashlib releases the GIL: the tensors hash in parallel
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(one, names))
+            list(pool.map(check, range(len(names))))
     out = dict(base)
-    for name, new in zip(names, results, strict=True):
-        out[name] = new
+    for name, ps, rs in zip(names, touched, new_raws, strict=True):
+        out[name] = _rebuild(base[name], [_like(r, p) for p, r in zip(ps, rs, strict=True)])
         hashes[name] = delta.changed[name].sha256
     if checkpoint_digest(hashes) != delta.digest:
         raise DeltaError("result digest mismatch: the delta's checksums are inconsistent (corrupt delta)")
     return out
 
 
-def _apply_tensor(name: str, b: Entry, td: TensorDelta, base_sha256: str | None) -> Entry:
-    """One touched tensor XORed, and the result checked. Its base is hashed (unless the caller
-    already did: `base_sha256`) only when the result is wrong, to say which was: the result's
-    sha256 alone proves a right result, and hashing the base again every time would double the
-    hashing, the most expensive step of an apply."""
-    base_layout, ps = layout(b), parts(b)
-    if base_layout != td.layout:
-        raise DeltaError(f"{name}: the delta's layout {td.layout} does not match the base's {base_layout}")
-    raws = [_bytes(p) for p in ps]
-    if base_sha256 is not None and base_sha256 != td.base_sha256:
-        raise _modified_base(name)
-    new_raws = []
-    for p, raw, part in zip(ps, raws, td.parts, strict=True):
-        if part.nbytes != raw.size or part.w != p.element_size():
-            raise DeltaError(f"{name}: delta part has {part.nbytes} bytes of width {part.w}, the base part {raw.size}")
-        new_raws.append(part.apply_to(raw))
-    if _sha256(base_layout, new_raws) != td.sha256:  # XOR keeps the layout: the base's is the result's
-        if _sha256(base_layout, raws) != td.base_sha256:
-            raise _modified_base(name)
-        raise DeltaError(f"{name}: result sha256 mismatch after applying the delta (corrupt delta)")
-    return _rebuild(b, [_like(r, p) for p, r in zip(ps, new_raws, strict=True)])
+def xor_parts(items: list[tuple[np.ndarray, PartDelta]]) -> list[np.ndarray]:
+    """Each base part's bytes [n * w] XOR its PartDelta, as new arrays, for all parts at once.
+
+    Per element width, the bases are concatenated into one buffer (the copy the results need
+    anyway), the changed elements' indices come from the concatenated masks, and one indexed
+    XOR updates every changed element; the results are views into that buffer. A handful of
+    numpy calls per width, and two per part: a checkpoint has hundreds of small parts, where
+    calls cost more than bytes."""
+    out: list[np.ndarray | None] = [None] * len(items)
+    by_width: dict[int, list[int]] = {}
+    for i, (raw, part) in enumerate(items):
+        if raw.size != part.nbytes:
+            raise DeltaError(f"a delta part has {part.nbytes} bytes, its base part {raw.size}")
+        by_width.setdefault(part.w, []).append(i)
+    for w, which in by_width.items():
+        ps = [items[i][1] for i in which]
+        buf = np.concatenate([items[i][0] for i in which]) if which else np.zeros(0, np.uint8)
+        n = np.array([p.n for p in ps], dtype=np.int64)
+        changed = np.concatenate([p.changed() for p in ps])  # [sum n] bool
+        index = np.flatnonzero(changed)  # [K] ascending: part order, then element order
+        if index.size:
+            xor = np.concatenate([p.xor_words() for p in ps])  # [K, w] in the same order
+            word = _WORD.get(w)
+            if word is not None:
+                buf.view(word)[index] ^= xor.view(word).reshape(-1)
+            else:
+                buf.reshape(-1, w)[index] ^= xor
+        for i, piece in zip(which, np.split(buf, np.cumsum(n * w)[:-1]), strict=True):
+            out[i] = piece
+    return out  # type: ignore[return-value]
+
+
+def _unflatten(flat: list, shape: list[list]) -> list[list]:
+    """`flat` cut into lists as long as those of `shape`."""
+    out, pos = [], 0
+    for group in shape:
+        out.append(flat[pos : pos + len(group)])
+        pos += len(group)
+    return out
 
 
 def _like(raw: np.ndarray, p: torch.Tensor) -> torch.Tensor:

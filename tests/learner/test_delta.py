@@ -221,6 +221,14 @@ def test_bench_methods_round_trip_and_flywheel_is_smallest(versions):
     assert sizes["flywheel"] == min(sizes.values())
 
 
+def test_bench_times_flywheel_beside_raw_zstd_of_the_same_bytes(versions):
+    from ops.bench import delta as B
+
+    r = B.flywheel_vs_zstd(*versions, level=3, threads=1, repeats=2)
+    assert r["flywheel_MBps"] > 0 and r["zstd_MBps"] > 0
+    assert r["ratio"] == pytest.approx(r["flywheel_MBps"] / r["zstd_MBps"])
+
+
 def _importable(module: str) -> bool:
     import importlib.util
 
