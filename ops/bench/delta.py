@@ -327,7 +327,7 @@ def run_bench(
     t0 = time.perf_counter()
     missing = [m for m in methods if not _installed(m)]
     if missing:
-        console.print(f"left out (install with `pip install -e .[bench]`): {', '.join(missing)}")
+        console.print(f"left out (install with `pip install -e .[bench]`): {', '.join(missing)}", markup=False)
         methods = tuple(m for m in methods if m not in missing)
     model, data, what, tok, corpus = _base(settings, cfg, console)
     results: dict = {
