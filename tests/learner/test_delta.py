@@ -150,6 +150,20 @@ def test_checksum_mismatches_are_rejected(versions):
         D.apply(base, d, base_hashes=hashes)
 
 
+def test_a_part_of_the_wrong_width_or_count_is_a_delta_error_not_a_crash(versions):
+    v0, v1 = versions
+    d = D.diff(v0, v1)
+    name, td = next((n, t) for n, t in d.changed.items() if t.parts[0].w > 1)
+    first = td.parts[0]
+    narrow = dataclasses.replace(first, n=first.n * first.w, w=1)  # same bytes, other width
+    bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=(narrow, *td.parts[1:]))})
+    with pytest.raises(D.DeltaError, match="width"):
+        D.apply(v0, bad)
+    fewer = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=td.parts[1:])})
+    with pytest.raises(D.DeltaError, match="parts"):
+        D.apply(v0, fewer)
+
+
 def test_parts_hold_exactly_the_changed_elements_and_apply_only_them():
     g = torch.Generator().manual_seed(3)
     old = {
