@@ -159,8 +159,8 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
         from ops.bench.ingest_http import HttpEventSender
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        if args.batch < 1 or args.clients < 1:
-            raise UserError("--batch and --clients must be at least 1")
+        if not 1 <= args.batch <= 100_000 or args.clients < 1:
+            raise UserError("--batch must be 1 to 100000 and --clients at least 1")
         sender = HttpEventSender(s, concurrency=args.clients, batch=args.batch)
         progress(
             f"events enter over HTTP: POST {sender.url}{sender.route}, {args.batch} per request from "
