@@ -126,7 +126,8 @@ def producer(k: KafkaSettings, **overrides) -> KafkaProducer:
         client_id="flywheel",
         acks="all",
         retries=5,
-        linger_ms=5,
+        linger_ms=k.producer_linger_ms,
+        batch_size=k.producer_batch_bytes,
         request_timeout_ms=k.request_timeout_ms,
     )
     opts.update(overrides)

@@ -5,13 +5,18 @@ FP4 targets as `learner.fp4.PackedTensor` (codes, block scales, global scale), e
 tensor in high precision (bf16). An entry is a list of byte "parts": a PackedTensor has
 weight_packed, weight_scale and (NVFP4) weight_global_scale; a plain tensor is one part.
 
-    diff(old, new)      per changed entry, the XOR of each part's raw bytes; unchanged entries
-                        (equal sha256) are left out. XOR of bit patterns is lossless, and where
-                        few bits change it is mostly zero bytes.
+    diff(old, new)      per changed entry, the XOR of each part's raw bytes, kept sparse: which
+                        elements changed (a bit mask) and their XOR bytes; unchanged entries
+                        (equal sha256) are left out. XOR of bit patterns is lossless.
     apply(base, delta)  base XOR delta, checked: the base's digest must be the delta's base
-                        digest, each touched base tensor its recorded sha256, and each result
-                        tensor its new sha256; any mismatch raises DeltaError. Never modifies base.
-    encode / decode     the wire form (below), zstd-compressed.
+                        digest, each result tensor its new sha256 and, when it is not, its base
+                        tensor its recorded sha256 (to say which was wrong); any mismatch raises
+                        DeltaError. Never modifies base.
+                        A result tensor is a copy of the base's with only the changed elements
+                        XORed (gathered and scattered by index: no per-element Python, and no
+                        full-size XOR array); the tensors are checked and built in parallel
+                        threads (hashlib, numpy and the copies release the GIL).
+    encode / decode     the wire form (below), zstd-compressed; decoding keeps the sparse form.
 
 Checksums: `tensor_sha256` hashes an entry's layout (kind, format, shapes, dtypes) and its
 bytes; `checkpoint_digest` hashes the sorted (name, sha256) table: the identity of a whole
@@ -46,8 +51,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,14 +100,20 @@ def layout(entry: Entry) -> dict:
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """The raw bytes of a tensor [nbytes] uint8 (a view when t is contiguous on the CPU)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    t = t.detach().cpu().contiguous()
+    # numpy's reshape costs less than torch's (a delta touches hundreds of small tensors)
+    return (t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)).numpy().reshape(-1)
 
 
 def tensor_sha256(entry: Entry) -> str:
     """sha256 of an entry's layout and bytes (so a reshaped or retyped tensor hashes differently)."""
-    h = hashlib.sha256(json.dumps(layout(entry), sort_keys=True).encode())
-    for p in parts(entry):
-        h.update(_bytes(p))
+    return _sha256(layout(entry), [_bytes(p) for p in parts(entry)])
+
+
+def _sha256(entry_layout: dict, raws: list[np.ndarray]) -> str:
+    h = hashlib.sha256(json.dumps(entry_layout, sort_keys=True).encode())
+    for raw in raws:
+        h.update(raw)
     return h.hexdigest()
 
 
@@ -128,12 +141,61 @@ def _rebuild(base: Entry, new_parts: list[torch.Tensor]) -> Entry:
 # --- the delta ---------------------------------------------------------------------------------
 
 
+_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True, eq=False)
+class PartDelta:
+    """One part's XOR, sparse: which of its `n` elements (of `w` bytes) changed, and their XOR
+    bytes as `w` byte planes (all first bytes, then all second bytes, ...), as on the wire."""
+
+    n: int
+    w: int
+    mask: np.ndarray  # [ceil(n / 8)] uint8, bit i (little bit order) set when element i changed
+    values: np.ndarray  # [w * k] uint8
+
+    @property
+    def k(self) -> int:
+        """How many elements changed."""
+        return self.values.size // self.w
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.w
+
+    def changed(self) -> np.ndarray:
+        """Which elements changed [n] bool."""
+        return np.unpackbits(self.mask, count=self.n, bitorder="little").view(bool)
+
+    def xor_words(self) -> np.ndarray:
+        """The changed elements' XOR [k, w] bytes, one row per element (planes transposed back)."""
+        if self.w == 1:
+            return self.values.reshape(-1, 1)
+        return np.ascontiguousarray(self.values.reshape(self.w, -1).T)
+
+    def apply_to(self, raw: np.ndarray) -> np.ndarray:
+        """`raw` [n * w] bytes XOR this part, as a new array."""
+        return xor_parts([(raw, self)])[0]
+
+    def xor(self) -> np.ndarray:
+        """The full XOR bytes [n * w] (zero where nothing changed); for inspection."""
+        return self.apply_to(np.zeros(self.nbytes, dtype=np.uint8))
+
+    @classmethod
+    def from_xor(cls, x: np.ndarray, w: int) -> PartDelta:
+        """The sparse form of full XOR bytes [n * w]."""
+        word = _WORD.get(w)
+        changed = x.view(word) != 0 if word is not None else x.reshape(-1, w).any(axis=1)  # [n]
+        values = x.reshape(-1, w)[changed].T  # [w, k]
+        return cls(x.size // w, w, np.packbits(changed, bitorder="little"), np.ascontiguousarray(values).reshape(-1))
+
+
 @dataclass(frozen=True, eq=False)
 class TensorDelta:
     layout: dict
     base_sha256: str
     sha256: str
-    xor: tuple[torch.Tensor, ...]  # per part: [nbytes] uint8, old bytes XOR new bytes
+    parts: tuple[PartDelta, ...]  # one per part of the entry, in `parts()` order
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,7 +208,8 @@ class Delta:
 
     @property
     def xor_nbytes(self) -> int:
-        return sum(x.numel() for td in self.changed.values() for x in td.xor)
+        """Bytes of the tensors the delta touches (what a full-size XOR would hold)."""
+        return sum(p.nbytes for td in self.changed.values() for p in td.parts)
 
     def new_hashes(self, base_hashes: Mapping[str, str]) -> dict[str, str]:
         """The new checkpoint's (name, sha256) table, given its base's."""
@@ -178,19 +241,24 @@ def diff(
         lo, ln = layout(old[name]), layout(new[name])
         if lo != ln:
             raise DeltaError(f"{name}: layout changed ({lo} -> {ln}); publish a full snapshot instead")
-        xor = tuple(
-            torch.from_numpy(np.bitwise_xor(_bytes(a), _bytes(b)))
+        part_deltas = tuple(
+            PartDelta.from_xor(np.bitwise_xor(_bytes(a), _bytes(b)), b.element_size())
             for a, b in zip(parts(old[name]), parts(new[name]), strict=True)
         )
-        changed[name] = TensorDelta(ln, old_hashes[name], new_hashes[name], xor)
+        changed[name] = TensorDelta(ln, old_hashes[name], new_hashes[name], part_deltas)
     return Delta(base_version, version, checkpoint_digest(old_hashes), checkpoint_digest(new_hashes), changed)
 
 
-def apply(base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | None = None) -> dict[str, Entry]:
+def apply(
+    base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | None = None, threads: int | None = None
+) -> dict[str, Entry]:
     """base XOR delta, verified (see the module docstring). `base_hashes`, when the caller
-    already verified `base`, skips rehashing its untouched tensors; touched ones are always
-    rehashed. Unchanged entries are shared with `base`, not copied."""
-    hashes = dict(base_hashes) if base_hashes is not None else tensor_hashes(base)
+    already verified `base`, skips hashing it: a touched tensor whose result is right had the
+    right base, and one whose result is wrong is hashed to tell a modified base from a corrupt
+    delta. Unchanged entries are shared with `base`, not copied. `threads`: how many tensors
+    are checked and built at once (default: one per CPU)."""
+    hashed = tensor_hashes(base) if base_hashes is None else None  # by us, so it is the base's own
+    hashes = dict(base_hashes) if base_hashes is not None else dict(hashed)
     if set(hashes) != set(base):
         raise ValueError("base_hashes must name exactly the base's tensors")
     if not set(delta.changed) <= set(base):
@@ -202,59 +270,118 @@ def apply(base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | No
             f"wrong base: the delta applies to version {delta.base_version} (digest {delta.base_digest[:12]}), "
             f"this base has digest {checkpoint_digest(hashes)[:12]}"
         )
-    out = dict(base)
-    for name, td in delta.changed.items():
-        b = base[name]
-        if tensor_sha256(b) != td.base_sha256:
-            raise DeltaError(
-                f"{name}: the base tensor's sha256 is not the one the delta was made against (corrupt or modified base)"
-            )
-        if layout(b) != td.layout:
-            raise DeltaError(f"{name}: the delta's layout {td.layout} does not match the base's {layout(b)}")
-        new_parts = []
-        for p, x in zip(parts(b), td.xor, strict=True):
-            raw = _bytes(p)
-            if x.numel() != raw.size:
-                raise DeltaError(f"{name}: delta part has {x.numel()} bytes, the base part {raw.size}")
-            new_parts.append(torch.from_numpy(np.bitwise_xor(raw, x.numpy())).view(p.dtype).reshape(p.shape))
-        out[name] = _rebuild(b, new_parts)
-        if tensor_sha256(out[name]) != td.sha256:
+    names = list(delta.changed)
+    touched = [parts(base[n]) for n in names]
+    for name, ps in zip(names, touched, strict=True):
+        td = delta.changed[name]
+        if layout(base[name]) != td.layout:
+            raise DeltaError(f"{name}: the delta's layout {td.layout} does not match the base's {layout(base[name])}")
+        if len(td.parts) != len(ps):
+            raise DeltaError(f"{name}: the delta has {len(td.parts)} parts, the base {len(ps)}")
+        for p, part in zip(ps, td.parts, strict=True):
+            if part.w != p.element_size():
+                raise DeltaError(f"{name}: delta part of width {part.w}, the base part's is {p.element_size()}")
+        if hashed is not None and hashed[name] != td.base_sha256:
+            raise _modified_base(name)
+    raws = [[_bytes(p) for p in ps] for ps in touched]
+    new_raws = _unflatten(
+        xor_parts(
+            [
+                (raw, part)
+                for rs, n in zip(raws, names, strict=True)
+                for raw, part in zip(rs, delta.changed[n].parts, strict=True)
+            ]
+        ),
+        raws,
+    )
+
+    def check(i: int) -> None:
+        name, td = names[i], delta.changed[names[i]]
+        if _sha256(td.layout, new_raws[i]) != td.sha256:  # XOR keeps the layout: the base's is the result's
+            if _sha256(td.layout, raws[i]) != td.base_sha256:
+                raise _modified_base(name)
             raise DeltaError(f"{name}: result sha256 mismatch after applying the delta (corrupt delta)")
-        hashes[name] = td.sha256
+
+    workers = min(threads or os.cpu_count() or 1, len(names))
+    if workers <= 1:
+        for i in range(len(names)):
+            check(i)
+    else:  # hashlib releases the GIL: the tensors hash in parallel
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(check, range(len(names))))
+    out = dict(base)
+    for name, ps, rs in zip(names, touched, new_raws, strict=True):
+        out[name] = _rebuild(base[name], [_like(r, p) for p, r in zip(ps, rs, strict=True)])
+        hashes[name] = delta.changed[name].sha256
     if checkpoint_digest(hashes) != delta.digest:
         raise DeltaError("result digest mismatch: the delta's checksums are inconsistent (corrupt delta)")
     return out
 
 
+def xor_parts(items: list[tuple[np.ndarray, PartDelta]]) -> list[np.ndarray]:
+    """Each base part's bytes [n * w] XOR its PartDelta, as new arrays, for all parts at once.
+
+    Per element width, the bases are concatenated into one buffer (the copy the results need
+    anyway), the changed elements' indices come from the concatenated masks, and one indexed
+    XOR updates every changed element; the results are views into that buffer. A handful of
+    numpy calls per width, and two per part: a checkpoint has hundreds of small parts, where
+    calls cost more than bytes."""
+    out: list[np.ndarray | None] = [None] * len(items)
+    by_width: dict[int, list[int]] = {}
+    for i, (raw, part) in enumerate(items):
+        if raw.size != part.nbytes:
+            raise DeltaError(f"a delta part has {part.nbytes} bytes, its base part {raw.size}")
+        by_width.setdefault(part.w, []).append(i)
+    for w, which in by_width.items():
+        ps = [items[i][1] for i in which]
+        buf = np.concatenate([items[i][0] for i in which]) if which else np.zeros(0, np.uint8)
+        n = np.array([p.n for p in ps], dtype=np.int64)
+        changed = np.concatenate([p.changed() for p in ps])  # [sum n] bool
+        index = np.flatnonzero(changed)  # [K] ascending: part order, then element order
+        if index.size:
+            xor = np.concatenate([p.xor_words() for p in ps])  # [K, w] in the same order
+            word = _WORD.get(w)
+            if word is not None:
+                buf.view(word)[index] ^= xor.view(word).reshape(-1)
+            else:
+                buf.reshape(-1, w)[index] ^= xor
+        for i, piece in zip(which, np.split(buf, np.cumsum(n * w)[:-1]), strict=True):
+            out[i] = piece
+    return out  # type: ignore[return-value]
+
+
+def _unflatten(flat: list, shape: list[list]) -> list[list]:
+    """`flat` cut into lists as long as those of `shape`."""
+    out, pos = [], 0
+    for group in shape:
+        out.append(flat[pos : pos + len(group)])
+        pos += len(group)
+    return out
+
+
+def _like(raw: np.ndarray, p: torch.Tensor) -> torch.Tensor:
+    """Bytes [nbytes] as a tensor of p's dtype and shape (the inverse of `_bytes`)."""
+    if p.dim() == 0:
+        return torch.from_numpy(raw).view(p.dtype).reshape(())
+    return torch.from_numpy(raw.reshape(*p.shape[:-1], -1)).view(p.dtype)
+
+
+def _modified_base(name: str) -> DeltaError:
+    return DeltaError(
+        f"{name}: the base tensor's sha256 is not the one the delta was made against (corrupt or modified base)"
+    )
+
+
 # --- wire form ----------------------------------------------------------------------------------
-
-
-def _split(x: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """XOR bytes [n*w] -> (mask [ceil(n/8)], values [w * k] as byte planes, k)."""
-    elems = x.reshape(-1, w)  # [n, w]
-    word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(w)
-    changed = x.view(word) != 0 if word is not None else elems.any(axis=1)  # [n]
-    values = elems[changed].T  # [w, k]
-    return np.packbits(changed, bitorder="little"), np.ascontiguousarray(values).reshape(-1), int(values.shape[1])
-
-
-def _join(mask: np.ndarray, values: np.ndarray, n: int, w: int) -> np.ndarray:
-    changed = np.unpackbits(mask, count=n, bitorder="little").view(bool)  # [n]
-    elems = np.zeros((n, w), dtype=np.uint8)
-    elems[changed] = values.reshape(w, -1).T
-    return elems.reshape(-1)
 
 
 def encode(delta: Delta, *, level: int = 3, threads: int = -1) -> bytes:
     """The wire form of a delta (module docstring). `threads`: zstd workers, -1 = all cores, 0 = none."""
     entries, chunks = [], []
     for name, td in delta.changed.items():
-        part_meta = []
-        for x, (dtype, _shape) in zip(td.xor, td.layout["parts"], strict=True):
-            w = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            mask, values, k = _split(x.numpy(), w)
-            chunks += [mask, values]
-            part_meta.append({"w": w, "n": x.numel() // w, "k": k})
+        for part in td.parts:
+            chunks += [part.mask, part.values]
+        part_meta = [{"w": part.w, "n": part.n, "k": part.k} for part in td.parts]
         entries.append(
             {"name": name, "layout": td.layout, "base_sha256": td.base_sha256, "sha256": td.sha256, "parts": part_meta}
         )
@@ -313,15 +440,21 @@ def decode(data: bytes) -> Delta:
     pos, changed = 0, {}
     try:
         for e in h["changed"]:
-            xors = []
+            part_deltas = []
             for p in e["parts"]:
                 n, w, k = p["n"], p["w"], p["k"]
                 mask, pos = buf[pos : pos + (n + 7) // 8], pos + (n + 7) // 8
                 values, pos = buf[pos : pos + k * w], pos + k * w
-                if values.size != k * w or int(np.unpackbits(mask, count=n, bitorder="little").sum()) != k:
+                if (
+                    w < 1
+                    or values.size != k * w
+                    or mask.size != (n + 7) // 8
+                    or int(np.bitwise_count(mask).sum(dtype=np.int64)) != k
+                    or (n % 8 and int(mask[-1]) >> (n % 8))  # a bit set past the last element
+                ):
                     raise DeltaError(f"{e['name']}: corrupt delta payload (mask and values disagree)")
-                xors.append(torch.from_numpy(_join(mask, values, n, w)))
-            changed[e["name"]] = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(xors))
+                part_deltas.append(PartDelta(n, w, mask, values))
+            changed[e["name"]] = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(part_deltas))
         if pos != buf.size:
             raise DeltaError(f"corrupt delta payload: {buf.size - pos} trailing bytes")
         return Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed)

@@ -209,7 +209,7 @@ def load_packed_fp4(folder: str | Path, *, dtype: torch.dtype = torch.bfloat16) 
     manifest, tensors = _read_packed(Path(folder))
     out = {name: tensors[name].to(dtype) for name in manifest["dense_tensors"]}
     for name in manifest["fp4_tensors"]:
-        out[name] = fp4.dequantize(fp4.unpack(fp4.from_safetensors_dict(tensors, name)), dtype=dtype)
+        out[name] = fp4.decode(fp4.from_safetensors_dict(tensors, name), dtype=dtype)
     return out
 
 
@@ -220,7 +220,7 @@ def verify_packed_roundtrip(folder: str | Path, hf_folder: str | Path | None = N
     hf = load_file(str(Path(hf_folder) / WEIGHTS_FILE)) if hf_folder is not None else None
     for name in manifest["fp4_tensors"]:
         p = fp4.from_safetensors_dict(tensors, name)
-        dense = fp4.dequantize(fp4.unpack(p), dtype=torch.bfloat16)
+        dense = fp4.decode(p, dtype=torch.bfloat16)
         again = fp4.pack(fp4.quantize(dense, p.fmt))
         for a, b in (
             (p.weight_packed, again.weight_packed),

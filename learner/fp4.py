@@ -59,8 +59,10 @@ Shapes: [..., K] is the quantized tensor (K = last dim), B the block size, NB = 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -151,18 +153,60 @@ def _check_shape(shape: Sequence[int], fmt: FP4Format) -> None:
         )
 
 
-def _e2m1_encode(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of x / unit, rounded to nearest, ties to even, saturating at 6.
+# --- encoding ------------------------------------------------------------------------------------------
+#
+# The thresholds a value must pass depend only on its block's scale byte and global scale, so they
+# come from a table per global scale (7 x 256), gathered per block; the codes are then counted in
+# 7 comparisons over the tensor. Ties are decided exactly (see `_threshold_table`).
+
+
+def _scale_values(fmt: FP4Format, device: torch.device) -> torch.Tensor:
+    """The value of every scale byte [256] float32: E4M3 (nvfp4) or 2**(byte - 127) (mxfp4)."""
+    byte = torch.arange(256, device=device)
+    if fmt == NVFP4:
+        return byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.exp2(byte.float() - _MX_BIAS)
+
+
+def _e2m1_encode(x: torch.Tensor, mag: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes [..., NB, B] of x [..., NB, B] (`mag` = |x|) given each block's 7 thresholds
+    [7, ..., NB, 1] (`_threshold_table`): the magnitude index is how many thresholds |x| exceeds.
+    Each comparison lands in one boolean buffer that is added to the codes as bytes (no
+    conversions): 7 passes over the tensor, then the sign (bit 3)."""
+    passed = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    codes = torch.gt(mag, thresholds[0]).view(torch.uint8)
+    for t in thresholds[1:]:
+        torch.gt(mag, t, out=passed)
+        codes += passed.view(torch.uint8)
+    torch.signbit(x, out=passed)
+    return codes.add_(passed.view(torch.uint8), alpha=8)
+
+
+@functools.lru_cache(maxsize=64)
+def _threshold_table(fmt: FP4Format, global_scale: float, device: torch.device) -> torch.Tensor:
+    """[7, 256 scale bytes]: the magnitudes an element must exceed to pass each E2M1 midpoint.
 
     Compares |x| with midpoint * unit instead of dividing: those products are exact in FP32
     (few significant bits), so ties are real ties and rounding never depends on division error.
+    A tie moves up only past odd midpoints (to the even index above); there |x| >= m * unit is
+    |x| > the float just below m * unit, so every test is one strict comparison.
     """
-    mag = x.abs()  # [..., NB, B]
-    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for i, m in enumerate(_E2M1_MIDPOINTS):  # 7 thresholds, each a whole-tensor op
-        idx += (mag > m * unit) if i % 2 == 0 else (mag >= m * unit)
-    idx = torch.where(unit > 0, idx, 0)  # a zero block scale encodes every element as (+-)0
-    return idx | (torch.signbit(x).to(torch.uint8) << 3)
+    unit = _scale_values(fmt, device) * torch.tensor(global_scale, dtype=torch.float32, device=device)  # [256]
+    t = torch.tensor(_E2M1_MIDPOINTS, device=device)[:, None] * unit[None, :]  # [7, 256], exact
+    odd = (torch.arange(7, device=device) % 2 == 1)[:, None]
+    t = torch.where(odd, torch.nextafter(t, torch.zeros((), device=device)), t)
+    return torch.where(unit > 0, t, torch.inf)  # a zero block scale encodes every element as (+-)0
+
+
+def _block_thresholds(scales: torch.Tensor, global_scale: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
+    """Each block's 7 thresholds [7, ..., NB, 1], gathered from the tables of its global scale."""
+    distinct, which = torch.unique(global_scale.reshape(-1), return_inverse=True)
+    tables = [_threshold_table(fmt, g, scales.device) for g in distinct.tolist()]
+    rows = scales.view(torch.uint8).to(torch.int32)  # [..., NB]
+    if len(tables) > 1:
+        rows += which.to(torch.int32).reshape(global_scale.shape) * 256
+    table = tables[0] if len(tables) == 1 else torch.cat(tables, dim=1)
+    return table.index_select(1, rows.reshape(-1)).reshape(7, *rows.shape, 1)
 
 
 def _nvfp4_scales(block_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,13 +239,6 @@ def _mxfp4_scales(block_amax: torch.Tensor) -> torch.Tensor:
     return (shared + _MX_BIAS).to(torch.uint8)
 
 
-def _units(scales: torch.Tensor, global_scale: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
-    """Value of one E2M1 step per block, [..., NB] float32: block scale * global scale (exact)."""
-    if fmt == NVFP4:
-        return scales.float() * global_scale
-    return torch.exp2(scales.int().float() - _MX_BIAS)  # exact for integer exponents
-
-
 def quantize(x: torch.Tensor, fmt: FP4Format | str) -> QuantizedTensor:
     """Quantizes x [..., K] to FP4 along its last dim. K must divide into blocks."""
     fmt = get_format(fmt)
@@ -210,23 +247,88 @@ def quantize(x: torch.Tensor, fmt: FP4Format | str) -> QuantizedTensor:
     _check_shape(x.shape, fmt)
     B = fmt.block_size
     x_blk = x.detach().float().unflatten(-1, (-1, B))  # [..., NB, B]
-    block_amax = x_blk.abs().amax(dim=-1)  # [..., NB]
+    mag = x_blk.abs()
+    block_amax = mag.amax(dim=-1)  # [..., NB]
     if fmt == NVFP4:
         scales, global_scale = _nvfp4_scales(block_amax)
     else:
         scales = _mxfp4_scales(block_amax)
         global_scale = torch.ones(_global_shape(x.shape), device=x.device)
-    unit = _units(scales, global_scale, fmt)  # [..., NB]
-    codes = _e2m1_encode(x_blk, unit.unsqueeze(-1)).flatten(-2)  # [..., K]
+    thresholds = _block_thresholds(scales, global_scale, fmt)  # [7, ..., NB, 1]
+    codes = _e2m1_encode(x_blk, mag, thresholds).flatten(-2)  # [..., K]
     return QuantizedTensor(codes, scales, global_scale, fmt, tuple(x.shape), x.dtype)
 
 
+# --- decoding by table lookup ------------------------------------------------------------------------
+#
+# A block's values depend only on its scale byte (256 possible) and its codes, so decoding is a
+# table lookup: per global scale, a table of every (scale byte, packed byte) pair's two values,
+# computed once with the same float32 products as the formula, `E2M1_VALUES[code] * (scale *
+# global_scale)`, then gathered by the index (table, scale byte, packed byte), two elements at a
+# time. No per-element arithmetic (`flywheel bench fp4` measures it against the formula and
+# `clone()`), and bit-identical to the formula.
+
+_PAIR_INT = {1: torch.int16, 2: torch.int32, 4: torch.int64}  # two elements of a width, as one integer
+
+
+@functools.lru_cache(maxsize=64)
+def _value_table(fmt: FP4Format, global_scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256 scale bytes, 16 codes] values in `dtype`: E2M1_VALUES[code] * (scale * global_scale)."""
+    unit = _scale_values(fmt, device) * torch.tensor(global_scale, dtype=torch.float32, device=device)  # [256]
+    return (E2M1_VALUES.to(device)[None, :] * unit[:, None]).to(dtype)  # [256, 16]
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_table(fmt: FP4Format, global_scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256 scale bytes * 256 packed bytes] of both elements' values, each pair as one integer."""
+    v = _value_table(fmt, global_scale, dtype, device)  # [256, 16]
+    byte = torch.arange(256, device=device)
+    pairs = torch.stack((v[:, byte & 0xF], v[:, byte >> 4]), dim=-1)  # [256, 256, 2]: low nibble first
+    return pairs.view(_PAIR_INT[dtype.itemsize]).reshape(-1)  # [65536]
+
+
+def _lookup(
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    columns: torch.Tensor,
+    fmt: FP4Format,
+    dtype: torch.dtype,
+    *,
+    pairs: bool,
+) -> torch.Tensor:
+    """table[(global scale, scale byte, column)] for every element of `columns` [..., NB, C]: codes
+    (C = B, the [256, 16] value tables) or packed bytes (pairs: C = B/2, the [256, 256] pair tables)."""
+    bits = 8 if pairs else 4
+    distinct, which = torch.unique(global_scale.float().reshape(-1), return_inverse=True)
+    make = _pair_table if pairs else _value_table
+    tables = [make(fmt, g, dtype, columns.device).reshape(-1) for g in distinct.tolist()]
+    rows = scales.view(torch.uint8).to(torch.int32) << bits  # [..., NB]
+    if len(tables) > 1:  # one table per distinct global scale, one after the other
+        rows += which.to(torch.int32).reshape(global_scale.shape) << (bits + 8)
+    index = columns.to(torch.int32)  # the one full-size pass besides the gather itself
+    index.bitwise_or_(rows.unsqueeze(-1))
+    table = tables[0] if len(tables) == 1 else torch.cat(tables)
+    return table.index_select(0, index.reshape(-1))
+
+
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Decodes q to a dense tensor [..., K]. Exact in float32 and bfloat16 (see docstring)."""
-    B = q.fmt.block_size
-    values = E2M1_VALUES.to(q.codes.device)[q.codes.long()]  # [..., K]
-    unit = _units(q.scales, q.global_scale, q.fmt)  # [..., NB]
-    return (values.unflatten(-1, (-1, B)) * unit.unsqueeze(-1)).flatten(-2).to(dtype)
+    """Decodes q to a dense tensor [..., K]: E2M1_VALUES[codes] * block scale * global scale, by
+    table lookup. Exact in float32 and bfloat16 (see the module docstring)."""
+    if dtype.itemsize not in _PAIR_INT:  # float64: the float32 values are exact in it
+        return dequantize(q, torch.float32).to(dtype)
+    codes = q.codes.unflatten(-1, (-1, q.fmt.block_size))  # [..., NB, B]
+    return _lookup(q.scales, q.global_scale, codes, q.fmt, dtype, pairs=False).reshape(q.shape)
+
+
+def decode(p: PackedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Decodes a packed tensor to a dense one [..., K] straight from its bytes, two elements per
+    lookup; equal to `dequantize(unpack(p), dtype)` bit for bit, and the fast way."""
+    _check_packed(p)
+    if dtype.itemsize not in _PAIR_INT:
+        return decode(p, torch.float32).to(dtype)
+    packed = p.weight_packed.unflatten(-1, (-1, p.fmt.block_size // 2))  # [..., NB, B/2]
+    values = _lookup(p.weight_scale, _packed_global_scale(p), packed, p.fmt, dtype, pairs=True)
+    return values.view(dtype).reshape(p.shape)
 
 
 def quantize_dequantize(x: torch.Tensor, fmt: FP4Format | str) -> torch.Tensor:
@@ -247,6 +349,11 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """Packs codes [..., K] (uint8, 0..15) two a byte into [..., K/2]; low nibble = even element."""
     if codes.dtype != torch.uint8 or codes.ndim == 0 or codes.shape[-1] % 2:
         raise ValueError(f"pack_codes needs uint8 codes with an even last dim, got {codes.dtype} {tuple(codes.shape)}")
+    if codes.is_contiguous() and sys.byteorder == "little":
+        # Each pair as one int16, even element in its low byte: its low byte shifted down by 4 is
+        # empty (codes < 16), and its high byte lands in bits 4-7. Faster than strided halves.
+        pairs = codes.view(torch.int16)
+        return (pairs | (pairs >> 4)).to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -264,17 +371,30 @@ def pack(q: QuantizedTensor) -> PackedTensor:
     return PackedTensor(pack_codes(q.codes), q.scales, global_div, q.fmt, q.shape, q.dtype)
 
 
-def unpack(p: PackedTensor) -> QuantizedTensor:
-    """Inverse of pack."""
+def _check_packed(p: PackedTensor) -> None:
     if p.weight_packed.shape[:-1] != tuple(p.shape[:-1]) or 2 * p.weight_packed.shape[-1] != p.shape[-1]:
         raise ValueError(f"weight_packed {tuple(p.weight_packed.shape)} does not match shape {p.shape}")
+    if p.weight_packed.dtype != torch.uint8:
+        raise ValueError(f"weight_packed must be uint8, got {p.weight_packed.dtype}")
+    if p.weight_scale.shape != (*p.shape[:-1], p.shape[-1] // p.fmt.block_size):
+        raise ValueError(f"weight_scale {tuple(p.weight_scale.shape)} does not match shape {p.shape} for {p.fmt.name}")
+    if p.fmt == NVFP4 and p.weight_global_scale is None:
+        raise ValueError("an nvfp4 PackedTensor needs weight_global_scale")
+
+
+def _packed_global_scale(p: PackedTensor) -> torch.Tensor:
+    """The global scale [..., 1, 1] (a multiplier, not compressed-tensors' divisor)."""
     if p.fmt == NVFP4:
-        if p.weight_global_scale is None:
-            raise ValueError("an nvfp4 PackedTensor needs weight_global_scale")
-        global_scale = (1.0 / p.weight_global_scale.float()).reshape(_global_shape(p.shape))
-    else:
-        global_scale = torch.ones(_global_shape(p.shape), device=p.weight_packed.device)
-    return QuantizedTensor(unpack_codes(p.weight_packed), p.weight_scale, global_scale, p.fmt, p.shape, p.dtype)
+        return (1.0 / p.weight_global_scale.float()).reshape(_global_shape(p.shape))
+    return torch.ones(_global_shape(p.shape), device=p.weight_packed.device)
+
+
+def unpack(p: PackedTensor) -> QuantizedTensor:
+    """Inverse of pack."""
+    _check_packed(p)
+    return QuantizedTensor(
+        unpack_codes(p.weight_packed), p.weight_scale, _packed_global_scale(p), p.fmt, p.shape, p.dtype
+    )
 
 
 def to_safetensors_dict(name: str, p: PackedTensor) -> dict[str, torch.Tensor]:

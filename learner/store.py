@@ -118,9 +118,7 @@ def to_hf_tensors(packed: Mapping[str, codec.Entry], names: Sequence[str] | None
     out = {}
     for name in packed if names is None else names:
         e = packed[name]
-        out[name] = (
-            fp4.dequantize(fp4.unpack(e), torch.bfloat16) if isinstance(e, fp4.PackedTensor) else e.to(torch.bfloat16)
-        )
+        out[name] = fp4.decode(e, torch.bfloat16) if isinstance(e, fp4.PackedTensor) else e.to(torch.bfloat16)
     return out
 
 

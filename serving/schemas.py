@@ -14,7 +14,7 @@ size, so they cost at most a bounded parse.
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -170,3 +170,34 @@ class EventRequest(Strict):
 class EventAccepted(BaseModel):
     event_id: uuid.UUID
     status: Literal["accepted"] = "accepted"
+
+
+class EventBatchRequest(BaseModel):
+    """`POST /v1/events/batch`: several events in one request (at most serve.limits.events_per_batch),
+    each an `EventRequest`. Each item is checked on its own (its Unicode too) and answered on its
+    own, so one bad event does not refuse the others."""
+
+    model_config = ConfigDict(extra="ignore")
+    events: list[Any] = Field(description="the events, each in the shape of `POST /v1/events`")
+
+
+class EventResult(BaseModel):
+    """What became of one event of a batch, in the batch's order.
+
+    accepted: queued for Kafka under `event_id` (resending it with that id is stored once);
+    rejected: invalid (`error` names the field), do not resend as is;
+    rate_limited: over the token's event rate, resend after Retry-After;
+    unavailable: the server's buffer for Kafka is full, resend later."""
+
+    index: int
+    status: Literal["accepted", "rejected", "rate_limited", "unavailable"]
+    event_id: uuid.UUID | None = None
+    error: str | None = None
+
+
+class EventBatchAccepted(BaseModel):
+    accepted: int
+    rejected: int
+    rate_limited: int
+    unavailable: int
+    results: list[EventResult]

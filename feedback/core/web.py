@@ -66,8 +66,11 @@ class HttpLimits(Section):
     """Completion requests one editor token may send (all its users together); beyond it: 429
     with Retry-After. A person typing sends a few a second at most."""
     events: RateSpec = "100/second; 3000/minute"
-    """Feedback events one editor token may send; beyond it: 429 with Retry-After (a client
-    that retries later with the same event_id loses nothing)."""
+    """Feedback events one editor token may send, counted by event (a batch of 50 counts 50);
+    beyond it: 429 with Retry-After (a client that retries later with the same event_id loses
+    nothing)."""
+    events_per_batch: int = Field(default=1000, ge=1, le=100_000)
+    """Most events in one `POST /v1/events/batch`; a larger batch gets 422."""
 
 
 def http_limits(state: Any) -> HttpLimits:
@@ -178,9 +181,17 @@ class RequestBody(BaseModel):
     def _text_is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
         # Before pydantic's own checks, which name only the enclosing object for some fields. A
         # field holding request bodies is left to their own check, which names the inner field.
-        if not _holds_bodies(cls.model_fields[info.field_name].annotation):
+        # Only text can be invalid Unicode: numbers, booleans and None pass at once.
+        if isinstance(value, str | list | tuple | dict) and not _field_holds_bodies(cls, info.field_name):
             _valid_unicode(value)
         return value
+
+
+@lru_cache(maxsize=1024)
+def _field_holds_bodies(cls: type[BaseModel], field: str) -> bool:
+    """Whether a field's type holds request bodies (looked up once per class and field: this runs
+    for every field of every item of a batch)."""
+    return _holds_bodies(cls.model_fields[field].annotation)
 
 
 def _holds_bodies(annotation: Any) -> bool:
@@ -209,6 +220,19 @@ class RateLimiter:
             return
         self.refuse(spec, *key, what=what)
 
+    def take(self, spec: str, *key: str, want: int, what: str) -> int:
+        """Count up to `want` requests of `key` (a batch's items), as many as every limit of `spec`
+        still allows, and return how many; 429 if not even one is allowed."""
+        items = rate_items(spec)
+        if want <= 0 or not items:
+            return max(want, 0)
+        granted = min(want, *(self._limiter.get_window_stats(item, *key).remaining for item in items))
+        if granted <= 0:
+            self.refuse(spec, *key, what=what)
+        for item in items:
+            self._limiter.hit(item, *key, cost=granted)
+        return granted
+
     def check(self, spec: str, *key: str, what: str) -> None:
         """429 if `key` has used up a limit of `spec`; counts nothing (see `hit`)."""
         if not all(self._limiter.test(item, *key) for item in rate_items(spec)):
@@ -219,11 +243,16 @@ class RateLimiter:
         for item in rate_items(spec):
             self._limiter.hit(item, *key)
 
-    def refuse(self, spec: str, *key: str, what: str) -> None:
+    def retry_after(self, spec: str, *key: str) -> int:
+        """Whole seconds until `key` may send again under every limit of `spec` (at least 1)."""
         now = time.time()
         full = [i for i in rate_items(spec) if not self._limiter.test(i, *key)]
         wait = max(self._limiter.get_window_stats(i, *key).reset_time - now for i in full) if full else 1.0
-        retry = max(1, math.ceil(wait))
+        return max(1, math.ceil(wait))
+
+    def refuse(self, spec: str, *key: str, what: str) -> None:
+        full = [i for i in rate_items(spec) if not self._limiter.test(i, *key)]
+        retry = self.retry_after(spec, *key)
         raise HTTPException(
             429,
             f"too many {what}: the limit is {'; '.join(str(i) for i in full)}; retry in {retry} s",

@@ -1,7 +1,7 @@
 """`flywheel bench delta`: how small a published version is, and how fast it encodes and applies.
 
 Checkpoint pairs come from real optimizer steps: the cached pretrained base's fp32 master
-weights (a random `tiny` model when none is cached; the output says which) take `steps`
+weights (a random model of `pretrain.size` when none is cached; the output says which) take `steps`
 AdamW steps of FP4 QAT with router replay (learner.train.pretrain.train_step, batches of the
 code corpus) per version, at each learning rate asked for, for `versions` versions. Adam's
 update size is about the learning rate whatever the loss, so these steps stand in for the
@@ -25,6 +25,10 @@ in steady state against requests that overlapped a swap, and failed requests.
 Sizes are reported as full / delta (1/x: larger is better). Throughput is MB/s of full
 checkpoint bytes: encode from the two in-memory checkpoints (hashing included where the
 method checksums), decode+apply from the compressed bytes and the old checkpoint, verified.
+Flywheel's decode+apply is also timed alternately with raw zstd decompression of the same
+checkpoint bytes (the `zstd (full)` frame, no delta, no checks): the floor any zstd-based
+transport of these bytes pays, as a ratio (the target is >= 0.5). The peers' packages
+(fireworks, zipnn) are optional: a method whose package is not installed is left out and said so.
 """
 
 from __future__ import annotations
@@ -79,6 +83,29 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 def flat_tensors(ckpt: dict) -> dict[str, torch.Tensor]:
     """The plain tensors a checkpoint is stored as (the packed form in its safetensors layout)."""
     return to_safetensors(ckpt) if any(isinstance(e, fp4.PackedTensor) for e in ckpt.values()) else dict(ckpt)
+
+
+def flywheel_vs_zstd(old: dict, new: dict, level: int, threads: int, repeats: int) -> dict:
+    """Flywheel's decode+apply (verified) and raw zstd decompression of the new checkpoint's
+    bytes, timed alternately (so both see the same machine load); MB/s of checkpoint bytes."""
+    old_h = codec.tensor_hashes(old)
+    blob = codec.encode(codec.diff(old, new, old_hashes=old_h), level=level, threads=threads)
+    b = flat_tensors(new)
+    frame = zstandard.ZstdCompressor(level=level, threads=threads).compress(
+        b"".join(_raw(b[n]).tobytes() for n in sorted(b))
+    )
+    times: dict[str, list[float]] = {"flywheel": [], "zstd": []}
+    for _ in range(repeats):
+        for k, fn in (
+            ("flywheel", lambda: codec.apply(old, codec.decode(blob), base_hashes=old_h)),
+            ("zstd", lambda: zstandard.ZstdDecompressor().decompress(frame)),
+        ):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    full = codec.checkpoint_nbytes(new)
+    fly, raw = statistics.median(times["flywheel"]), statistics.median(times["zstd"])
+    return {"flywheel_MBps": full / fly / 1e6, "zstd_MBps": full / raw / 1e6, "ratio": raw / fly}
 
 
 def run_flywheel(old: dict, new: dict, level: int, threads: int, repeats: int) -> dict:
@@ -263,8 +290,8 @@ def _base(settings: FlywheelSettings, cfg, console: Console):
     else:
         tok = train_tokenizer((f.text for f in corpus.train[:300]), cfg.vocab_size)
         torch.manual_seed(cfg.seed)
-        model = Transformer(ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=SEQ_LEN))
-        what = "random tiny model (no trained base cached: run `flywheel pretrain` first)"
+        model = Transformer(ModelArgs.from_name(cfg.size, vocab_size=tok.get_vocab_size(), max_seq_len=SEQ_LEN))
+        what = f"random {cfg.size} model (no trained base cached: run `flywheel pretrain` first)"
     console.print(f"weights: {what}")
     data = TrainingData(
         tok,
@@ -300,6 +327,10 @@ def run_bench(
     cfg = getattr(settings, "pretrain", None) or PretrainSection()
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
+    missing = [m for m in methods if not _installed(m)]
+    if missing:
+        console.print(f"left out (install with `pip install -e .[bench]`): {', '.join(missing)}", markup=False)
+        methods = tuple(m for m in methods if m not in missing)
     model, data, what, tok, corpus = _base(settings, cfg, console)
     results: dict = {
         "command": command,
@@ -334,6 +365,8 @@ def run_bench(
                     r["encode_MBps"] = full / r["encode_s"] / 1e6
                     r["decode_apply_MBps"] = full / r["decode_apply_s"] / 1e6
                     row["methods"][m] = r
+                with console.status(f"lr {lr:g}, v{v - 1}->v{v}, {form}: flywheel beside raw zstd"):
+                    row["vs_zstd"] = flywheel_vs_zstd(old, new, level, threads, max(5, repeats))
                 pair["forms"][form] = row
             pair["flywheel_parts"] = part_ratios(packed[v - 1], packed[v], level)
             pair["changed"] = changed_fraction(packed[v - 1], packed[v])
@@ -395,8 +428,23 @@ def _table(r: dict) -> Table:
     return t
 
 
+def _installed(method: str) -> bool:
+    import importlib.util
+
+    module = {"arc_v2": "fireworks_delta_compression", "arc_v3": "fireworks_delta_compression", "zipnn": "zipnn"}
+    return method not in module or importlib.util.find_spec(module[method]) is not None
+
+
 def _notes(r: dict) -> list[str]:
     out = []
+    for p in r["runs"]:
+        for form, row in p["forms"].items():
+            z = row["vs_zstd"]
+            out.append(
+                f"lr {p['lr']:g} v{p['pair'][0]}->v{p['pair'][1]} {form}: flywheel decode+apply (verified) "
+                f"{z['flywheel_MBps']:.0f} MB/s beside raw zstd decode of the same checkpoint bytes "
+                f"{z['zstd_MBps']:.0f} MB/s, timed alternately: {z['ratio']:.2f}x (target >= 0.5)"
+            )
     for p in r["runs"]:
         parts, ch, full = p["flywheel_parts"], p["changed"], p["forms"]["packed fp4"]["full_bytes"]
         out.append(

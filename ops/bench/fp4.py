@@ -4,6 +4,8 @@
     weights of the cached trained base (its fp32 master weights), or of a random `tiny`
     model when no base is cached (the output says which);
 (b) encode / decode and nibble pack / unpack throughput vs `tensor.clone()` of the same bytes;
+    decode by table lookup (learner.fp4.decode) also beside the formula evaluated element by
+    element, as the codec decoded before;
 (c) held-out loss after the same steps of NVFP4 QAT (+ router replay) vs bf16 training,
     on a reduced config with the same data and seed; also bf16 training quantized after
     the fact (PTQ) and QAT without replay;
@@ -107,8 +109,10 @@ def run_bench(
     steps: int = 150,
     out: str | Path | None = None,
     command: str = "flywheel bench fp4",
+    parts: str = "abcd",
 ) -> dict:
-    """Run (a)-(d), print a table and the command, and write JSON to `out` if given."""
+    """Run the `parts` of (a)-(d), print a table and the command, and write JSON to `out` if given.
+    (d) without a trained base replays on the model (c) trains, so it runs (c) too."""
     cfg = pretrain_section(settings)
     torch.set_num_threads(cfg.threads)
     base = find_base_model(settings)
@@ -123,20 +127,26 @@ def run_bench(
         results["weights"] = "random tiny model (no trained base cached: run `flywheel pretrain` first)"
     console.print(f"weights for (a) and (d): {results['weights']}")
 
-    with console.status("(a) quantization error"):
-        results["quant_error"] = _bench_error(model)
-    with console.status("(b) throughput"):
-        results["throughput"] = _bench_throughput()
-    with console.status(f"(c) QAT vs bf16, {steps} steps each"):
-        results["qat_vs_bf16"], trained, windows = _bench_qat(settings, cfg, steps, base)
-    with console.status("(d) router replay"):
-        if base is None:
-            model, results["replay_model"] = trained, "the (c) QAT model (reduced config)"
-            ids = windows[:, :-1]
-        else:
-            results["replay_model"] = results["weights"]
-            ids = _base_heldout(base, cfg)
-        results["router_replay"] = {f: replay_kl(model, ids, f) for f in ("nvfp4", "mxfp4")}
+    if "d" in parts and base is None:
+        parts += "c"
+    if "a" in parts:
+        with console.status("(a) quantization error"):
+            results["quant_error"] = _bench_error(model)
+    if "b" in parts:
+        with console.status("(b) throughput"):
+            results["throughput"] = _bench_throughput()
+    if "c" in parts:
+        with console.status(f"(c) QAT vs bf16, {steps} steps each"):
+            results["qat_vs_bf16"], trained, windows = _bench_qat(settings, cfg, steps, base)
+    if "d" in parts:
+        with console.status("(d) router replay"):
+            if base is None:
+                model, results["replay_model"] = trained, "the (c) QAT model (reduced config)"
+                ids = windows[:, :-1]
+            else:
+                results["replay_model"] = results["weights"]
+                ids = _base_heldout(base, cfg)
+            results["router_replay"] = {f: replay_kl(model, ids, f) for f in ("nvfp4", "mxfp4")}
     results["wall_s"] = time.perf_counter() - t0
 
     console.print(_table(results))
@@ -156,20 +166,50 @@ def _bench_error(model: Transformer) -> dict:
     }
 
 
+def decode_by_formula(p: fp4.PackedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The baseline decoder: the formula element by element (unpack the nibbles, look each code's
+    value up, multiply by its block's unit), as learner.fp4 decoded before it used tables."""
+    q = fp4.unpack(p)
+    values = fp4.E2M1_VALUES[q.codes.long()].unflatten(-1, (-1, p.fmt.block_size))  # [..., NB, B]
+    if p.fmt == fp4.NVFP4:
+        unit = q.scales.float() * q.global_scale
+    else:
+        unit = torch.exp2(q.scales.int().float() - 127)
+    return (values * unit.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def seconds_beside(fn: Callable[[], object], baseline: Callable[[], object], repeats: int = 7) -> tuple[float, float]:
+    """Median wall times of fn and of baseline, run alternately, so both see the same machine load."""
+    fn(), baseline()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for f, out in ((fn, times[0]), (baseline, times[1])):
+            t0 = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def _bench_throughput() -> dict:
+    """Seconds per call of each codec step, each beside `clone()` of its input (or the formula)
+    timed alternately with it."""
     x = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    out: dict = {"bytes_bf16": x.numel() * 2, "clone_bf16_s": seconds(x.clone)}
+    out: dict = {"bytes_bf16": x.numel() * 2}
     for f in ("nvfp4", "mxfp4"):
         p = fp4.pack(fp4.quantize(x, f))
-        out[f"{f}_encode_s"] = seconds(lambda f=f: fp4.pack(fp4.quantize(x, f)))
-        out[f"{f}_decode_s"] = seconds(lambda p=p: fp4.dequantize(fp4.unpack(p), torch.bfloat16))
+        assert torch.equal(fp4.decode(p).view(torch.int16), decode_by_formula(p).view(torch.int16))
+        out[f"{f}_encode_s"], out[f"{f}_encode_clone_s"] = seconds_beside(
+            lambda f=f: fp4.pack(fp4.quantize(x, f)), x.clone
+        )
+        out[f"{f}_decode_s"], out[f"{f}_decode_clone_s"] = seconds_beside(lambda p=p: fp4.decode(p), x.clone)
+        out[f"{f}_decode_table_s"], out[f"{f}_decode_formula_s"] = seconds_beside(
+            lambda p=p: fp4.decode(p), lambda p=p: decode_by_formula(p)
+        )
     codes = fp4.quantize(x, "nvfp4").codes
     packed = fp4.pack_codes(codes)
-    out |= {"bytes_codes": codes.numel(), "clone_codes_s": seconds(codes.clone)}
-    out |= {
-        "pack_codes_s": seconds(lambda: fp4.pack_codes(codes)),
-        "unpack_codes_s": seconds(lambda: fp4.unpack_codes(packed)),
-    }
+    out["bytes_codes"] = codes.numel()
+    out["pack_codes_s"], out["pack_clone_s"] = seconds_beside(lambda: fp4.pack_codes(codes), codes.clone)
+    out["unpack_codes_s"], out["unpack_clone_s"] = seconds_beside(lambda: fp4.unpack_codes(packed), codes.clone)
     return out
 
 
@@ -236,9 +276,13 @@ def _base_heldout(base: Path, cfg) -> torch.Tensor:
     return heldout_windows(token_stream(own_format(tok, cfg.seq_len), tok, corpus.heldout), cfg.seq_len, 16)[:, :-1]
 
 
+DECODE_TARGET_GBS = 2.0
+"""What decoding should sustain (GB/s of bf16): a whole small checkpoint in milliseconds."""
+
+
 def _table(r: dict) -> Table:
     t = Table("", "measure", "FP4 / candidate", "baseline", "ratio", title="flywheel bench fp4")
-    for data, e in r["quant_error"].items():
+    for data, e in r.get("quant_error", {}).items():
         nv, mx = e["nvfp4"], e["mxfp4"]
         t.add_row(
             "a",
@@ -247,39 +291,25 @@ def _table(r: dict) -> Table:
             f"MXFP4 {mx['rel_mse']:.2e} ({mx['snr_db']:.1f} dB)",
             f"{mx['rel_mse'] / nv['rel_mse']:.2f}x lower",
         )
-    th = r["throughput"]
-    gbs = lambda n, s: n / s / 1e9  # noqa: E731
-    clone = gbs(th["bytes_bf16"], th["clone_bf16_s"])
-    for f in ("nvfp4", "mxfp4"):
-        for op in ("encode", "decode"):
-            v = gbs(th["bytes_bf16"], th[f"{f}_{op}_s"])
+    if "throughput" in r:
+        _throughput_rows(t, r["throughput"])
+    if "qat_vs_bf16" in r:
+        q = r["qat_vs_bf16"]
+        base_loss = q["bf16"]["loss"]
+        steps = q["config"]["steps"]
+        for name, label in (
+            ("qat_nvfp4_replay", "NVFP4 QAT + replay, FP4 eval"),
+            ("qat_nvfp4_no_replay", "NVFP4 QAT, no replay, FP4 eval"),
+            ("bf16_then_ptq_nvfp4", "bf16 train, NVFP4 PTQ eval"),
+        ):
             t.add_row(
-                "b",
-                f"{f} {op} (bf16 {'->' if op == 'encode' else '<-'} packed), GB/s of bf16",
-                f"{v:.2f}",
-                f"clone {clone:.2f}",
-                f"{v / clone:.3f}x",
+                "c",
+                f"held-out loss after {steps} steps: {label}",
+                f"{q[name]['loss']:.4f}",
+                f"bf16 {base_loss:.4f}",
+                f"{q[name]['loss'] / base_loss:.4f}x",
             )
-    clone_c = gbs(th["bytes_codes"], th["clone_codes_s"])
-    for op in ("pack", "unpack"):
-        v = gbs(th["bytes_codes"], th[f"{op}_codes_s"])
-        t.add_row("b", f"nibble {op}, GB/s of 1-byte codes", f"{v:.2f}", f"clone {clone_c:.2f}", f"{v / clone_c:.3f}x")
-    q = r["qat_vs_bf16"]
-    base_loss = q["bf16"]["loss"]
-    steps = q["config"]["steps"]
-    for name, label in (
-        ("qat_nvfp4_replay", "NVFP4 QAT + replay, FP4 eval"),
-        ("qat_nvfp4_no_replay", "NVFP4 QAT, no replay, FP4 eval"),
-        ("bf16_then_ptq_nvfp4", "bf16 train, NVFP4 PTQ eval"),
-    ):
-        t.add_row(
-            "c",
-            f"held-out loss after {steps} steps: {label}",
-            f"{q[name]['loss']:.4f}",
-            f"bf16 {base_loss:.4f}",
-            f"{q[name]['loss'] / base_loss:.4f}x",
-        )
-    for f, d in r["router_replay"].items():
+    for f, d in r.get("router_replay", {}).items():
         t.add_row(
             "d",
             f"KL(hp || {f}) with hp routing replayed",
@@ -295,3 +325,30 @@ def _table(r: dict) -> Table:
             "",
         )
     return t
+
+
+def _throughput_rows(t: Table, th: dict) -> None:
+    gbs = lambda n, s: n / s / 1e9  # noqa: E731
+    for f in ("nvfp4", "mxfp4"):
+        for op in ("encode", "decode"):
+            v, clone = gbs(th["bytes_bf16"], th[f"{f}_{op}_s"]), gbs(th["bytes_bf16"], th[f"{f}_{op}_clone_s"])
+            target = f" (target {DECODE_TARGET_GBS:g})" if op == "decode" else ""
+            t.add_row(
+                "b",
+                f"{f} {op} (bf16 {'->' if op == 'encode' else '<-'} packed), GB/s of bf16{target}",
+                f"{v:.2f}",
+                f"clone {clone:.2f}",
+                f"{v / clone:.3f}x",
+            )
+        table = gbs(th["bytes_bf16"], th[f"{f}_decode_table_s"])
+        formula = gbs(th["bytes_bf16"], th[f"{f}_decode_formula_s"])
+        t.add_row(
+            "b",
+            f"{f} decode by table lookup vs the formula element by element, GB/s",
+            f"{table:.2f}",
+            f"formula {formula:.2f}",
+            f"{table / formula:.1f}x",
+        )
+    for op in ("pack", "unpack"):
+        v, clone = gbs(th["bytes_codes"], th[f"{op}_codes_s"]), gbs(th["bytes_codes"], th[f"{op}_clone_s"])
+        t.add_row("b", f"nibble {op}, GB/s of 1-byte codes", f"{v:.2f}", f"clone {clone:.2f}", f"{v / clone:.3f}x")

@@ -17,8 +17,14 @@ batch written directly).
   any backlog), then paced at half that rate (the lag of a pipeline that keeps up).
 
 The events are handed to `send_events(list[FeedbackEvent])`, by default the Kafka producer.
-An HTTP sender (POST /v1/events) plugs in there; the API then produces to `events_topic`,
-which the benchmark passes on to the sink.
+An HTTP sender (POST /v1/events/batch) plugs in there; the API then produces to
+`events_topic`, which the benchmark passes on to the sink. With a sender, the same number
+of events also go producer -> Kafka -> sink in the same run (the baseline the HTTP path is
+a ratio of: same sink, same database, same load on the machine).
+
+Lost events: those sent (and not refused by the sender) that never reached the database.
+A phase waits until all arrived or none arrived for `stall_s`; the shortfall is reported
+rather than raised, so a lossy run still prints its numbers.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class PathResult:
     lag_p99_ms: float
     offered_per_s: float | None = None
     """Paced send rate; None when sent as fast as possible."""
+    lost: int = 0
+    """Events sent that never reached the database (refused ones included)."""
 
 
 @dataclass
@@ -74,6 +82,12 @@ class IngestBenchResult:
     """End to end (kafka) events/s / direct events/s."""
     drain_ratio: float
     """Sink drain events/s / direct events/s."""
+    producer_e2e: PathResult | None = None
+    """With a sender (HTTP): the same events through the producer -> Kafka -> sink, same run."""
+    sender_vs_producer: float | None = None
+    """End to end through the sender (kafka) events/s / producer_e2e events/s."""
+    refused: int = 0
+    """Events the sender's requests did not get accepted (HTTP errors, non-accepted items)."""
 
 
 def make_completion(cid: str, *, now: datetime | None = None) -> CompletionRecord:
@@ -101,11 +115,19 @@ def make_events(cids: list[str], n: int, offset: int = 0) -> list[FeedbackEvent]
     ]
 
 
-def measure(engine, prefix: str, path: str, offered: float | None = None, from_first_row: bool = False) -> PathResult:
+def measure(
+    engine,
+    prefix: str,
+    path: str,
+    offered: float | None = None,
+    from_first_row: bool = False,
+    lost_of: int | None = None,
+) -> PathResult:
     """Throughput and lag of the events whose completion ids start with `prefix`, from their rows.
 
     Throughput spans first `created_at` to last `ingested_at`, or first to last `ingested_at`
-    with `from_first_row` (a backlog: how fast the sink alone stores)."""
+    with `from_first_row` (a backlog: how fast the sink alone stores). `lost_of`: how many were
+    sent, to report the shortfall."""
     from sqlalchemy import select
 
     from feedback import db
@@ -128,6 +150,7 @@ def measure(engine, prefix: str, path: str, offered: float | None = None, from_f
         percentile(lags, 0.50),
         percentile(lags, 0.99),
         offered,
+        max(0, lost_of - len(rows)) if lost_of is not None else 0,
     )
 
 
@@ -193,23 +216,41 @@ def _count(engine, prefix: str) -> int:
         ).scalar_one()
 
 
-def _wait_for(engine, prefix: str, n: int, sink: subprocess.Popen, timeout_s: float, table: str = "events") -> None:
+def _wait_for(
+    engine,
+    prefix: str,
+    n: int,
+    sink: subprocess.Popen,
+    timeout_s: float,
+    table: str = "events",
+    stall_s: float | None = None,
+) -> int:
+    """Wait until `n` rows of `prefix` are stored, and return how many are. Without `stall_s`,
+    fewer than `n` within `timeout_s` raises; with it, the wait also ends once nothing new
+    arrived for `stall_s`, and the caller reports the shortfall as lost."""
     from sqlalchemy import func, select
 
     from feedback import db
 
     t = db.metadata.tables[table]
     deadline = time.monotonic() + timeout_s
+    got, last, since = 0, -1, time.monotonic()
     while time.monotonic() < deadline:
         with engine.connect() as conn:
             got = conn.execute(
                 select(func.count()).select_from(t).where(t.c.completion_id.like(f"{prefix}%"))
             ).scalar_one()
         if got >= n:
-            return
+            return got
         if sink.poll() is not None:
             raise RuntimeError(f"the sink exited with code {sink.returncode} after storing {got} of {n} {table}")
+        if got != last:
+            last, since = got, time.monotonic()
+        elif stall_s is not None and time.monotonic() - since > stall_s:
+            return got
         time.sleep(0.1)
+    if stall_s is not None:
+        return got
     raise RuntimeError(f"only {got} of {n} {table} arrived within {timeout_s:.0f}s")
 
 
@@ -231,9 +272,12 @@ def run_ingest_bench(
     database_url: str | None = None,
     send_events: EventSender | None = None,
     events_topic: str | None = None,
+    send_chunk: int = 100,
+    refused: Callable[[], int] = lambda: 0,
     paced: bool = True,
     progress: Callable[[str], None] = lambda m: None,
     timeout_s: float = 600.0,
+    stall_s: float = 30.0,
 ) -> IngestBenchResult:
     """Run both paths against one database; `send_events` replaces the producer (e.g. HTTP)."""
     from feedback import db
@@ -247,7 +291,8 @@ def run_ingest_bench(
     db.upgrade(engine)
     n_comp = max(1, math.ceil(n_events / events_per_completion))
     batch_size = settings.sink.batch_size
-    ids = {phase: [f"b{phase}{run}-{i}" for i in range(n_comp)] for phase in ("d", "q", "k", "p")}
+    phases = "qkp" + ("b" if send_events else "")  # b: the producer baseline beside a sender
+    ids = {phase: [f"b{phase}{run}-{i}" for i in range(n_comp)] for phase in "d" + phases}
 
     progress(
         f"direct: {n_events} events in batches of {batch_size} into {engine.url.render_as_string(hide_password=True)}"
@@ -258,10 +303,12 @@ def run_ingest_bench(
 
     c_topic = f"flywheel.bench-{run}.completions"
     e_topic = events_topic or f"flywheel.bench-{run}.events"
-    own_topics = [c_topic] + ([e_topic] if events_topic is None else [])
+    own_topics = [c_topic, e_topic]  # a sender's topic too: it is the run's own
     _create_topics(settings, own_topics)
     producer = BufferedProducer(settings.kafka, max_buffered=max(100_000, 2 * n_events))
-    send = send_events or (lambda evs: [producer.send(e_topic, e) for e in evs])
+    direct_send = lambda evs: [producer.send(e_topic, e) for e in evs]  # noqa: E731
+    send = send_events or direct_send
+    chunk = send_chunk if send_events else 100
     log = open(bench_dir / f"sink-{run}.log", "wb")
 
     def start_sink():
@@ -277,30 +324,45 @@ def run_ingest_bench(
     sink = start_sink()
     try:
         # Every phase's completions first, so that the timed phases store events only.
-        for cid in (c for phase in "qkp" for c in ids[phase]):
+        for cid in (c for phase in phases for c in ids[phase]):
             producer.send(c_topic, make_completion(cid))
         producer.flush(timeout_s)
-        for phase in "qkp":
+        for phase in phases:
             _wait_for(engine, f"b{phase}{run}-", n_comp, sink, timeout_s, table="completions")
         _stop(sink)
 
         progress(f"kafka: {n_events} events into the topic while the sink is stopped")
         t0 = time.perf_counter()
-        _send_paced(send, ids["q"], n_events, None, 0)
+        _send_paced(send, ids["q"], n_events, None, 0, chunk)
         producer.flush(timeout_s)
         produced_per_s = n_events / (time.perf_counter() - t0)
         sink = start_sink()
-        _wait_for(engine, f"bq{run}-", n_events, sink, timeout_s)
+        _wait_for(engine, f"bq{run}-", n_events, sink, timeout_s, stall_s=stall_s)
         drain = measure(engine, f"bq{run}-", "sink draining a backlog", from_first_row=True)
         progress(f"kafka: producer {produced_per_s:,.0f} events/s; sink drained {drain.events_per_s:,.0f} events/s")
 
+        producer_e2e = None
+        if send_events:
+            progress(f"kafka: {n_events} events end to end through the producer (the baseline), as fast as possible")
+            _send_paced(direct_send, ids["b"], n_events, None, 0)
+            producer.flush(timeout_s)
+            _wait_for(engine, f"bb{run}-", n_events, sink, timeout_s, stall_s=stall_s)
+            producer_e2e = measure(engine, f"bb{run}-", "producer -> Kafka -> sink", lost_of=n_events)
+            progress(f"kafka: producer end to end {producer_e2e.events_per_s:,.0f} events/s")
+
         progress(f"kafka: {n_events} events end to end, sent as fast as possible")
-        _send_paced(send, ids["k"], n_events, None, 0)
+        _send_paced(send, ids["k"], n_events, None, 0, chunk)
         producer.flush(timeout_s)
-        _wait_for(engine, f"bk{run}-", n_events, sink, timeout_s)
-        kafka = measure(engine, f"bk{run}-", "HTTP -> Kafka -> sink" if send_events else "producer -> Kafka -> sink")
+        _wait_for(engine, f"bk{run}-", n_events, sink, timeout_s, stall_s=stall_s)
+        kafka = measure(
+            engine,
+            f"bk{run}-",
+            "HTTP -> Kafka -> sink" if send_events else "producer -> Kafka -> sink",
+            lost_of=n_events,
+        )
         progress(
-            f"kafka: {kafka.events_per_s:,.0f} events/s, lag p50 {kafka.lag_p50_ms:.0f} ms, p99 {kafka.lag_p99_ms:.0f} ms"
+            f"kafka: {kafka.events_per_s:,.0f} events/s, lag p50 {kafka.lag_p50_ms:.0f} ms, "
+            f"p99 {kafka.lag_p99_ms:.0f} ms, {kafka.lost} lost"
         )
 
         kafka_paced = None
@@ -308,10 +370,10 @@ def run_ingest_bench(
             rate = kafka.events_per_s / 2
             n_paced = max(100, min(n_events, int(rate * 10)))
             progress(f"kafka: {n_paced} events paced at {rate:,.0f}/s")
-            _send_paced(send, ids["p"], n_paced, rate, 0)
+            _send_paced(send, ids["p"], n_paced, rate, 0, chunk)
             producer.flush(timeout_s)
-            _wait_for(engine, f"bp{run}-", n_paced, sink, timeout_s)
-            kafka_paced = measure(engine, f"bp{run}-", "same, paced at half", offered=rate)
+            _wait_for(engine, f"bp{run}-", n_paced, sink, timeout_s, stall_s=stall_s)
+            kafka_paced = measure(engine, f"bp{run}-", "same, paced at half", offered=rate, lost_of=n_paced)
     finally:
         producer.close()
         _stop(sink)
@@ -329,6 +391,9 @@ def run_ingest_bench(
         batch_write_p50_ms=percentile(batch_s, 0.5) * 1000,
         throughput_ratio=kafka.events_per_s / direct.events_per_s,
         drain_ratio=drain.events_per_s / direct.events_per_s,
+        producer_e2e=producer_e2e,
+        sender_vs_producer=kafka.events_per_s / producer_e2e.events_per_s if producer_e2e else None,
+        refused=refused(),
     )
 
 
@@ -380,9 +445,11 @@ def print_result(r: IngestBenchResult, console) -> None:
         "lag p50 (ms)",
         "lag p99 (ms)",
         "offered/s",
+        "lost",
         title=f"ingest into {r.database} (batch {r.batch_size})",
     )
-    for p in [r.direct, r.sink_drain, r.kafka] + ([r.kafka_paced] if r.kafka_paced else []):
+    extra = [r.producer_e2e] if r.producer_e2e else []
+    for p in [r.direct, r.sink_drain, *extra, r.kafka] + ([r.kafka_paced] if r.kafka_paced else []):
         t.add_row(
             p.path,
             str(p.events),
@@ -390,8 +457,14 @@ def print_result(r: IngestBenchResult, console) -> None:
             f"{p.lag_p50_ms:,.1f}",
             f"{p.lag_p99_ms:,.1f}",
             "max" if p.offered_per_s is None else f"{p.offered_per_s:,.0f}",
+            str(p.lost),
         )
     console.print(t)
+    if r.sender_vs_producer is not None:
+        console.print(
+            f"HTTP end to end = {r.sender_vs_producer:.2f}x the producer end to end in the same run; "
+            f"{r.refused} events refused over HTTP."
+        )
     console.print(
         f"end to end = {r.throughput_ratio:.2f}x direct inserts; the sink alone = {r.drain_ratio:.2f}x; "
         f"the producer delivered {r.producer_per_s:,.0f} events/s. Lag ends when a row's batch write begins; "

@@ -3,7 +3,7 @@
 flywheel sink                                  Kafka -> SQL, exactly-once rows, rewards, dead letters
 flywheel query "SQL" [--format table|csv|json] read-only SQL over the tables and v_* views
 flywheel retention                             drop old text, dead letters and held events now
-flywheel bench ingest [--events N]             Kafka -> sink -> SQL against direct inserts
+flywheel bench ingest [--events N] [--batch N]  HTTP -> Kafka -> sink -> SQL against the producer and direct inserts
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from feedback.core.errors import UserError
 from ops.cli.console import add_config_args, bench_subcommands, console, print_config
 
 
@@ -61,8 +62,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--via",
         choices=["http", "producer"],
         default="http",
-        help="how events enter: POST /v1/events on the real API (default), or the producer directly",
+        help="how events enter: POST /v1/events/batch on the real API (default), or the producer directly",
     )
+    b.add_argument(
+        "--batch",
+        type=int,
+        default=100,
+        help="events per HTTP request (default 100; 1 sends each alone to POST /v1/events)",
+    )
+    b.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients (default 8)")
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_ingest)
 
@@ -151,8 +159,13 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
         from ops.bench.ingest_http import HttpEventSender
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        sender = HttpEventSender(s)
-        progress(f"events enter over HTTP: POST {sender.url}/v1/events (the real API app and its buffered producer)")
+        if not 1 <= args.batch <= 100_000 or args.clients < 1:
+            raise UserError("--batch must be 1 to 100000 and --clients at least 1")
+        sender = HttpEventSender(s, concurrency=args.clients, batch=args.batch)
+        progress(
+            f"events enter over HTTP: POST {sender.url}{sender.route}, {args.batch} per request from "
+            f"{args.clients} clients (the real API app and its buffered producer)"
+        )
     try:
         result = run_ingest_bench(
             s,
@@ -161,6 +174,8 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
             progress=progress,
             send_events=sender.send if sender else None,
             events_topic=sender.topic if sender else None,
+            send_chunk=sender.chunk if sender else 100,
+            refused=(lambda: sender.errors) if sender else (lambda: 0),
         )
     finally:
         if sender is not None:

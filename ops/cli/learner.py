@@ -106,6 +106,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--steps", type=int, default=150, help="training steps for the QAT-vs-bf16 comparison (default 150)")
     b.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    b.add_argument(
+        "--parts",
+        default="abcd",
+        type=_bench_parts,
+        help="which parts to run: a error, b codec throughput, c QAT vs bf16, d router replay (default abcd)",
+    )
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_fp4)
 
@@ -161,6 +167,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     bl.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(bl)
     bl.set_defaults(fn=cmd_bench_learn)
+
+
+def _bench_parts(value: str) -> str:
+    if not value or set(value) - set("abcd"):
+        raise argparse.ArgumentTypeError(f"{value!r}: give some of the letters a, b, c, d (e.g. `--parts b`)")
+    return value
 
 
 def _settings(args: argparse.Namespace, flags: dict[str, object]):
@@ -272,7 +284,9 @@ def cmd_bench_fp4(args: argparse.Namespace) -> int:
     print_config(s, "flywheel bench fp4")
     from ops.bench.fp4 import run_bench
 
-    run_bench(s, console, steps=args.steps, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))
+    run_bench(
+        s, console, steps=args.steps, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]), parts=args.parts
+    )
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,10 +133,10 @@ def test_checksum_mismatches_are_rejected(versions):
     name = next(iter(d.changed))
     # a flipped bit in the XOR bytes: the result is not the recorded new tensor
     td = d.changed[name]
-    xor = list(td.xor)
-    xor[0] = xor[0].clone()
-    xor[0][0] ^= 1
-    bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, xor=tuple(xor))})
+    values = td.parts[0].values.copy()
+    values[0] ^= 1
+    flipped = (dataclasses.replace(td.parts[0], values=values), *td.parts[1:])
+    bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=flipped)})
     with pytest.raises(D.DeltaError, match="result sha256"):
         D.apply(v0, bad)
     # a base tensor modified behind the caller's back (its stale hash passed in)
@@ -147,6 +148,63 @@ def test_checksum_mismatches_are_rejected(versions):
     base[name] = dataclasses.replace(entry, weight_packed=first) if isinstance(entry, fp4.PackedTensor) else first
     with pytest.raises(D.DeltaError, match="base tensor"):
         D.apply(base, d, base_hashes=hashes)
+
+
+def test_a_part_of_the_wrong_width_or_count_is_a_delta_error_not_a_crash(versions):
+    v0, v1 = versions
+    d = D.diff(v0, v1)
+    name, td = next((n, t) for n, t in d.changed.items() if t.parts[0].w > 1)
+    first = td.parts[0]
+    narrow = dataclasses.replace(first, n=first.n * first.w, w=1)  # same bytes, other width
+    bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=(narrow, *td.parts[1:]))})
+    with pytest.raises(D.DeltaError, match="width"):
+        D.apply(v0, bad)
+    fewer = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=td.parts[1:])})
+    with pytest.raises(D.DeltaError, match="parts"):
+        D.apply(v0, fewer)
+
+
+def test_parts_hold_exactly_the_changed_elements_and_apply_only_them():
+    g = torch.Generator().manual_seed(3)
+    old = {
+        "w": torch.randn(13, 7, generator=g).bfloat16(),
+        "s": torch.tensor(1.5),
+        "b": torch.zeros(5, dtype=torch.bool),
+    }
+    new = {k: v.clone() for k, v in old.items()}
+    new["w"].view(-1)[[0, 17, 90]] += 1  # 3 of 91 elements (91 is not a multiple of 8)
+    new["s"] += 1
+    new["b"][4] = True
+    d = D.diff(old, new)
+    part = d.changed["w"].parts[0]
+    assert (part.n, part.w, part.k) == (91, 2, 3)
+    assert np.flatnonzero(part.changed()).tolist() == [0, 17, 90]
+    assert np.array_equal(part.xor(), np.bitwise_xor(D._bytes(old["w"]), D._bytes(new["w"])))
+    assert d.xor_nbytes == 91 * 2 + 4 + 5
+    out = D.apply(old, D.decode(D.encode(d)))
+    assert all(
+        torch.equal(out[k], new[k]) and (out[k].dtype, out[k].shape) == (new[k].dtype, new[k].shape) for k in new
+    )
+
+
+def test_parallel_apply_equals_serial(versions):
+    v0, v1 = versions
+    d = D.decode(D.encode(D.diff(v0, v1)))
+    one, many = D.apply(v0, d, threads=1), D.apply(v0, d, threads=4)
+    assert all(same_bits(one[n], many[n]) and same_bits(one[n], v1[n]) for n in v1)
+
+
+def test_a_mask_bit_past_the_last_element_is_corrupt():
+    old = {"w": torch.zeros(3, 3, dtype=torch.bfloat16)}  # 9 elements: 7 spare mask bits
+    new = {"w": torch.ones(3, 3, dtype=torch.bfloat16)}
+    d = D.diff(old, new)
+    td = d.changed["w"]
+    part = td.parts[0]
+    mask = part.mask.copy()
+    mask[-1] |= 0x80  # element 15 of 9
+    bad = dataclasses.replace(td, parts=(dataclasses.replace(part, mask=mask),))
+    with pytest.raises(D.DeltaError, match="mask and values disagree"):
+        D.decode(D.encode(dataclasses.replace(d, changed={"w": bad})))
 
 
 def test_a_changed_layout_needs_a_full_snapshot():
@@ -175,6 +233,14 @@ def test_bench_methods_round_trip_and_flywheel_is_smallest(versions):
     sizes = {m: B.RUNNERS[m](v0, v1, 3, 1, 1)["bytes"] for m in methods}
     print("\n" + ", ".join(f"{m} {b} B" for m, b in sizes.items()))
     assert sizes["flywheel"] == min(sizes.values())
+
+
+def test_bench_times_flywheel_beside_raw_zstd_of_the_same_bytes(versions):
+    from ops.bench import delta as B
+
+    r = B.flywheel_vs_zstd(*versions, level=3, threads=1, repeats=2)
+    assert r["flywheel_MBps"] > 0 and r["zstd_MBps"] > 0
+    assert r["ratio"] == pytest.approx(r["flywheel_MBps"] / r["zstd_MBps"])
 
 
 def _importable(module: str) -> bool:

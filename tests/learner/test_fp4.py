@@ -7,6 +7,8 @@ from learner.fp4 import (
     E2M1_VALUES,
     MXFP4,
     NVFP4,
+    PackedTensor,
+    decode,
     dequantize,
     fake_quantize,
     from_safetensors_dict,
@@ -166,8 +168,74 @@ def test_requantize_covers_e4m3_subnormal_scales():
 
 def test_pack_codes_nibble_order_and_round_trip():
     assert pack_codes(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x21, 0x0F]
-    codes = torch.randint(0, 16, (3, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(unpack_codes(pack_codes(codes)), codes)
+    for shape in [(3, 5, 64), (512, 4096)]:  # the large one takes the vectorized loops
+        codes = torch.randint(0, 16, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        assert torch.equal(pack_codes(codes), codes[..., 0::2] | (codes[..., 1::2] << 4))
+        assert torch.equal(unpack_codes(pack_codes(codes)), codes)
+    strided = torch.arange(32, dtype=torch.uint8).reshape(4, 8).T % 16  # not contiguous
+    assert torch.equal(pack_codes(strided), pack_codes(strided.contiguous()))
+
+
+def formula(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, fmt) -> torch.Tensor:
+    """The documented decoding, element by element in float32: e2m1(code) * scale * global_scale."""
+    unit = scales.float() * global_scale if fmt == NVFP4 else torch.exp2(scales.int().float() - 127)
+    values = E2M1_VALUES[codes.long()].unflatten(-1, (-1, fmt.block_size))
+    return (values * unit.unsqueeze(-1)).flatten(-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
+def test_table_decoding_matches_the_formula_for_every_byte_and_scale(fmt, dtype):
+    # row r of each matrix: all 256 packed bytes, every block with scale byte r (NaN scales too),
+    # so each [scale, byte] entry of the tables is checked; two matrices, two global scales
+    packed = torch.arange(256, dtype=torch.uint8).repeat(2, 256, 1)  # [2, 256, 256]
+    nb = 512 // fmt.block_size
+    scale_bytes = torch.arange(256, dtype=torch.uint8)[None, :, None].expand(2, 256, nb).contiguous()
+    scales = scale_bytes.view(fmt.scale_dtype) if fmt == NVFP4 else scale_bytes
+    glob = torch.tensor([2.0**-8, 2.0**5]).reshape(2, 1, 1) if fmt == NVFP4 else torch.ones(2, 1, 1)
+    shape = (2, 256, 512)
+    p = PackedTensor(packed, scales, (1 / glob).reshape(2, 1) if fmt == NVFP4 else None, fmt, shape, dtype)
+    want = formula(unpack_codes(packed), scales, glob, fmt).to(dtype)
+    for got in (decode(p, dtype), dequantize(unpack(p), dtype)):
+        assert got.dtype == dtype and got.shape == shape
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert same.all() and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_is_dequantize_of_unpack(fmt):
+    x = spread(3, 16, 64, lo=-30, hi=30, seed=6)  # stacked experts, each its own global scale
+    p = pack(quantize(x, fmt))
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(decode(p, dtype), dequantize(unpack(p), dtype))
+        assert torch.equal(decode(p, dtype), quantize_dequantize(x, fmt).to(dtype))
+    vector = pack(quantize(spread(1, 128, lo=-1, hi=1)[0], fmt))
+    assert torch.equal(decode(vector), dequantize(unpack(vector)))
+
+
+def reference_codes(x: torch.Tensor, fmt) -> torch.Tensor:
+    """E2M1 codes by the rule itself: 7 comparisons of |x| with midpoint * unit, > at even
+    midpoints (a tie stays on the even index) and >= at odd ones, given quantize's scales."""
+    q = quantize(x, fmt)
+    unit = formula(torch.full_like(q.codes, 2), q.scales, q.global_scale, fmt)  # E2M1 code 2 is 1.0
+    mag = x.float().abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8)
+    for i, m in enumerate((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)):
+        idx += (mag > m * unit) if i % 2 == 0 else (mag >= m * unit)
+    return torch.where(unit > 0, idx, 0) | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encoding_follows_the_rounding_rule_at_every_tie(fmt):
+    g = torch.Generator().manual_seed(7)
+    x = spread(8, 256, lo=-20, hi=20, seed=8)
+    # every tie and grid point, at block scales 2**j: the block max 6 fixes the scale
+    ties = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 5.5, 6.0])
+    block = torch.cat([torch.tensor([6.0]), ties[torch.randint(0, 15, (fmt.block_size - 1,), generator=g)]])
+    signs = torch.where(torch.rand(16, 4, fmt.block_size, generator=g) < 0.5, -1.0, 1.0)
+    tied = (block * signs * torch.exp2(torch.randint(-6, 7, (16, 4, 1), generator=g).float())).flatten(-2)
+    for data in (x, tied, x.bfloat16()):
+        assert torch.equal(quantize(data, fmt).codes, reference_codes(data, fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

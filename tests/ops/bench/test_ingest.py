@@ -22,3 +22,33 @@ def test_bench_ingest_smoke(kafka_settings, tmp_path):
     assert r.kafka_paced is None and r.throughput_ratio > 0 and r.drain_ratio > 0 and r.producer_per_s > 0
     assert r.kafka.lag_p99_ms >= r.kafka.lag_p50_ms >= 0
     assert any("sink drained" in line for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_bench_ingest_over_http_batches_loses_nothing_beside_the_producer(kafka_settings, tmp_path):
+    from ops.bench.ingest_http import HttpEventSender
+
+    s = SinkSettings(
+        data_dir=str(tmp_path),
+        cache_dir=str(kafka_settings.cache_dir),
+        kafka=kafka_settings.kafka.model_dump(),
+        sink={"batch_size": 50},
+    )
+    sender = HttpEventSender(s, concurrency=2, batch=30)
+    try:
+        r = run_ingest_bench(
+            s,
+            n_events=300,
+            paced=False,
+            send_events=sender.send,
+            events_topic=sender.topic,
+            send_chunk=sender.chunk,
+            refused=lambda: sender.errors,
+            timeout_s=scaled(120),
+        )
+    finally:
+        sender.close()
+    assert r.kafka.events == r.producer_e2e.events == r.sink_drain.events == 300
+    assert r.kafka.lost == r.producer_e2e.lost == 0 and r.refused == 0
+    assert r.sender_vs_producer == pytest.approx(r.kafka.events_per_s / r.producer_e2e.events_per_s)

@@ -13,7 +13,7 @@ from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.settings import ServeSettings
 
-SERVING_PATHS = ["/v1/completions", "/v1/events", "/v1/health", "/v1/models", "/metrics"]
+SERVING_PATHS = ["/v1/completions", "/v1/events", "/v1/events/batch", "/v1/health", "/v1/models", "/metrics"]
 
 
 def extra_router() -> APIRouter:

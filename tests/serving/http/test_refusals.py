@@ -43,6 +43,7 @@ JSON_H = {"Content-Type": "application/json"}
 ROUTES = [
     ("POST", "/v1/completions", "editor"),
     ("POST", "/v1/events", "editor"),
+    ("POST", "/v1/events/batch", "editor"),
     ("GET", "/v1/models", "editor"),
     ("GET", "/v1/health", "public"),
     ("GET", "/metrics", "public"),
@@ -178,6 +179,17 @@ def test_crafted_input_is_422_naming_the_field(api, path, body, field):
     assert sink.sent == []
 
 
+@pytest.mark.parametrize("body, field", [(b, f) for p, b, f in CRAFTED if p == "/v1/events"])
+def test_crafted_events_in_a_batch_are_rejected_naming_the_field(api, body, field):
+    client, sink = api
+    raw = json.dumps({"events": [body, {"type": "view", "completion_id": "c"}]}).encode()
+    r = client.post("/v1/events/batch", content=raw, headers={**JSON_H, **EDITOR_H})
+    assert r.status_code == 200, r.text
+    first, second = r.json()["results"]
+    assert first["status"] == "rejected" and first["error"].startswith(f"{field}: "), first
+    assert second["status"] == "accepted" and len(sink.sent) == 1
+
+
 @pytest.mark.parametrize(
     "method, path, field",
     [
@@ -260,4 +272,5 @@ def test_refusals_are_in_the_openapi_schema(api):
     spec = client.get("/openapi.json").json()
     assert {"413", "422", "429"} <= set(spec["paths"]["/v1/completions"]["post"]["responses"])
     assert {"413", "422", "429"} <= set(spec["paths"]["/v1/events"]["post"]["responses"])
+    assert {"413", "422", "429", "503"} <= set(spec["paths"]["/v1/events/batch"]["post"]["responses"])
     assert {"413", "429"} <= set(spec["paths"]["/ops/login"]["post"]["responses"])
