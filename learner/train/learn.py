@@ -498,9 +498,25 @@ class Learner:
         )
 
     def _recover_unrecorded(self) -> None:
-        """Versions in the store newer than the saved state: published, then the learner died."""
+        """Versions in the store newer than the saved state that hold the saved weights: this learner
+        published them, then died before its state moved on. A version with other weights is another
+        publisher's (an operator's, the demo's degraded candidate, a damaged one a soak planted) and is
+        left alone: adopted, it would become the parent of the next delta."""
+        from learner import delta as codec
+        from learner.store import StoreError
+
+        mine = None
         for v in self.store.versions():
             if v <= self.state.version:
+                continue
+            if mine is None:
+                mine = codec.checkpoint_digest(codec.tensor_hashes(self._packed()))
+            try:
+                theirs = self.store.manifest(v)["digest"]
+            except (StoreError, codec.DeltaError) as e:
+                theirs = f"unreadable: {e}"
+            if theirs != mine:
+                log.info("v%d in the store is not this learner's (not its saved weights); left alone", v)
                 continue
             with self.engine.connect() as conn:
                 row = conn.execute(select(db.model_versions).where(db.model_versions.c.version == v)).first()
@@ -574,14 +590,18 @@ class Learner:
 
     def publish(self) -> dict:
         """Gate, then store the candidate as the next version (delta against the last good one)."""
-        from learner import store as S
-
         self._save()  # the published weights are a saved state (see the module docstring)
-        packed = S.pack_checkpoint(
-            self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
-        )
+        packed = self._packed()
         passed, reason, metrics = self._gate(packed)
         return self._finish_publish(packed, passed, reason, metrics)
+
+    def _packed(self) -> dict:
+        """The model's weights as a version: packed FP4 targets, bf16 for the rest."""
+        from learner import store as S
+
+        return S.pack_checkpoint(
+            self.model.state_dict(), self.fmt or "nvfp4", S.fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
+        )
 
     def _finish_publish(
         self, packed, passed: bool, reason: str | None, metrics: dict, *, version: int | None = None
