@@ -32,12 +32,11 @@ from typing import Self
 
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field, model_validator
-from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from feedback import db
 from feedback.core.config import FlywheelSettings, Section
 from feedback.core.errors import UserError, first_line
+from feedback.db import database_unavailable
 from feedback.reward import RewardWeights
 from feedback.sink import ingest
 from feedback.sink.ingest import Batch, Counts
@@ -257,27 +256,6 @@ def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event
             break
         records.extend(got)
     return records
-
-
-def database_unavailable(e: BaseException) -> bool:
-    """True when the database could not do any work (connection refused or lost, server shutting
-    down, database locked, disk full): the batch is kept, its offsets stay uncommitted, and it is
-    retried. Anything else (OverflowError, DataError, IntegrityError, a ValueError from decoding,
-    PostgreSQL refusing a NUL character...) is a refusal of the data itself: the message is set
-    aside as a dead letter and the sink goes on, so one message can never stop it."""
-    if isinstance(e, (DisconnectionError, PoolTimeout)):
-        return True
-    if isinstance(e, DBAPIError) and e.connection_invalidated:
-        return True
-    if isinstance(e, OperationalError):
-        sqlstate = getattr(e.orig, "sqlstate", None) or ""
-        return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
-    return False
-
-
-# PostgreSQL reports these as OperationalError, yet they depend on the data written, not on the
-# server's state: 54, program_limit_exceeded (a value too large for an index, say).
-_DATA_SQLSTATE_CLASSES = ("54",)
 
 
 def _write_until_done(engine, batch: Batch, settings: SinkSettings, stop: threading.Event) -> Counts | None:

@@ -754,15 +754,33 @@ class Learner:
         """Poll, update, publish until `stop` is set, `max_versions` were published by this call,
         or (`until_idle`) nothing new arrived and less than a batch is left to train."""
         published = 0
+        recovering = False
         while not stop.is_set():
-            added = self.poll()
-            m = self.update()
+            try:
+                if recovering:  # a publish cut short by the outage may have stored its version already
+                    self._recover_unrecorded()
+                    recovering = False
+                added = self.poll()
+                m = self.update()
+            except Exception as e:
+                if not db.database_unavailable(e):
+                    raise
+                self._wait_for_database(e, stop)
+                recovering = True
+                continue
             if until_idle and not added and m is None and not self.publish_due():
                 return
             if m is not None:
                 self.progress(self.snapshot(f"update {self.state.step}"))
             if self.publish_due():
-                info = self.publish()
+                try:
+                    info = self.publish()
+                except Exception as e:
+                    if not db.database_unavailable(e):
+                        raise
+                    self._wait_for_database(e, stop)
+                    recovering = True
+                    continue
                 published += 1
                 verdict = "passed the gate" if info["gate_passed"] else f"BLOCKED by the gate: {info['gate_reason']}"
                 self.progress(
@@ -773,6 +791,17 @@ class Learner:
             if m is None:
                 self.progress(self.snapshot())
                 stop.wait(self.cfg.poll_s)
+
+    def _wait_for_database(self, e: Exception, stop: threading.Event) -> None:
+        """An outage is waited out, not a reason to exit: the state in memory is the saved one (each
+        update saves it), so trying again later loses nothing."""
+        from feedback.core.errors import first_line
+
+        log.warning(
+            "database unavailable (%s); trying again in %gs", first_line(e, with_type=False), self.cfg.db_retry_s
+        )
+        self.progress(self.snapshot(f"database unavailable; trying again in {self.cfg.db_retry_s:g} s"))
+        stop.wait(self.cfg.db_retry_s)
 
 
 def describe(p: Progress) -> str:

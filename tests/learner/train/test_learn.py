@@ -276,3 +276,38 @@ def test_a_restarted_learner_adopts_only_its_own_versions(tmp_path, base):
     third = Learner(lr.s, producer=ListProducer())
     third.start()
     assert third.state.version == 3 and [m.version for _, m in third._producer.sent] == [3]
+
+
+def test_the_learner_waits_out_a_database_outage_and_loses_nothing(tmp_path, base, monkeypatch):
+    """A database restart cut the learner's poll, then its publish between STABLE and recording the
+    version: it exited with `internal error: OperationalError` before. Now it waits, tries again,
+    and records the version it had stored, once, as its own."""
+    import threading
+
+    from sqlalchemy.exc import OperationalError
+
+    import learner.publish
+    import learner.train.learn as L
+
+    lr = started(tmp_path, base, min_samples=4, publish_every=0.01, db_retry_s=0.01)
+    write_samples(lr.engine, model_from_packed(lr.store.materialize(0), lr.args), lr.tok, texts(4))
+    down = {"poll": 1, "record": 1}  # how many calls each still fails
+
+    def outage(name, real):
+        def call(*args, **kwargs):
+            if down[name]:
+                down[name] -= 1
+                raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(L, "read_samples", outage("poll", L.read_samples))
+    monkeypatch.setattr(learner.publish, "record", outage("record", learner.publish.record))
+    lr.run(threading.Event(), until_idle=True)
+    assert down == {"poll": 0, "record": 0}
+    assert lr.store.versions() == [0, 1] and (lr.state.version, lr.state.last_good) == (1, 1)
+    with lr.engine.connect() as conn:
+        rows = conn.execute(db.model_versions.select()).all()
+    assert [r.version for r in rows] == [0, 1] and rows[1].metrics["learner_step"] == lr.state.step
+    assert [m.version for _, m in lr._producer.sent] == [0, 1]
