@@ -132,6 +132,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     s = SoakSettings.load(args.config, overrides)
     print_config(s, "flywheel soak")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The soak stops the broker on purpose: kafka-python's connection errors would bury its own lines.
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
     return run(s, console)
 
 
