@@ -239,7 +239,7 @@ def corrupt_delta(loop: Loop):
         pass  # the controller ended it already
     refused = [a for a in attempts if not a.ok]
     outcome = DONE if len(refused) == len(attempts) else FAILED
-    why = first_line(refused[0].error or "") if refused else ""
+    why = (refused[0].error or "").strip().split("\n")[0] if refused else ""  # the replica's own words
     return (
         outcome,
         f"v{v} published (a copy of v{parent}), then {', '.join(damaged)} damaged; rollout #{rollout.id} pointed the canary "
