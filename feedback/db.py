@@ -42,7 +42,8 @@ from sqlalchemy import (
     func,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, DisconnectionError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.pool import NullPool
 
 from feedback.core.errors import UserError, first_line
@@ -406,3 +407,25 @@ def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()  # type: ignore[arg-type]
+
+
+def database_unavailable(e: BaseException) -> bool:
+    """True when the database could not do any work (connection refused or lost, server shutting
+    down, database locked, disk full): whoever called waits and tries again (the sink keeps its
+    batch, its offsets uncommitted; the learner keeps its state). Anything else (OverflowError,
+    DataError, IntegrityError, a ValueError from decoding, PostgreSQL refusing a NUL character...)
+    is a refusal of the data itself: the sink sets the message aside as a dead letter and goes on,
+    so one message can never stop it."""
+    if isinstance(e, (DisconnectionError, PoolTimeout)):
+        return True
+    if isinstance(e, DBAPIError) and e.connection_invalidated:
+        return True
+    if isinstance(e, OperationalError):
+        sqlstate = getattr(e.orig, "sqlstate", None) or ""
+        return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
+    return False
+
+
+# PostgreSQL reports these as OperationalError, yet they depend on the data written, not on the
+# server's state: 54, program_limit_exceeded (a value too large for an index, say).
+_DATA_SQLSTATE_CLASSES = ("54",)

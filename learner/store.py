@@ -415,6 +415,17 @@ class Store(ABC):
                 self._cache = c = _Materialized(version, ckpt, hashes)
             return dict(c.ckpt)
 
+    def verify(self, version: int) -> None:
+        """Read `version` back from storage and check it end to end, trusting nothing in memory: its
+        manifest against the sha256 in STABLE, each of its files against the manifest, and the
+        checkpoint rebuilt from the nearest full snapshot against every tensor checksum. Raises
+        DeltaError if anything is corrupt, StoreError if it is missing or unreachable."""
+        with self._lock:
+            self._manifests.pop(version, None)
+            for kind in self.manifest(version)["files"]:
+                self._payload(version, kind)
+            self.fetch(self.plan(version))
+
     def hashes(self, version: int) -> dict[str, str]:
         return {n: t["sha256"] for n, t in self.manifest(version)["tensors"].items()}
 
@@ -587,6 +598,19 @@ class LocalStore(Store):
             yield
         finally:
             os.close(fd)  # releases the lock
+
+    def publishing(self) -> str | None:
+        """Who holds the publish lock right now (its "pid N on host" line), or None when nobody does.
+        A probe, for tools that watch the store: it takes the lock for an instant when it is free."""
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            return None
+        finally:
+            os.close(fd)  # releases the lock if this probe took it
 
     def uri(self, version: int | None = None) -> str:
         return (self.root if version is None else self._dir(version)).as_uri()

@@ -185,7 +185,7 @@ def run(
                     sim,
                     progress=show,
                     deadline=t0 + s.demo.minutes * 60,
-                    until=until,
+                    stop=_at_most_every_second(until),
                 )
             )
             wait = s.sink.feedback_window_s + 2 * s.sink.sweep_interval_s + s.sink.max_batch_wait_s
@@ -257,6 +257,20 @@ def print_machine_report(console: Console, stats, serving_dtype, trained_in: str
             f"[yellow]this machine is struggling[/]: {'; '.join(struggling)}. Fewer simulated users (simulate.users, "
             "simulate.rate) or a longer simulate.timeout_s would ease it."
         )
+
+
+def _at_most_every_second(until: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """`until` asked at most once a second (the editors ask before each request), True once it was."""
+    if until is None:
+        return None
+    seen = {"at": float("-inf"), "done": False}
+
+    def check() -> bool:
+        if not seen["done"] and time.monotonic() - seen["at"] >= 1.0:
+            seen["at"], seen["done"] = time.monotonic(), bool(until())
+        return seen["done"]
+
+    return check
 
 
 def _check_imported_base(s: DemoSettings, console: Console) -> None:

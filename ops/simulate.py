@@ -7,6 +7,11 @@ reports `view`, then accepts when the suggestion matches the truth (fully, or pa
 line or by word) and dismisses otherwise; a few seconds later it sends `edit` with the
 text it kept. Empty suggestions are not shown, so they get no event.
 
+Each editor keeps its own record of every call (`SimStats.calls`): the completion id it was
+served, the `event_id` it chose for each event (sent again, with the same id, after a call that
+got no answer, a 429 or a 5xx), and the HTTP status or why there was none. `flywheel soak`
+compares that client-side view with what reached SQL.
+
 The user's judgement and the events it sends for it (`learner.judge.judge` and `editor_events`)
 are pure: the learner's held-out replay uses the same ones; this module only puts them on the wire.
 """
@@ -14,7 +19,7 @@ are pure: the learner's held-out replay uses the same ones; this module only put
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import random
 import time
 import uuid
@@ -47,6 +52,9 @@ class SimulateSection(Section):
     timeout_s: float = Field(default=30.0, gt=0)
     """How long an editor waits for one call; a slower answer counts as a failed request (with its
     reason) and the session goes on."""
+    event_retries: int = Field(default=2, ge=0, le=10)
+    """How many times an event is sent again after a call that got no answer, a 429 or a 5xx; it keeps
+    its `event_id`, so the server stores it once however many copies arrive."""
     seed: int = 0
     corpus: str | None = None
     """Folder of source files whose held-out split is replayed. Empty: the standard library."""
@@ -57,6 +65,19 @@ class SimulateSettings(FlywheelSettings):
     to find the API and an editor token when the section names none)."""
 
     simulate: SimulateSection = SimulateSection()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP call as the editor saw it."""
+
+    kind: str  # "completion" | "event"
+    id: str  # the completion id it was served ("" without an answer), or the event's own event_id
+    status: int | None  # the HTTP status; None when no answer came (timeout, connection error)
+    failure: str | None  # why it is not a 200 (failure_reason), None for a 200
+    started: float  # time.time() when the call began
+    ended: float
+    version: str = ""  # completions: the version that answered (system_fingerprint)
 
 
 @dataclass
@@ -70,6 +91,7 @@ class SimStats:
     failures: Counter = field(default_factory=Counter)  # "completion: timeout", "event: HTTP 503", ... -> count
     by_version: dict[str, dict[str, int]] = field(default_factory=dict)
     latency_ms: dict[str, list[float]] = field(default_factory=dict)  # answered completions, per served version
+    calls: list[Call] = field(default_factory=list)  # every call, in the order they ended
 
     @property
     def errors(self) -> int:
@@ -118,8 +140,9 @@ def failure_reason(exc: BaseException | None = None, status: int | None = None) 
 
 def event_body(e: Event, completion_id: str, elapsed_ms: float) -> tuple[dict, str]:
     """(JSON body, query string) of the POST /v1/events call that reports `e` about choice 0
-    (an `edit` names the completion only)."""
-    body: dict = {"type": e.type, "completion_id": completion_id}
+    (an `edit` names the completion only). The body carries a fresh `event_id`: a retry sends the
+    same body, and the server stores the event once."""
+    body: dict = {"type": e.type, "completion_id": completion_id, "event_id": str(uuid.uuid4())}
     if e.type != "edit":
         body["choice_index"] = 0
     if e.type == "view":
@@ -140,40 +163,63 @@ async def run_sessions(
     *,
     progress=lambda stats: None,
     deadline: float | None = None,
-    until: Callable[[], bool] | None = None,
+    stop: Callable[[], bool] | None = None,
+    requests: int | None = None,
 ) -> SimStats:
     """Replay `sites` as `cfg.users` editors at about `cfg.rate` requests/s in all, over the real HTTP API.
 
     A call that times out (`cfg.timeout_s`), cannot connect, or gets an error status is counted in
     `stats.failures` with its reason and the session goes on, as an editor would: a slow or
-    restarting replica costs that suggestion, not the run. `deadline` (time.monotonic()): start no
-    request after it; the sites left are counted as skipped. `until`: checked about once a second;
-    once it returns True, no request starts either (the run ends early)."""
+    restarting replica costs that suggestion, not the run. An event is sent again (same
+    `event_id`) up to `cfg.event_retries` times when it got no answer, a 429 or a 5xx.
+
+    `requests`: how many completions to ask for, going round `sites` (default: one per site);
+    0 means no limit, until `deadline` or `stop`. `deadline` (time.monotonic()) or `stop()`
+    returning True: start no request after it; the planned ones left are counted as skipped."""
     import httpx
 
     users, rate, edit_delay_s, timeout_s = cfg.users, cfg.rate, cfg.edit_delay_s, cfg.timeout_s
+    total = len(sites) if requests is None else requests
     stats = SimStats()
     rng = random.Random(cfg.seed)
-    pending_edits: list[asyncio.Task] = []
+    pending: set[asyncio.Task] = set()  # requests in flight and edits still to send
     async with httpx.AsyncClient(
         base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
     ) as client:
 
-        async def post(kind: str, path: str, body: dict) -> httpx.Response | None:
-            """The response when it is a 200; else None, with the failure counted."""
+        async def post(kind: str, path: str, body: dict) -> tuple[httpx.Response | None, Call]:
+            """The response when it is a 200 (else None, the failure counted), and the call's record."""
+            t0 = time.time()
+            r, reason = None, None
             try:
                 r = await client.post(path, json=body)
             except httpx.HTTPError as e:
-                stats.failures[f"{kind}: {failure_reason(e)}"] += 1
-                return None
-            if r.status_code != 200:
-                stats.failures[f"{kind}: {failure_reason(status=r.status_code)}"] += 1
-                return None
-            return r
+                reason = failure_reason(e)
+            else:
+                if r.status_code != 200:
+                    reason = failure_reason(status=r.status_code)
+            ident, version = body.get("event_id", ""), ""
+            if kind == "completion" and reason is None:
+                answer = r.json()
+                ident, version = answer["id"], answer.get("system_fingerprint") or "?"
+            call = Call(kind, ident, r.status_code if r is not None else None, reason, t0, time.time(), version)
+            stats.calls.append(call)
+            if reason is not None:
+                stats.failures[f"{kind}: {reason}"] += 1
+                return None, call
+            return r, call
 
         async def event(body: dict, query: str = "") -> None:
-            if await post("event", f"/v1/events{query}", body) is not None:
-                stats.events += 1
+            for attempt in range(cfg.event_retries + 1):
+                t0 = time.monotonic()
+                r, call = await post("event", f"/v1/events{query}", body)
+                if r is not None:
+                    stats.events += 1
+                    return
+                if call.status is not None and call.status != 429 and call.status < 500:
+                    return  # refused for what it is: sending it again changes nothing
+                if attempt < cfg.event_retries:  # a second or two apart, counted from when the call began
+                    await asyncio.sleep(max(0.0, min(1.0 + attempt, timeout_s) - (time.monotonic() - t0)))
 
         async def later_edit(body: dict) -> None:
             await asyncio.sleep(edit_delay_s)
@@ -188,7 +234,7 @@ async def run_sessions(
                 "seed": rng.randrange(2**31),
             }
             t0 = time.perf_counter()
-            r = await post("completion", "/v1/completions", req)
+            r, _ = await post("completion", "/v1/completions", req)
             if r is None:
                 progress(stats)
                 return
@@ -213,35 +259,33 @@ async def run_sessions(
                     per["accepted_chars"] += e.accepted_chars
                 body, query = event_body(e, cid, elapsed_ms)
                 if e.type == "edit":  # the kept text is known a little after the accept
-                    pending_edits.append(asyncio.create_task(later_edit(body)))
+                    spawn(later_edit(body))
                 else:
                     await event(body, query)
             progress(stats)
 
+        def spawn(coro) -> asyncio.Task:
+            task = asyncio.create_task(coro)
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            return task
+
+        def time_is_up() -> bool:
+            return (deadline is not None and time.monotonic() >= deadline) or (stop is not None and stop())
+
         sem = asyncio.Semaphore(users)
         interval = 1.0 / rate if rate > 0 else 0.0
-        ended = asyncio.Event()
-
-        async def watch() -> None:
-            while not ended.is_set():
-                if until is not None and until():
-                    ended.set()
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ended.wait(), 1.0)
-
-        async def paced(i: int, site: Site) -> None:
-            with contextlib.suppress(TimeoutError):  # its slot, unless the run ends first
-                await asyncio.wait_for(ended.wait(), i * interval)
-            async with sem:
-                if ended.is_set() or (deadline is not None and time.monotonic() >= deadline):
-                    stats.skipped += 1
-                    return
-                await one(site, f"sim-user-{i % max(1, users * 4)}")
-
-        watcher = asyncio.create_task(watch())
-        await asyncio.gather(*(paced(i, s) for i, s in enumerate(sites)))
-        ended.set()
-        await watcher
-        await asyncio.gather(*pending_edits)
+        started = time.monotonic()
+        for i in itertools.count() if total == 0 else range(total):
+            await asyncio.sleep(max(0.0, started + i * interval - time.monotonic()))
+            await sem.acquire()
+            if time_is_up():
+                sem.release()
+                stats.skipped += total - i if total else 0
+                break
+            spawn(one(sites[i % len(sites)], f"sim-user-{i % max(1, users * 4)}")).add_done_callback(
+                lambda _: sem.release()
+            )
+        while pending:
+            await asyncio.gather(*pending)
     return stats

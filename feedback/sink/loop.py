@@ -32,12 +32,11 @@ from typing import Self
 
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field, model_validator
-from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from feedback import db
 from feedback.core.config import FlywheelSettings, Section
 from feedback.core.errors import UserError, first_line
+from feedback.db import database_unavailable
 from feedback.reward import RewardWeights
 from feedback.sink import ingest
 from feedback.sink.ingest import Batch, Counts
@@ -48,6 +47,7 @@ MESSAGES = Counter("flywheel_sink_messages_total", "Kafka messages the sink cons
 ROWS = Counter("flywheel_sink_rows_total", "New rows the sink wrote (duplicates excluded)", ["table"])
 DEAD_LETTERS = Counter("flywheel_sink_dead_letters_total", "Messages the sink sent to dead_letters", ["reason"])
 DB_ERRORS = Counter("flywheel_sink_db_errors_total", "Database failures the sink retried")
+KAFKA_ERRORS = Counter("flywheel_sink_kafka_errors_total", "Polls that failed because the broker did not answer")
 SWEEP_ERRORS = Counter(
     "flywheel_sink_sweep_errors_total",
     "Sweep steps that failed for a reason other than the database being down",
@@ -97,6 +97,9 @@ class SinkSection(Section):
     """How often the progress line (rows/s, lag, dead letters) is printed."""
     db_retry_s: float = Field(default=2.0, gt=0)
     """Wait between attempts while the database is unreachable (the batch is kept, offsets are not committed)."""
+    kafka_retry_s: float = Field(default=2.0, gt=0)
+    """Wait between polls while the Kafka broker is unreachable (stopped, restarting); what was read
+    before is written, and nothing is committed until the broker answers again."""
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Serve Prometheus metrics on this port; 0 serves none."""
     metrics_host: str = Field(default="127.0.0.1", min_length=1)
@@ -206,7 +209,7 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
     next_sweep = next_retention = time.monotonic()
     last_report, reported = time.monotonic(), SinkStats()
     while not stop.is_set():
-        records = _collect(consumer, cfg.batch_size, cfg.max_batch_wait_s, stop)
+        records = _collect(consumer, cfg.batch_size, cfg.max_batch_wait_s, stop, cfg.kafka_retry_s)
         if records:
             t0 = time.perf_counter()
             batch = ingest.decode_batch(records, completions_topic=cfg.completions_topic, events_topic=cfg.events_topic)
@@ -238,12 +241,16 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
             )
 
 
-def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event) -> list:
+def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event, kafka_retry_s: float) -> list:
     """Up to `batch_size` records: once some arrived, stop at the first poll that finds no more.
 
     Under light load a batch is written as soon as the consumer has caught up (low lag);
     under heavy load polls keep returning records and batches fill up (high throughput).
+    A broker that stops answering ends the batch (what arrived is written) and is polled again
+    after `kafka_retry_s`: an outage is waited out, never a reason to exit.
     """
+    from kafka.errors import KafkaError
+
     records: list = []
     deadline = time.monotonic() + max_wait_s
     while len(records) < batch_size and not stop.is_set():
@@ -251,33 +258,18 @@ def _collect(consumer, batch_size: int, max_wait_s: float, stop: threading.Event
         if remaining <= 0:
             break
         timeout_ms = 0 if records else max(1, int(remaining * 1000))
-        polled = consumer.poll(timeout_ms=timeout_ms, max_records=batch_size - len(records))
+        try:
+            polled = consumer.poll(timeout_ms=timeout_ms, max_records=batch_size - len(records))
+        except KafkaError as e:
+            KAFKA_ERRORS.inc()
+            log.warning("Kafka unreachable (%s); polling again in %gs", first_line(e), kafka_retry_s)
+            stop.wait(kafka_retry_s)
+            break
         got = [r for part in polled.values() for r in part]
         if records and not got:
             break
         records.extend(got)
     return records
-
-
-def database_unavailable(e: BaseException) -> bool:
-    """True when the database could not do any work (connection refused or lost, server shutting
-    down, database locked, disk full): the batch is kept, its offsets stay uncommitted, and it is
-    retried. Anything else (OverflowError, DataError, IntegrityError, a ValueError from decoding,
-    PostgreSQL refusing a NUL character...) is a refusal of the data itself: the message is set
-    aside as a dead letter and the sink goes on, so one message can never stop it."""
-    if isinstance(e, (DisconnectionError, PoolTimeout)):
-        return True
-    if isinstance(e, DBAPIError) and e.connection_invalidated:
-        return True
-    if isinstance(e, OperationalError):
-        sqlstate = getattr(e.orig, "sqlstate", None) or ""
-        return sqlstate[:2] not in _DATA_SQLSTATE_CLASSES
-    return False
-
-
-# PostgreSQL reports these as OperationalError, yet they depend on the data written, not on the
-# server's state: 54, program_limit_exceeded (a value too large for an index, say).
-_DATA_SQLSTATE_CLASSES = ("54",)
 
 
 def _write_until_done(engine, batch: Batch, settings: SinkSettings, stop: threading.Event) -> Counts | None:

@@ -587,9 +587,25 @@ class Learner:
         return files | {BASE_FILE: (json.dumps(base, indent=1) + "\n").encode()}
 
     def _recover_unrecorded(self) -> None:
-        """Versions in the store newer than the saved state: published, then the learner died."""
+        """Versions in the store newer than the saved state that hold the saved weights: this learner
+        published them, then died before its state moved on. A version with other weights is another
+        publisher's (an operator's, the demo's degraded candidate, a damaged one a soak planted) and is
+        left alone: adopted, it would become the parent of the next delta."""
+        from learner import delta as codec
+        from learner.store import StoreError
+
+        mine = None
         for v in self.store.versions():
             if v <= self.state.version:
+                continue
+            if mine is None:
+                mine = codec.checkpoint_digest(codec.tensor_hashes(self._packed()))
+            try:
+                theirs = self.store.manifest(v)["digest"]
+            except (StoreError, codec.DeltaError) as e:
+                theirs = f"unreadable: {e}"
+            if theirs != mine:
+                log.info("v%d in the store is not this learner's (not its saved weights); left alone", v)
                 continue
             with self.engine.connect() as conn:
                 row = conn.execute(select(db.model_versions).where(db.model_versions.c.version == v)).first()
@@ -665,12 +681,16 @@ class Learner:
 
     def publish(self) -> dict:
         """Gate, then store the candidate as the next version (delta against the last good one)."""
-        from learner import store as S
-
         self._save()  # the published weights are a saved state (see the module docstring)
-        packed = S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", self.fp4_targets if self.fmt else ())
+        packed = self._packed()
         passed, reason, metrics = self._gate(packed)
         return self._finish_publish(packed, passed, reason, metrics)
+
+    def _packed(self) -> dict:
+        """The model's weights as a version: packed FP4 targets, bf16 for the rest."""
+        from learner import store as S
+
+        return S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", self.fp4_targets if self.fmt else ())
 
     def _finish_publish(
         self, packed, passed: bool, reason: str | None, metrics: dict, *, version: int | None = None
@@ -826,15 +846,33 @@ class Learner:
         """Poll, update, publish until `stop` is set, `max_versions` were published by this call,
         or (`until_idle`) nothing new arrived and less than a batch is left to train."""
         published = 0
+        recovering = False
         while not stop.is_set():
-            added = self.poll()
-            m = self.update()
+            try:
+                if recovering:  # a publish cut short by the outage may have stored its version already
+                    self._recover_unrecorded()
+                    recovering = False
+                added = self.poll()
+                m = self.update()
+            except Exception as e:
+                if not db.database_unavailable(e):
+                    raise
+                self._wait_for_database(e, stop)
+                recovering = True
+                continue
             if until_idle and not added and m is None and not self.publish_due():
                 return
             if m is not None:
                 self.progress(self.snapshot(f"update {self.state.step}"))
             if self.publish_due():
-                info = self.publish()
+                try:
+                    info = self.publish()
+                except Exception as e:
+                    if not db.database_unavailable(e):
+                        raise
+                    self._wait_for_database(e, stop)
+                    recovering = True
+                    continue
                 published += 1
                 verdict = "passed the gate" if info["gate_passed"] else f"BLOCKED by the gate: {info['gate_reason']}"
                 self.progress(
@@ -845,6 +883,17 @@ class Learner:
             if m is None:
                 self.progress(self.snapshot())
                 stop.wait(self.cfg.poll_s)
+
+    def _wait_for_database(self, e: Exception, stop: threading.Event) -> None:
+        """An outage is waited out, not a reason to exit: the state in memory is the saved one (each
+        update saves it), so trying again later loses nothing."""
+        from feedback.core.errors import first_line
+
+        log.warning(
+            "database unavailable (%s); trying again in %gs", first_line(e, with_type=False), self.cfg.db_retry_s
+        )
+        self.progress(self.snapshot(f"database unavailable; trying again in {self.cfg.db_retry_s:g} s"))
+        stop.wait(self.cfg.db_retry_s)
 
 
 def describe(p: Progress) -> str:

@@ -90,6 +90,9 @@ class LearnSection(Section):
     """Replay routing in the FP4 forward: the serving engine's when recorded, else a high-precision forward's."""
     poll_s: float = Field(default=2.0, gt=0)
     """How often to look for new rewarded samples when idle."""
+    db_retry_s: float = Field(default=2.0, gt=0)
+    """While the database is unavailable (restarting, unreachable), how long the learner waits before
+    it tries again; its state is kept, and a version it stored but could not record is recorded then."""
     checkpoint_dir: Path | None = None
     """Learner state (weights, optimizer, step, cursor, buffer). Empty: <data_dir>/learner."""
     full_every: int = Field(default=8, ge=1)

@@ -7,6 +7,8 @@ Errors the user can fix print one line (`flywheel: error: ...`) and exit non-zer
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import sys
 from typing import NoReturn
@@ -127,6 +129,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(s, console)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from ops.soak.run import run
+    from ops.soak.settings import SoakSettings
+
+    flags = {"minutes": args.minutes, "database": args.database}
+    overrides = list(args.overrides) + [f"soak.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    s = SoakSettings.load(args.config, overrides)
+    print_config(s, "flywheel soak")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The soak stops the broker on purpose: kafka-python's connection errors would bury its own lines.
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    return run(s, console)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     import asyncio
     import random
@@ -193,6 +209,23 @@ def build_parser() -> Parser:
     )
     add_config_args(demo)
     demo.set_defaults(fn=cmd_demo)
+
+    sp = sub.add_parser(
+        "soak",
+        help="run the loop while faults are injected, then check that nothing was lost",
+        description="The whole loop in a folder of its own (broker, database, weight store), with simulated editors, "
+        "while a schedule stops the broker, SIGKILLs the sink and the learner, restarts PostgreSQL, kills a model "
+        "replica and plants a damaged version; then checks SQL and the store against what the editors were answered. "
+        "Settings: the [soak] section.",
+    )
+    sp.add_argument("--minutes", type=float, help="how long the editors work while faults are injected (soak.minutes)")
+    sp.add_argument(
+        "--database",
+        choices=["sqlite", "postgresql"],
+        help="a SQLite file, or a throwaway PostgreSQL server the soak restarts as a fault (soak.database)",
+    )
+    add_config_args(sp)
+    sp.set_defaults(fn=cmd_soak)
 
     dbp = sub.add_parser("db", help="database schema migrations", description="database schema migrations")
     dbsub = dbp.add_subparsers(dest="db_command", required=True, metavar="ACTION", parser_class=Parser)

@@ -144,6 +144,56 @@ def test_corrupt_payloads_are_rejected(tmp_path, chain):
         S.open_store(tmp_path).manifest(1)
 
 
+def test_verify_reads_a_version_back_from_storage_and_trusts_nothing_in_memory(tmp_path, chain):
+    """A payload damaged after STABLE passes `materialize` in the process that holds the version in
+    memory, and fails `verify` there; the versions around it still verify."""
+    ckpts, _, _ = chain
+    store = S.open_store(tmp_path, full_every=100)
+    publish_all(store, ckpts, 4)
+    for v in range(4):
+        store.verify(v)
+    f = tmp_path / "v000003" / "delta.zst"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert D.tensor_hashes(store.materialize(3)) == D.tensor_hashes(ckpts[3])  # the publisher's cached copy
+    with pytest.raises(D.DeltaError, match="does not match the sha256 in its manifest"):
+        store.verify(3)
+    for v in range(3):
+        store.verify(v)
+    (tmp_path / "v000001" / "STABLE").unlink()
+    with pytest.raises(S.StoreError, match="not in the store"):
+        store.verify(1)
+    with pytest.raises(S.StoreError):  # its chain needs v1's delta
+        S.open_store(tmp_path).verify(2)
+
+
+def test_publishing_says_who_holds_the_publish_lock(tmp_path, chain):
+    """The probe sees a writer in another process (flock), names it, and never blocks it."""
+    store = S.LocalStore(tmp_path)
+    assert store.publishing() is None
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from learner import store as S; s = S.LocalStore(sys.argv[1])\n"
+            "with s._writer():\n    print('held', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert store.publishing() == f"pid {holder.pid} on {__import__('socket').gethostname()}"
+    finally:
+        holder.kill()
+        holder.wait(timeout=scaled(30))
+    assert store.publishing() is None  # the kernel released it with its holder
+    publish_all(store, chain[0], 1)  # and the probe left it free for a writer
+
+
 def test_cleanup_keeps_what_the_kept_versions_need(tmp_path, chain):
     ckpts, _, _ = chain
     store = S.open_store(tmp_path, full_every=3)

@@ -109,3 +109,90 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     assert stats.accepted == 3 and stats.events == 3 * 3  # view, select, edit for each answered one
     assert "3 completion: timeout" in stats.failure_line() and max(seen) == 6  # the progress line saw them as they came
     assert stats.latency_summary()["v0"]["n"] == 3
+
+
+def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path):
+    """Each editor keeps its own ledger: the completion ids it was served, the event ids it chose,
+    and the status of every call. An event whose call fails with a 5xx is sent again with the same
+    event_id, so the server can store it once."""
+    import asyncio
+    import threading
+    import time
+    from collections import Counter
+
+    import uvicorn
+
+    from feedback.pools import STABLE
+    from learner.judge import Site
+    from learner.tokenizer import train_tokenizer
+    from ops.simulate import SimulateSection, run_sessions
+    from serving.http.app import build_app
+    from serving.http.deps import ApiState
+    from serving.http.routing import RoutingState
+    from serving.replica import CompletionService
+    from serving.settings import ServeSettings
+    from tests.helpers import free_port
+    from tests.serving.conftest import FakeEngine, ListSink, LocalPool
+
+    tok = train_tokenizer([CODE * 20], vocab_size=300)
+
+    class FlakyProducer(ListSink):
+        """Fails the first delivery of every event (the route answers 500), takes the second."""
+
+        def __init__(self):
+            super().__init__()
+            self.tries = Counter()
+
+        def send(self, topic, msg):
+            key = getattr(msg, "event_id", None)
+            if key is not None:
+                self.tries[key] += 1
+                if self.tries[key] == 1:
+                    raise RuntimeError("buffer unavailable")
+            return super().send(topic, msg)
+
+    cfg = ServeSettings(auth_tokens=["t"])
+    producer = FlakyProducer()
+    app = build_app()
+    app.state.api = ApiState(
+        cfg=cfg,
+        replicas={STABLE: LocalPool(CompletionService(FakeEngine(tok, text="join(*parts)"), tok, cfg, version=0))},
+        routing=RoutingState(serving={STABLE: 0}),
+        producer=producer,
+        editor_tokens={"t"},
+        decode=tok.decode,
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + scaled(30)
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 2
+        stats = asyncio.run(
+            run_sessions(
+                f"http://127.0.0.1:{port}",
+                "t",
+                sites,
+                SimulateSection(users=2, rate=100.0, edit_delay_s=0.0, timeout_s=scaled(10.0), event_retries=2),
+                requests=4,  # round the two sites twice
+            )
+        )
+    finally:
+        server.should_exit = True
+        thread.join(timeout=scaled(10))
+    completions = [c for c in stats.calls if c.kind == "completion"]
+    events = [c for c in stats.calls if c.kind == "event"]
+    assert [c.status for c in completions] == [200] * 4 and all(c.version == "v0" for c in completions)
+    stored = {m.completion_id for _, m in producer.sent if not hasattr(m, "event_id")}
+    assert {c.id for c in completions} == stored  # the ids the editors hold are the ones served
+    per_event = Counter(c.id for c in events)
+    assert len(per_event) == 4 * 3 and set(per_event.values()) == {2}  # view, select, edit; each sent twice
+    assert Counter(c.status for c in events) == {500: 12, 200: 12}
+    assert {m.event_id for _, m in producer.sent if hasattr(m, "event_id")} == {
+        __import__("uuid").UUID(i) for i in per_event
+    }
+    assert all(c.started <= c.ended for c in stats.calls) and stats.events == 12

@@ -79,10 +79,12 @@ def test_example_config_is_valid_and_complete():
     from learner.train.learn_settings import LearnSettings
     from ops.demo import DemoSettings
     from ops.rollout.settings import RolloutSettings
+    from ops.soak.settings import SoakSettings
 
     learn, rollout, demo = LearnSettings.load(example), RolloutSettings.load(example), DemoSettings.load(example)
     sim = demo  # every section the loop uses, [serve] and [simulate] among them
     sink, query = SinkSettings.load(example), QuerySettings.load(example)
+    soak = SoakSettings.load(example)
     assert learn.learn.publish_every == 3 * 3600 and learn.learn.gate.sites == 48 and demo.eval.sites == 500
     sections = (
         ("kafka", s.kafka),
@@ -103,6 +105,7 @@ def test_example_config_is_valid_and_complete():
         ("demo", demo.demo),
         ("model", demo.model),
         ("pretrain", learn.pretrain),
+        ("soak", soak.soak),
     )
     for section, model in sections:
         for name in type(model).model_fields:

@@ -224,3 +224,37 @@ def test_held_events_must_outlive_the_grace_period():
         1_000_000,
         7,
     )
+
+
+class _BrokerDownConsumer(_IdleConsumer):
+    """The broker stopped: its first polls raise what kafka-python raises, then it answers again."""
+
+    def __init__(self, stop, failures: int):
+        super().__init__(stop)
+        self.failures = failures
+
+    def poll(self, timeout_ms, max_records):
+        from kafka.errors import KafkaConnectionError
+
+        if self.failures:
+            self.failures -= 1
+            raise KafkaConnectionError("111 ECONNREFUSED")
+        return super().poll(timeout_ms, max_records)
+
+
+def test_the_sink_waits_out_a_stopped_broker(tmp_path):
+    """A poll while the broker was stopped raised KafkaConnectionError out of the loop: the sink
+    exited with `internal error` (the soak's broker fault found it). Now it polls again."""
+    import threading
+
+    from feedback.sink.loop import SinkSettings, SinkStats, _loop
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    settings = SinkSettings(database={"url": url}, sink={"kafka_retry_s": 0.01})
+    stop = threading.Event()
+    consumer = _BrokerDownConsumer(stop, failures=3)
+    _loop(settings, engine, consumer, stop, SinkStats(), lambda line: None)
+    assert consumer.failures == 0 and stop.is_set()  # polled through the outage until the loop's stop
+    engine.dispose()

@@ -254,3 +254,68 @@ def test_a_learner_that_died_before_its_first_save_adopts_its_v0(tmp_path, base)
     (lr.dir / "state.pt").unlink()
     with pytest.raises(Exception, match="already holds versions"):
         Learner(lr.s, producer=ListProducer()).start()
+
+
+def test_a_restarted_learner_adopts_only_its_own_versions(tmp_path, base):
+    """Killed after STABLE, a learner records its version on restart; a version another publisher
+    wrote meanwhile (the demo's degraded candidate, a damaged one) is not its own: it is neither
+    recorded again nor announced, and never becomes the parent of the learner's next delta."""
+    from learner.publish import publish_version
+
+    lr = started(tmp_path, base, min_samples=4, publish_every=0.01)
+    other = dict(lr.store.materialize(0))
+    other["lm_head.weight"] = -other["lm_head.weight"]
+    publish_version(
+        lr.store, other, parent=0, engine=lr.engine, producer=ListProducer(), gate_passed=True, gate_reason="not mine"
+    )
+    again = Learner(lr.s, producer=ListProducer())
+    again.start()
+    assert (again.state.version, again.state.last_good) == (0, 0) and again._producer.sent == []
+    with again.engine.connect() as conn:
+        row = conn.execute(db.model_versions.select().where(db.model_versions.c.version == 1)).one()
+    assert row.gate_reason == "not mine" and "learner_step" not in row.metrics
+
+    write_samples(again.engine, model_from_packed(again.store.materialize(0), again.args), again.tok, texts(4))
+    again.poll(), again.update()
+    info = again.publish()
+    assert (info["version"], info["parent"]) == (2, 0)
+    # died after STABLE, before recording v3: the restart records it, as its own
+    again.store.publish(again._packed(), parent=2)
+    third = Learner(lr.s, producer=ListProducer())
+    third.start()
+    assert third.state.version == 3 and [m.version for _, m in third._producer.sent] == [3]
+
+
+def test_the_learner_waits_out_a_database_outage_and_loses_nothing(tmp_path, base, monkeypatch):
+    """A database restart cut the learner's poll, then its publish between STABLE and recording the
+    version: it exited with `internal error: OperationalError` before. Now it waits, tries again,
+    and records the version it had stored, once, as its own."""
+    import threading
+
+    from sqlalchemy.exc import OperationalError
+
+    import learner.publish
+    import learner.train.learn as L
+
+    lr = started(tmp_path, base, min_samples=4, publish_every=0.01, db_retry_s=0.01)
+    write_samples(lr.engine, model_from_packed(lr.store.materialize(0), lr.args), lr.tok, texts(4))
+    down = {"poll": 1, "record": 1}  # how many calls each still fails
+
+    def outage(name, real):
+        def call(*args, **kwargs):
+            if down[name]:
+                down[name] -= 1
+                raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(L, "read_samples", outage("poll", L.read_samples))
+    monkeypatch.setattr(learner.publish, "record", outage("record", learner.publish.record))
+    lr.run(threading.Event(), until_idle=True)
+    assert down == {"poll": 0, "record": 0}
+    assert lr.store.versions() == [0, 1] and (lr.state.version, lr.state.last_good) == (1, 1)
+    with lr.engine.connect() as conn:
+        rows = conn.execute(db.model_versions.select()).all()
+    assert [r.version for r in rows] == [0, 1] and rows[1].metrics["learner_step"] == lr.state.step
+    assert [m.version for _, m in lr._producer.sent] == [0, 1]

@@ -64,3 +64,18 @@ def test_unreachable_database(tmp_path):
 def test_help_works(args, tmp_path):
     r = flywheel(*args, tmp_path=tmp_path)
     assert r.returncode == 0 and "usage" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--minutes", "0"], "soak.minutes"),
+        (["--set", 'soak.faults=["broker", "flood"]'], "soak.faults"),
+        (["--set", "soak.faults=[]"], "soak.faults is empty"),
+        (["--set", "serve.canary_replicas=0"], "serve.canary_replicas"),
+    ],
+)
+def test_soak_refuses_what_it_cannot_run(tmp_path, args, fragment):
+    """Refused before anything starts: no broker, no folder, one line."""
+    assert_one_line_error(flywheel("soak", *args, tmp_path=tmp_path), fragment)
+    assert not (tmp_path / "data" / "soak").exists()
