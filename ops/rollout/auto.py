@@ -12,15 +12,23 @@ restarted controller resumes where it left off, and rolls out the newest announc
 that qualifies, is newer than stable and has no rollout yet; a version announced while
 another rollout runs waits for it to finish (a newer announcement supersedes it). Mode `all`
 skips the canary: the version becomes stable at once (recorded as a promoted rollout).
+
+The announcement is the fast path, not the only one: `AutoStarter.catch_up` reads model_versions
+itself and starts the newest version that qualifies once it has waited `rollout.unannounced_after_s`
+without a rollout (newer than stable and than every rollout's candidate, so a version an
+announcement superseded stays superseded). A lost announcement delays a rollout, never stops it.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
+from sqlalchemy import func, select
 from sqlalchemy.engine import Engine, Row
 
-from feedback import pools
+from feedback import db, pools
+from feedback.core.clock import as_utc, utcnow
 from feedback.schemas import MalformedMessage, ModelVersion, decode
 from ops.rollout.commands import start_rollout
 from ops.rollout.rows import Rollout, RolloutError, active, latest, recorded_version
@@ -81,6 +89,7 @@ class AutoStarter:
         self.queue: list = []  # (ModelVersion, TopicPartition, offset) read but not yet offered
         self.pending = None  # the newest announcement that qualified, not yet started
         self.offsets: dict = {}  # TopicPartition -> next offset to commit
+        self.caught_up: set[int] = set()  # versions catch_up acted on
 
     def poll(self) -> list[str]:
         # Late: kafka-python loads only where auto mode runs, not for every `flywheel rollout` command.
@@ -118,6 +127,39 @@ class AutoStarter:
         if self.pending is None and self.offsets:
             self._commit()
         return lines
+
+    def catch_up(self) -> list[str]:
+        """Start the newest recorded version that qualifies, once it has waited `rollout.unannounced_after_s`
+        without a rollout, as if announced (see the module docstring); reads SQL only, so it works
+        while the broker is away."""
+        if self.pending is not None:  # an announcement is being acted on
+            return []
+        cfg = self.settings.rollout
+        mv, r = db.model_versions.c, db.rollouts.c
+        with self.engine.connect() as conn:
+            floor = max(
+                pools.current_stable(conn) or -1,
+                conn.execute(select(func.max(r.candidate_version))).scalar() or -1,
+            )
+            row = conn.execute(
+                select(db.model_versions)
+                .where(mv.version > floor, mv.gate_passed.is_(True))
+                .order_by(mv.version.desc())
+                .limit(1)
+            ).first()
+        # The newest only: while its announcement may still come, it supersedes the older ones.
+        if row is None or row.version in self.caught_up:
+            return []
+        if as_utc(row.created_at) > utcnow() - timedelta(seconds=cfg.unannounced_after_s):
+            return []
+        msg = ModelVersion(
+            version=row.version, parent=row.parent, kind=row.kind, uri=row.uri, sha256=row.sha256, gate_passed=True
+        )
+        outcome, _, why = start_announced(self.engine, msg, cfg)
+        if outcome == "waiting":
+            return []
+        self.caught_up.add(row.version)  # started, or refused for good: not again every poll
+        return [f"rollout auto: {why} (recorded {cfg.unannounced_after_s:g}+ s ago without an announcement acted on)"]
 
     def _commit(self) -> None:
         from kafka.structs import OffsetAndMetadata

@@ -169,7 +169,7 @@ def run_controller(
 
     # The versions topic and the database fail independently: Kafka being down must not stop the
     # controller from judging the active rollout.
-    passes = [("versions", starter.poll)] if starter is not None else []
+    passes = [("versions", starter.poll), ("unannounced versions", starter.catch_up)] if starter is not None else []
     passes.append(("rollouts", evaluate))
     failing: dict[str, str] = {}
     try:

@@ -61,6 +61,11 @@ class RolloutSection(Section):
     """Start a rollout for every version announced on flywheel.versions that passed the learner's gate."""
     group_id: str = Field(default="flywheel-rollout", min_length=1)
     """Kafka consumer group of the auto-mode controller (a restart resumes from its committed offset)."""
+    unannounced_after_s: float = Field(default=60.0, gt=0)
+    """Auto mode: a version the learner recorded this long ago (model_versions), newer than stable and
+    than every rollout's candidate, with no rollout yet, is started as if announced. An announcement
+    lost on the way (a broker outage, a consumer that never joined its group) delays a rollout, never
+    stops it."""
 
     @model_validator(mode="after")
     def _weights_increase(self) -> Self:

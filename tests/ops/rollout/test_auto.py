@@ -7,6 +7,7 @@ import pytest
 from sqlalchemy import func, select
 
 from feedback import db, pools
+from feedback.core.clock import utcnow
 from feedback.schemas import ModelVersion
 from ops.rollout import auto, commands, rows
 from ops.rollout.settings import RolloutSettings
@@ -138,3 +139,55 @@ def test_auto_mode_consumes_flywheel_versions(kafka_settings, tmp_path):
         ]
     assert versions == [base, base + 2], lines
     engine.dispose()
+
+
+def test_a_recorded_version_whose_announcement_was_lost_is_rolled_out_after_the_wait(sqlite_engine, tmp_path):
+    """No broker at all: catch_up reads model_versions and takes the newest version above stable
+    once it has waited rollout.unannounced_after_s."""
+    s = RolloutSettings(data_dir=str(tmp_path / "data"), rollout=SECTION.model_dump() | {"auto": True})
+    pools.set_stable(sqlite_engine, STABLE)
+    with sqlite_engine.begin() as conn:  # the learner records v4 now; its announcement may still come
+        conn.execute(
+            db.model_versions.insert().values(
+                version=4,
+                parent=None,
+                kind="full",
+                uri="file:///w/v4",
+                sha256=sha256_of(4),
+                size_bytes=1,
+                full_size_bytes=1,
+                gate_passed=True,
+                metrics={},
+                created_at=utcnow(),
+            )
+        )
+    starter = auto.AutoStarter(s, sqlite_engine)
+    assert starter.catch_up() == [] and n_rollouts(sqlite_engine) == 0  # v4 is newest, and too recent: it waits
+    # (v2, a day old, is not taken meanwhile: v4's announcement, when it comes, supersedes it)
+
+    s.rollout.unannounced_after_s = 1e-3
+    (line,) = starter.catch_up()
+    assert f"version 4 against v{STABLE}" in line and "without an announcement" in line
+    with sqlite_engine.connect() as conn:
+        assert rows.active(conn).candidate_version == 4
+    assert starter.catch_up() == [] and n_rollouts(sqlite_engine) == 1  # once
+
+    commands.abort(sqlite_engine, by="test")
+    assert starter.catch_up() == []  # nothing newer than v4's rollout: v2 is never taken up
+    assert n_rollouts(sqlite_engine) == 1
+
+
+def test_a_version_that_failed_the_gate_is_never_caught_up(sqlite_engine, tmp_path):
+    s = RolloutSettings(data_dir=str(tmp_path / "data"), rollout=SECTION.model_dump() | {"auto": True})
+    pools.set_stable(sqlite_engine, CANDIDATE)  # v3 (GATE_FAILED) is the only version above stable
+    starter = auto.AutoStarter(s, sqlite_engine)
+    assert starter.catch_up() == [] and n_rollouts(sqlite_engine) == 0
+
+
+def test_an_announcement_being_acted_on_comes_first(sqlite_engine, tmp_path):
+    s = RolloutSettings(data_dir=str(tmp_path / "data"), rollout=SECTION.model_dump() | {"auto": True})
+    pools.set_stable(sqlite_engine, STABLE)
+    starter = auto.AutoStarter(s, sqlite_engine)
+    starter.pending = announcement(CANDIDATE)
+    s.rollout.unannounced_after_s = 1e-3
+    assert starter.catch_up() == [] and n_rollouts(sqlite_engine) == 0

@@ -75,6 +75,7 @@ def tiny_soak(tmp_path, **soak) -> SoakSettings:
             "min_samples": 4,
             "max_holds": 4,
             "poll_s": 1.0,
+            "unannounced_after_s": 10.0,
             "thresholds": {"p99_latency_ratio": 100.0},
         },
         soak={
