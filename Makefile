@@ -18,7 +18,7 @@ endif
 
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install lint test demo clean
+.PHONY: install lint test test-soak demo clean
 
 install: $(STAMP)
 
@@ -41,8 +41,13 @@ $(STAMP): pyproject.toml
 AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 
 test: install lint
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not soak"
 	$(AVX2_ONLY) $(BIN)/pytest -m numerics
+
+# The fault-injection soak's end-to-end test (tests/ops/soak/test_soak.py, SQLite and PostgreSQL):
+# 10 to 20 minutes on 2 cores, so not yet part of `make test`.
+test-soak: install
+	$(BIN)/pytest -m soak
 
 # The layer rules and the code style are part of the tests: a violation fails `make test`.
 lint: install

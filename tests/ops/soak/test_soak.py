@@ -20,7 +20,7 @@ from ops.soak.settings import FAULTS, SoakSettings
 from tests.helpers import make_settings, scaled
 from tests.learner.train.learn_support import make_corpus
 
-pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.soak]
 
 
 def postgres_programs():
