@@ -540,6 +540,14 @@ def summarize(engine, console: Console) -> dict:
             f"rollout #{r.id}: v{r.candidate_version} -> {r.state}" + (f" ({r.reason})" if r.reason else ""),
             markup=False,
         )
+    learned = [p["version"] for p in out["published"] if p["version"] > 0 and p["gate_passed"]]
+    if learned and not rollouts:  # the loop did not close: say so rather than let the tables look fine
+        console.print(
+            f"no rollout started, though v{learned[0]}-v{learned[-1]} passed the gate: the controller's log says why "
+            "(`flywheel rollout status`)",
+            style="bold red",
+            markup=False,
+        )
     return out
 
 

@@ -37,3 +37,23 @@ def test_summary_evaluates_the_base_and_the_stable_version(tmp_path):
         assert got[name]["outcomes"] == here.outcomes and "accept_rate" in got[name]["intervals"]
     assert "held-out evaluation: 5 sites" in out.getvalue() and "v1 (stable)" in out.getvalue()
     learner.close()
+
+
+def test_the_summary_says_when_learned_versions_never_got_a_rollout(tmp_path):
+    from feedback import db
+    from ops.rollout import commands
+    from tests.ops.rollout.traffic import CANDIDATE, SECTION, record_versions
+
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'f.db'}")
+    db.upgrade(engine)
+    record_versions(engine)  # v1, v2 passed the gate, v3 did not
+    out = io.StringIO()
+    demo.summarize(engine, Console(file=out, width=200))
+    assert "no rollout started, though v1-v2 passed the gate" in out.getvalue()
+
+    pools.set_stable(engine, 1)
+    commands.start_rollout(engine, CANDIDATE, section=SECTION, by="test")
+    out = io.StringIO()
+    demo.summarize(engine, Console(file=out, width=200))
+    assert "no rollout started" not in out.getvalue() and "rollout #1: v2 -> running" in out.getvalue()
+    engine.dispose()
