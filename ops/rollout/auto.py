@@ -22,6 +22,7 @@ announcement superseded stays superseded). A lost announcement delays a rollout,
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 
 from sqlalchemy import func, select
@@ -90,6 +91,7 @@ class AutoStarter:
         self.pending = None  # the newest announcement that qualified, not yet started
         self.offsets: dict = {}  # TopicPartition -> next offset to commit
         self.caught_up: set[int] = set()  # versions catch_up acted on
+        self.lock = threading.Lock()  # poll (the controller's versions thread) and catch_up (its loop)
 
     def poll(self) -> list[str]:
         # Late: kafka-python loads only where auto mode runs, not for every `flywheel rollout` command.
@@ -108,6 +110,10 @@ class AutoStarter:
                 except MalformedMessage as e:
                     log.warning("flywheel.versions offset %d: %s; skipped", rec.offset, e)
                     self.offsets[tp] = rec.offset + 1
+        with self.lock:
+            return self._offer()
+
+    def _offer(self) -> list[str]:
         lines = []
         while self.queue:  # the newest qualifying announcement supersedes older pending ones
             msg, tp, offset = self.queue[0]
@@ -132,6 +138,10 @@ class AutoStarter:
         """Start the newest recorded version that qualifies, once it has waited `rollout.unannounced_after_s`
         without a rollout, as if announced (see the module docstring); reads SQL only, so it works
         while the broker is away."""
+        with self.lock:
+            return self._catch_up()
+
+    def _catch_up(self) -> list[str]:
         if self.pending is not None:  # an announcement is being acted on
             return []
         cfg = self.settings.rollout

@@ -10,6 +10,7 @@ failures; it runs in a thread (the demo) or as `flywheel rollout run`.
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -154,8 +155,9 @@ def run_controller(
     handle_signals: bool = False,
 ) -> None:
     """Run the controller until `stop` is set: every `rollout.poll_s`, `tick()` (and in auto mode,
-    start rollouts for announced versions). Database and Kafka failures are logged and retried;
-    the loop never dies of them. Usable in a thread (the demo) or as `flywheel rollout run`."""
+    start rollouts for announced versions, read by a thread of its own, and for versions whose
+    announcement never came). Database and Kafka failures are logged and retried; the loop never
+    dies of them. Usable in a thread (the demo) or as `flywheel rollout run`."""
     cfg = settings.rollout
     own_engine = engine is None
     engine = engine or db.make_engine(settings.database_url, echo=settings.database.echo)
@@ -167,38 +169,69 @@ def run_controller(
         out = tick(engine)
         return [out.line()] if out is not None else []
 
-    # The versions topic and the database fail independently: Kafka being down must not stop the
-    # controller from judging the active rollout.
-    passes = [("versions", starter.poll), ("unannounced versions", starter.catch_up)] if starter is not None else []
+    # The versions topic and the database fail independently, and a Kafka client can hang where
+    # it cannot fail: the consumer runs in a thread of its own, so nothing it does stops the
+    # controller from judging the active rollout or from taking up versions from SQL.
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    consuming = None
+    if starter is not None:
+        consuming = threading.Thread(
+            target=_each_poll,
+            args=([("versions", starter.poll)], stop, cfg.poll_s, lines.put),
+            name="rollout-versions",
+            daemon=True,
+        )
+        consuming.start()
+    passes = [("unannounced versions", starter.catch_up)] if starter is not None else []
     passes.append(("rollouts", evaluate))
-    failing: dict[str, str] = {}
+
     try:
-        while not stop.is_set():
-            for name, work in passes:
-                try:
-                    for line in work():
-                        progress(line)
-                    if failing.pop(name, None):
-                        progress(f"rollout controller: {name} recovered")
-                except Exception as e:  # a database or broker hiccup, or a bug: log it, never die of it
-                    what = first_line(e)
-                    if failing.get(name) != what:  # once per distinct failure, not every poll
-                        bug = (
-                            not isinstance(e, (SQLAlchemyError, UserError))
-                            and type(e).__module__.split(".")[0] != "kafka"
-                        )
-                        log.warning(
-                            "rollout controller (%s): %s; retrying every %gs", name, what, cfg.poll_s, exc_info=bug
-                        )
-                    failing[name] = what
-            stop.wait(cfg.poll_s)
+        _each_poll(passes, stop, cfg.poll_s, progress, before=lambda: _drain(lines, progress))
     finally:
-        if starter is not None:
-            starter.close()
+        if consuming is not None:
+            consuming.join(timeout=cfg.poll_s + 5)
+            if not consuming.is_alive():  # a consumer stuck inside kafka-python is left to the process's exit
+                starter.close()
+        _drain(lines, progress)
         if own_engine:
             engine.dispose()
         if restore:
             restore()
+
+
+def _drain(lines: queue.SimpleQueue, progress: Callable[[str], None]) -> None:
+    """Say what the versions thread has said since the last pass."""
+    while not lines.empty():
+        progress(lines.get())
+
+
+def _each_poll(
+    passes: list[tuple[str, Callable[[], list[str]]]],
+    stop: threading.Event,
+    poll_s: float,
+    say: Callable[[str], None],
+    before: Callable[[], None] = lambda: None,
+) -> None:
+    """Run each pass every `poll_s` until `stop`, saying what it returns. A failing pass (a database
+    or broker hiccup, or a bug) is logged once per distinct failure and tried again; never fatal."""
+    failing: dict[str, str] = {}
+    while not stop.is_set():
+        before()
+        for name, work in passes:
+            try:
+                for line in work():
+                    say(line)
+                if failing.pop(name, None):
+                    say(f"rollout controller: {name} recovered")
+            except Exception as e:
+                what = first_line(e)
+                if failing.get(name) != what:  # once per distinct failure, not every poll
+                    bug = (
+                        not isinstance(e, (SQLAlchemyError, UserError)) and type(e).__module__.split(".")[0] != "kafka"
+                    )
+                    log.warning("rollout controller (%s): %s; retrying every %gs", name, what, poll_s, exc_info=bug)
+                failing[name] = what
+        stop.wait(poll_s)
 
 
 def _install_signal_handlers(stop: threading.Event) -> Callable[[], None] | None:

@@ -222,3 +222,37 @@ def test_run_controller_survives_a_database_that_is_not_there_yet(tmp_path, capl
     ), lines
     assert pools.read(engine).stable == CANDIDATE
     engine.dispose()
+
+
+def test_a_hung_versions_consumer_stops_neither_the_rollouts_nor_the_catch_up(tmp_path, monkeypatch):
+    """A Kafka client that never returns (the demo's once did): the versions thread hangs, and the
+    controller still starts the recorded version from SQL."""
+    from ops.rollout import auto
+
+    hang = threading.Event()
+    monkeypatch.setattr(auto.AutoStarter, "poll", lambda self: hang.wait() and [])
+    s = RolloutSettings(
+        data_dir=str(tmp_path / "data"), rollout={"poll_s": 0.05, "auto": True, "unannounced_after_s": 1.0}
+    )
+    engine = db.make_engine(s.database_url)
+    db.upgrade(engine)
+    record_versions(engine)  # a day old
+    pools.set_stable(engine, STABLE)
+    stop = threading.Event()
+    lines: list[str] = []
+    t = threading.Thread(
+        target=controller.run_controller, args=(s, stop), kwargs={"engine": engine, "progress": lines.append}
+    )
+    t.start()
+    try:
+        deadline = time.monotonic() + scaled(30)
+        while time.monotonic() < deadline and not any("without an announcement" in ln for ln in lines):
+            time.sleep(0.05)
+        with engine.connect() as conn:
+            assert rows.active(conn).candidate_version == CANDIDATE, lines
+    finally:
+        stop.set()
+        t.join(timeout=scaled(30))
+        hang.set()
+    assert not t.is_alive()  # it ends though its consumer thread was stuck
+    engine.dispose()
