@@ -3,8 +3,8 @@
 A pass repairs the serving pools (topology.reconcile), then, when the running rollout's step
 is due, reads both arms for the step's window (arms.py), asks `stats.decide` and commits the
 decision with a compare-and-set, so any number of controllers may run. `run_controller` calls
-it every `rollout.poll_s` (with auto mode's pass first) and survives database and broker
-failures; it runs in a thread (the demo) or as `flywheel rollout run`.
+it every `rollout.poll_s` (after auto mode's catch-up from SQL; the versions topic is read by a
+thread of its own) and survives database and broker failures; it runs in a thread (the demo) or as `flywheel rollout run`.
 """
 
 from __future__ import annotations
