@@ -20,15 +20,35 @@ def tok():
     return train_tokenizer(corpus, vocab_size=512)
 
 
-def random_model(vocab_size: int, *, seed: int = 0, std: float = 0.02, lm_head_std: float | None = None):
+def random_model(
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+    lm_head_std: float | None = None,
+    router_std: float | None = None,
+):
     args = ModelArgs.from_name("tiny", vocab_size=vocab_size, max_seq_len=256, rope_theta=10000.0)
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights(std)
-    if lm_head_std is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if lm_head_std is not None:
             model.lm_head.weight.normal_(0.0, lm_head_std)
+        if router_std is not None:
+            spread_routers(model, router_std)
     return model.eval(), args
+
+
+def spread_routers(model: Transformer, std: float) -> None:
+    """Router weights with std `std`: the experts' scores spread by whole units, so which top-k a
+    token gets does not hinge on rounding. A routing choice within rounding of a tie flips between
+    bf16 and fp32 and moves that token's logprob by whole units, a discrete effect the rounding
+    bound of tests/helpers.served_logprob_tolerance does not cover (and must not: it would hide a
+    real routing bug)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, std)
 
 
 def test_export_files_and_round_trip(tok, tmp_path):
@@ -99,8 +119,8 @@ def vllm_engine(tok, tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    # lm_head std 0.5 spreads the logits (std ~4) so greedy choices have clear margins.
-    model, args = random_model(tok.get_vocab_size(), seed=1, std=0.1, lm_head_std=0.5)
+    # lm_head std 0.5 and router std 0.5: clear greedy and routing margins (see spread_routers).
+    model, args = random_model(tok.get_vocab_size(), seed=1, std=0.1, lm_head_std=0.5, router_std=0.5)
     folder = export_hf(model, args, tok, tmp_path_factory.mktemp("vllm_model"))
     start = time.perf_counter()
     llm = LLM(str(folder), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0)

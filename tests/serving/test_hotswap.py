@@ -25,6 +25,7 @@ from serving.replica import CompletionService, GenerateRequest
 from serving.settings import EngineSettings, ServeSettings
 from tests.helpers import served_logprob_tolerance
 from tests.learner.test_delta import train_steps
+from tests.learner.test_export import spread_routers
 
 
 def sync(fn):
@@ -386,8 +387,9 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     model.init_weights(0.1)  # as in test_export: wide logits, clear greedy margins
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.5)
+    spread_routers(model, 0.5)  # clear routing margins, as in test_export
     v0 = S.pack_checkpoint(model.state_dict())
-    train_steps(model, 3, lr=3e-3, seed=5)  # big steps, so v1's logprobs differ clearly
+    train_steps(model, 10, lr=3e-3, seed=5)  # big steps, so v1's logprobs differ clearly
     v1 = S.pack_checkpoint(model.state_dict())
     with torch.no_grad():  # v2 changes two tensors only: a partial reload (whole vLLM layers)
         model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
@@ -493,6 +495,7 @@ async def test_vllm_a_reload_that_breaks_off_never_serves_mixed_weights_as_the_o
     model.init_weights(0.1)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.5)
+    spread_routers(model, 0.5)  # clear routing margins, as in test_export
     v0 = S.pack_checkpoint(model.state_dict())
     train_steps(model, 3, lr=3e-3, seed=5)
     v1 = S.pack_checkpoint(model.state_dict())
