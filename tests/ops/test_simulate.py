@@ -123,6 +123,7 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
     import uvicorn
 
     from feedback.pools import STABLE
+    from learner.formats import own_format
     from learner.judge import Site
     from learner.tokenizer import train_tokenizer
     from ops.simulate import SimulateSection, run_sessions
@@ -156,7 +157,11 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
     app = build_app()
     app.state.api = ApiState(
         cfg=cfg,
-        replicas={STABLE: LocalPool(CompletionService(FakeEngine(tok, text="join(*parts)"), tok, cfg, version=0))},
+        replicas={
+            STABLE: LocalPool(
+                CompletionService(FakeEngine(tok, text="join(*parts)"), tok, own_format(tok, 2048), cfg, version=0)
+            )
+        },
         routing=RoutingState(serving={STABLE: 0}),
         producer=producer,
         editor_tokens={"t"},
