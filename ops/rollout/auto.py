@@ -147,10 +147,8 @@ class AutoStarter:
         cfg = self.settings.rollout
         mv, r = db.model_versions.c, db.rollouts.c
         with self.engine.connect() as conn:
-            floor = max(
-                pools.current_stable(conn) or -1,
-                conn.execute(select(func.max(r.candidate_version))).scalar() or -1,
-            )
+            known = (pools.current_stable(conn), conn.execute(select(func.max(r.candidate_version))).scalar())
+            floor = max((v for v in known if v is not None), default=-1)  # v0 counts: no `or`
             row = conn.execute(
                 select(db.model_versions)
                 .where(mv.version > floor, mv.gate_passed.is_(True))

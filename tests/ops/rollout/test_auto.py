@@ -191,3 +191,14 @@ def test_an_announcement_being_acted_on_comes_first(sqlite_engine, tmp_path):
     starter.pending = announcement(CANDIDATE)
     s.rollout.unannounced_after_s = 1e-3
     assert starter.catch_up() == [] and n_rollouts(sqlite_engine) == 0
+
+
+def test_stable_v0_is_not_caught_up_as_a_candidate(tmp_path):
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'f.db'}")
+    db.upgrade(engine)
+    record_versions(engine, [(0, True)])
+    pools.set_stable(engine, 0)
+    s = RolloutSettings(data_dir=str(tmp_path / "data"), rollout=SECTION.model_dump() | {"auto": True})
+    s.rollout.unannounced_after_s = 1e-3
+    assert auto.AutoStarter(s, engine).catch_up() == [] and n_rollouts(engine) == 0  # nothing said either
+    engine.dispose()
