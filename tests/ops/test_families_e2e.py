@@ -24,7 +24,7 @@ from feedback import db, pools
 from tests.helpers import flywheel, free_port, scaled, served_logprob_tolerance
 from tests.learner.family_models import make_family_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.families]
 TOKEN = "families-editor-token"
 PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
 
