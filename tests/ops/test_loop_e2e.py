@@ -23,7 +23,7 @@ from learner.train.pretrain import find_base_model, load_master_weights
 from ops import demo
 from serving.app import engine_precision
 from tests.helpers import free_port, scaled, served_logprob_tolerance
-from tests.learner.train.learn_support import make_corpus
+from tests.learner.train.learn_support import make_corpus, tiny_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -34,21 +34,7 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
         data_dir=tmp_path / "data",
         cache_dir=tmp_path / "cache",
         kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
-        pretrain=dict(
-            corpus=str(corpus),
-            size="tiny",
-            vocab_size=400,
-            seq_len=128,
-            batch_size=4,
-            steps=8,
-            warmup_steps=2,
-            eval_every=4,
-            eval_windows=4,
-            final_eval_windows=8,
-            checkpoint_minutes=1000,
-            heldout_fraction=0.25,
-            quality_check=False,
-        ),
+        pretrain=tiny_pretrain(corpus, seq_len=128),
         serve={"port": free_port(), "ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
         # The editors' timeout scales with the machine: on a loaded one a completion queues behind the

@@ -25,22 +25,30 @@ def make_corpus(root: Path) -> Path:
     return root
 
 
+def tiny_pretrain(corpus: Path, **overrides) -> dict:
+    """[pretrain] settings of a throwaway 8-step `tiny` model on `corpus`."""
+    return (
+        dict(
+            corpus=str(corpus),
+            size="tiny",
+            vocab_size=400,
+            seq_len=96,
+            batch_size=4,
+            steps=8,
+            warmup_steps=2,
+            eval_every=4,
+            eval_windows=4,
+            final_eval_windows=8,
+            checkpoint_minutes=1000,
+            heldout_fraction=0.25,
+            quality_check=False,
+        )
+        | overrides
+    )
+
+
 def tiny_learn_settings(tmp: Path, corpus: Path, cache: Path, **learn) -> LearnSettings:
-    pretrain = dict(
-        corpus=str(corpus),
-        size="tiny",
-        vocab_size=400,
-        seq_len=96,
-        batch_size=4,
-        steps=8,
-        warmup_steps=2,
-        eval_every=4,
-        eval_windows=4,
-        final_eval_windows=8,
-        checkpoint_minutes=1000,
-        heldout_fraction=0.25,
-        quality_check=False,
-    )  # a throwaway 8-step model
+    pretrain = tiny_pretrain(corpus)
     learn = (
         dict(
             publish_every=1, min_samples=8, batch_size=4, poll_s=0.1, gate={"sites": 6, "max_tokens": 8, "min_sites": 4}

@@ -18,7 +18,7 @@ from ops.soak.postgres import find_bin
 from ops.soak.run import run
 from ops.soak.settings import FAULTS, SoakSettings
 from tests.helpers import make_settings, scaled
-from tests.learner.train.learn_support import make_corpus
+from tests.learner.train.learn_support import make_corpus, tiny_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.soak]
 
@@ -43,21 +43,7 @@ def tiny_soak(tmp_path, **soak) -> SoakSettings:
     return SoakSettings(
         data_dir=tmp_path / "data",
         cache_dir=cache,
-        pretrain=dict(
-            corpus=str(corpus),
-            size="tiny",
-            vocab_size=400,
-            seq_len=128,
-            batch_size=4,
-            steps=8,
-            warmup_steps=2,
-            eval_every=4,
-            eval_windows=4,
-            final_eval_windows=8,
-            checkpoint_minutes=1000,
-            heldout_fraction=0.25,
-            quality_check=False,
-        ),
+        pretrain=tiny_pretrain(corpus, seq_len=128),
         serve={"ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
         simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5, "timeout_s": scaled(60.0)},
