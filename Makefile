@@ -41,11 +41,10 @@ $(STAMP): pyproject.toml
 AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 
 test: install lint
-	$(BIN)/pytest -m "not soak and not families"
-	$(AVX2_ONLY) $(BIN)/pytest -m "numerics and not families"
+	$(BIN)/pytest -m "not soak"
+	$(AVX2_ONLY) $(BIN)/pytest -m numerics
 
-# The loop once per imported model family (tests/ops/test_families_e2e.py): each passes alone, but
-# in one session the later ones' completion records have not reliably reached SQL (an open bug).
+# The loop once per imported model family (tests/ops/test_families_e2e.py), alone (part of `make test`).
 test-families: install
 	$(BIN)/pytest -m families
 
