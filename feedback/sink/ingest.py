@@ -122,9 +122,9 @@ def completion_rows(rec: CompletionRecord, now: datetime) -> tuple[dict[str, Any
         user_hash=rec.user_hash,
         session_id=rec.session_id,
         language=rec.language,
-        filepath=rec.filepath,
+        filepath=_storable(rec.filepath),
         prompt_token_ids=rec.prompt_token_ids,
-        prompt_text=rec.prompt_text,
+        prompt_text=_storable(rec.prompt_text),
         summary_ids=rec.summary_ids,
         n_choices=len(rec.choices),
         latency_ms=rec.latency_ms,
@@ -140,8 +140,8 @@ def completion_rows(rec: CompletionRecord, now: datetime) -> tuple[dict[str, Any
             logprobs=c.logprobs,
             # The record carries one routing trace, recorded for its first choice.
             routing=rec.routing if c.index == 0 else None,
-            text=c.text,
-            n_chars=len(c.text or ""),
+            text=_storable(c.text),
+            n_chars=len(c.text or ""),  # of the text as served
             finish_reason=c.finish_reason,
         )
         for c in rec.choices
@@ -157,7 +157,7 @@ def event_row(ev: FeedbackEvent, now: datetime) -> dict[str, Any]:
         type=ev.type,
         select_kind=ev.select_kind,
         accepted_chars=ev.accepted_chars,
-        kept_text=ev.kept_text,
+        kept_text=_storable(ev.kept_text),
         view_id=ev.view_id,
         elapsed_ms=ev.elapsed_ms,
         created_at=as_utc(ev.created_at),
@@ -180,6 +180,14 @@ def pending_row(ev: FeedbackEvent, origin: Origin, now: datetime) -> dict[str, A
 def storable_text(text: str) -> str:
     """`text` as every backend stores it: PostgreSQL text cannot hold NUL, so it is spelled out."""
     return text.replace("\x00", "\\x00")
+
+
+def _storable(text: str | None) -> str | None:
+    """Code and model output may hold NUL (a model can sample the byte; a file can contain it), and
+    a completion that was served must reach SQL: such text is stored with NUL spelled `\\x00`, on
+    every backend alike (the token ids keep the exact output). Ids and labels are not rewritten: a
+    NUL there is refused by PostgreSQL and dead-lettered with the reason."""
+    return None if text is None else storable_text(text)
 
 
 def dead_letter_row(

@@ -185,13 +185,32 @@ def test_a_late_arriving_event_recomputes_the_reward(engine):
     assert (r.outcome, r.model_version, r.components["outcome"]) == ("select", 1, "select")
 
 
+def test_code_and_model_output_with_nul_are_stored_with_it_spelled_out(engine):
+    """A model can sample the NUL byte and a file can hold it; a served completion must reach SQL,
+    and PostgreSQL text cannot hold NUL: it is spelled out, on every backend alike."""
+    o = Offsets()
+    rec = completion("nul", "x\x00y", created_at=T0).model_copy(
+        update={"prompt_text": "a\x00b", "filepath": "f\x00.py"}
+    )
+    edit = FeedbackEvent(completion_id="nul", type="edit", kept_text="x\x00", created_at=T0)
+    counts = write(engine, completions=[o(rec)], events=[o(edit)])
+    assert (counts.completions, counts.events, counts.dead_letters) == (1, 1, {})
+    with engine.connect() as conn:
+        c = conn.execute(select(db.completions)).one()
+        ch = conn.execute(select(db.completion_choices)).one()
+        ev = conn.execute(select(db.events)).one()
+    assert (c.prompt_text, c.filepath, ch.text, ev.kept_text) == ("a\\x00b", "f\\x00.py", "x\\x00y", "x\\x00")
+    assert ch.n_chars == 3 and list(ch.token_ids) == rec.choices[0].token_ids  # as served; the ids are exact
+
+
 @pytest.mark.postgres
 def test_a_message_the_database_refuses_is_set_aside_alone(postgres_url):
-    """PostgreSQL text cannot hold NUL characters (SQLite stores them, so it has no such case)."""
+    """PostgreSQL text cannot hold NUL characters; content is spelled out (above), an id is not
+    rewritten (SQLite stores it, so it has no such case)."""
     engine = db.make_engine(postgres_url)
     db.upgrade(engine)
     o = Offsets()
-    bad = completion("nul", created_at=T0).model_copy(update={"prompt_text": "a\x00b"})
+    bad = completion("nul", created_at=T0).model_copy(update={"user_hash": "a\x00b"})
     good = [o(completion(f"ok{i}", created_at=T0)) for i in range(3)]
     s = SinkSettings(database={"url": engine.url.render_as_string(hide_password=False)})
     counts = _write(engine, Batch(completions=good[:2] + [o(bad)] + good[2:]), s)
@@ -314,12 +333,12 @@ def test_a_held_event_that_no_longer_validates_is_set_aside_by_the_sweep(engine)
 
 @pytest.mark.postgres
 def test_a_held_event_the_database_refuses_does_not_take_its_completion_down(postgres_url):
-    """The event waited for its completion; promoting it (a NUL character) failed the completion's
-    transaction, and the completion itself became the dead letter."""
+    """The event waited for its completion; promoting it (a NUL character in an id) once failed the
+    completion's transaction, and the completion itself became the dead letter."""
     engine = db.make_engine(postgres_url)
     db.upgrade(engine)
     o = Offsets()
-    nul = o(FeedbackEvent(completion_id="held", type="edit", kept_text="a\x00b", created_at=T0))
+    nul = o(FeedbackEvent(completion_id="held", type="view", view_id="a\x00b", created_at=T0))
     fine = o(FeedbackEvent(completion_id="held", type="view", created_at=T0))
     assert write(engine, events=[nul, fine]).held == 2
     s = SinkSettings(database={"url": postgres_url})

@@ -63,8 +63,9 @@ def test_poison_messages_become_dead_letters_and_ingestion_goes_on(kafka_setting
         raw(comp, model_version=2**63): (0, "model_version"),
         raw(comp, prompt_token_ids=[2**64]): (0, "prompt_token_ids"),
     }
-    # Validates, but PostgreSQL text cannot hold NUL: a refusal by the database itself (SQLite stores it).
-    nul_edit = FeedbackEvent(completion_id=held_nul, type="edit", kept_text="a\x00b")
+    # Validates, but PostgreSQL text cannot hold NUL: in an id (not rewritten, unlike code) it is a
+    # refusal by the database itself (SQLite stores it).
+    nul_edit = FeedbackEvent(completion_id=held_nul, type="view", view_id="a\x00b")
     valid = FeedbackEvent(completion_id=anchor, type="dismiss")
     postgres = database_url.startswith("postgresql")
 
