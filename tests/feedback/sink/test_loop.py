@@ -28,6 +28,7 @@ from tests.feedback.sink.sink_support import (
     sink_settings,
     wait_until,
 )
+from tests.helpers import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -66,8 +67,12 @@ def test_exactly_once_with_duplicates_retries_and_out_of_order(kafka_settings, d
     all_events = [e for evs in events.values() for e in evs]
 
     with private_topics(kafka_settings) as (c_topic, e_topic):
+        # The grace period must outlast the test's own steps on a loaded machine (the early events
+        # are held from the sink's first batch until their completions arrive), and is waited out
+        # once: the ghosts' events become dead letters only when it ends.
+        grace_s = scaled(20)
         settings = sink_settings(
-            kafka_settings, database_url, (c_topic, e_topic), feedback_window_s=2, grace_period_s=6
+            kafka_settings, database_url, (c_topic, e_topic), feedback_window_s=2, grace_period_s=grace_s
         )
         engine = db.make_engine(database_url)
         db.upgrade(engine)
@@ -94,7 +99,7 @@ def test_exactly_once_with_duplicates_retries_and_out_of_order(kafka_settings, d
                     and count(engine, "rewards") == n
                 )
 
-            wait_until(settled, 60, "every row stored, held events resolved, rewards computed")
+            wait_until(settled, 60 + 20, "every row stored, held events resolved, rewards computed")  # + the grace
 
         with engine.connect() as conn:
             assert {r.completion_id for r in conn.execute(select(db.completions.c.completion_id))} == {
