@@ -44,6 +44,9 @@ class Sample:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    first_token_s: float | None = None
+    """The request's time from reaching the engine to its first token, once the engine reports it
+    (vLLM does while its statistics are on); the same for every sample of a request."""
 
 
 class Engine(Protocol):
@@ -100,7 +103,9 @@ class VLLMEngine:
             output_kind=RequestOutputKind.CUMULATIVE if spec.stream else RequestOutputKind.FINAL_ONLY,
         )
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
-            yield [_sample(c, spec.top_logprobs) for c in out.outputs]
+            # RequestStateStats while stats are on; 0.0 until the first token
+            first = getattr(out.metrics, "first_token_latency", 0.0) or None
+            yield [_sample(c, spec.top_logprobs, first) for c in out.outputs]
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -124,7 +129,7 @@ class VLLMEngine:
         return results[0]
 
 
-def _sample(c, top: int) -> Sample:
+def _sample(c, top: int, first_token_s: float | None) -> Sample:
     logprobs, alternatives = [], []
     for tok, pos in zip(c.token_ids, c.logprobs or [], strict=False):
         logprobs.append(float(pos[tok].logprob))
@@ -139,4 +144,5 @@ def _sample(c, top: int) -> Sample:
         top_logprobs=alternatives,
         text=c.text,
         finish_reason=c.finish_reason,
+        first_token_s=first_token_s,
     )
