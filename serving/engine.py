@@ -79,11 +79,12 @@ class VLLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            # No periodic stats lines in the log; the statistics themselves go to `stat_loggers`.
             disable_log_stats=True,
             distributed_executor_backend=cfg.executor,
             worker_extension_cls="serving.hotswap.WeightSwapExtension",  # in-place weight updates
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers(cfg))
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
         from vllm import SamplingParams
@@ -127,6 +128,24 @@ class VLLMEngine:
         finally:
             await self.llm.resume_generation()
         return results[0]
+
+
+def stat_loggers(cfg: EngineSettings) -> list | None:
+    """vLLM's Prometheus metrics (serving/metrics.py: VLLM_METRICS), or None with
+    `serve.engine.log_stats` off. Inside a Ray worker (a Ray Serve replica, which nobody scrapes)
+    they are recorded through Ray's metrics API, as Ray Serve LLM records them, and Ray's metrics
+    agent exports them; elsewhere in this process's prometheus_client registry."""
+    if not cfg.log_stats:
+        return None
+    import ray
+
+    if ray.is_initialized():
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        return [RayPrometheusStatLogger]
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    return [PrometheusStatLogger]
 
 
 def _sample(c, top: int, first_token_s: float | None) -> Sample:
