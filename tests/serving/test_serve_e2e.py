@@ -335,18 +335,22 @@ def _metrics_reach_prometheus(client) -> None:
     assert by("flywheel_completion_first_token_seconds_count").get(("1", "canary"), 0) >= 1  # vLLM reports it
 
     (url,) = replica_metrics_urls()  # one node
-    wanted = {
-        "ray_flywheel_swaps_total",
-        "ray_flywheel_swap_pause_seconds_count",
-        "ray_vllm_time_to_first_token_seconds_count",
-    }
-    deadline = time.monotonic() + scaled(60)  # Ray's agent exports what workers recorded every few seconds
-    while True:
+
+    def exported() -> tuple[dict, dict]:
         ray_samples = samples(httpx.get(url, timeout=scaled(10)).text)
-        if wanted <= ray_samples.keys() or time.monotonic() > deadline:
-            break
+        swaps = {
+            (x.labels["pool"], x.labels["outcome"]): x.value for x in ray_samples.get("ray_flywheel_swaps_total", [])
+        }
+        return ray_samples, swaps
+
+    # Ray's agent exports what each worker recorded every few seconds, worker by worker.
+    deadline = time.monotonic() + scaled(60)
+    ray_samples, swaps = exported()
+    while not (swaps.get(("canary", "ok")) and swaps.get(("stable", "ok"))) and time.monotonic() < deadline:
         time.sleep(1)
-    assert wanted <= ray_samples.keys(), sorted(n for n in ray_samples if "flywheel" in n or "vllm" in n)
-    swaps = {(x.labels["pool"], x.labels["outcome"]): x.value for x in ray_samples["ray_flywheel_swaps_total"]}
-    assert swaps.get(("canary", "ok"), 0) >= 1 and swaps.get(("stable", "ok"), 0) >= 1
+        ray_samples, swaps = exported()
+    assert swaps.get(("canary", "ok"), 0) >= 1 and swaps.get(("stable", "ok"), 0) >= 1, swaps
+    pauses = {x.labels["pool"] for x in ray_samples["ray_flywheel_swap_pause_seconds_count"] if x.value >= 1}
+    assert pauses == {"canary", "stable"}
     assert sum(x.value for x in ray_samples["ray_vllm_time_to_first_token_seconds_count"]) >= 2
+    assert "ray_vllm_num_requests_waiting" in ray_samples and "ray_vllm_kv_cache_usage_perc" in ray_samples
