@@ -41,11 +41,12 @@ SUMMARY_FALLBACKS = Counter("flywheel_summary_fallbacks_total", "Prompts truncat
 TRUNCATED_TOKENS = Counter("flywheel_prompt_truncated_tokens_total", "Prompt tokens cut to fit the context budget")
 EVENTS = Counter("flywheel_events_total", "Feedback events accepted", ["type"])
 
-# Per served version and pool. `version` is an integer that grows with every published version
+# Per served version (and pool). `version` is an integer that grows with every published version
 # (every few hours in production, every minute or two in the demo), so its series would grow
 # without end in a long-lived ingress: `by_version` keeps those of the KEEP_VERSIONS versions
-# observed most recently and drops the rest (a version no pool serves any more). `pool` is
-# stable or canary; `reason` one of ERROR_REASONS. At most KEEP_VERSIONS x 2 x buckets series.
+# observed most recently and drops the rest (a version no pool serves any more); so do
+# COMPLETIONS and EMPTY above. `pool` is stable or canary; `reason` one of ERROR_REASONS. At
+# most KEEP_VERSIONS x 2 pools x buckets series per histogram.
 KEEP_VERSIONS = 8
 ERROR_REASONS = ("replica_failed", "stream_failed")
 _SECONDS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)

@@ -212,11 +212,11 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str, pool:
     )
     st.producer.send(bus.COMPLETIONS, record)
     v = str(r.model_version)
-    metrics.COMPLETIONS.labels(v, shape).inc()
+    metrics.by_version(metrics.COMPLETIONS, v, shape).inc()
     metrics.TOKENS.labels("prompt").inc(len(r.prompt_token_ids))
     metrics.TOKENS.labels("completion").inc(sum(len(s.token_ids) for s in r.samples))
     if all(not s.text for s in r.samples):
-        metrics.EMPTY.labels(v).inc()
+        metrics.by_version(metrics.EMPTY, v).inc()
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
     metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)
