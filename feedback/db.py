@@ -89,6 +89,11 @@ completions = Table(
     ),
 )
 
+# A choice the engine did not finish ('abort'; 'error' should an engine report it): an error of
+# what was served, as the rollout controller and the dashboard count it. A request that failed
+# outright left no record (it is in Prometheus: flywheel_completion_errors_total).
+ERROR_FINISH_REASONS = ("abort", "error")
+
 completion_choices = Table(
     "completion_choices",
     metadata,

@@ -180,7 +180,7 @@ class ModelReplica:
         self.pool = pool
         self.service = load_service(Path(model_dir), settings.serve, version, fim=settings.model.fim)
         self.swapper = HotSwapper(
-            self.service, default_store_uri(settings), loaded_from=model_dir
+            self.service, default_store_uri(settings), loaded_from=model_dir, pool=pool
         )  # gates admission from now on
         self.reconciler = PoolReconciler(
             make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper
@@ -342,12 +342,15 @@ def start(
             num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
             include_dashboard=False,
             log_to_driver=False,
+            _metrics_export_port=None if cfg.ray_address else cfg.ray_metrics_port,
             runtime_env={
                 "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}
             },
         )
     if not cfg.ray_address:
         progress(f"vLLM dtype: {engine_precision(cfg)}")
+    if urls := replica_metrics_urls():
+        progress(f"replica metrics (hot swaps, vLLM) for Prometheus: {', '.join(urls)}")
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     sizes = pool_sizes(cfg)
     where = ", ".join(f"{n} {pool}" for pool, n in sizes.items())
@@ -371,6 +374,18 @@ _LOCAL_SERVE_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
+
+
+def replica_metrics_urls() -> list[str]:
+    """Where Ray's metrics agents export what the replicas record (serving/metrics.py): one URL
+    per live node of the cluster."""
+    import ray
+
+    return [
+        f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+        for n in ray.nodes()
+        if n.get("Alive") and n.get("MetricsExportPort")
+    ]
 
 
 def _patient_local_serve() -> None:

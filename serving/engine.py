@@ -44,6 +44,9 @@ class Sample:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    first_token_s: float | None = None
+    """The request's time from reaching the engine to its first token, once the engine reports it
+    (vLLM does while its statistics are on); the same for every sample of a request."""
 
 
 class Engine(Protocol):
@@ -76,11 +79,12 @@ class VLLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             enable_prefix_caching=cfg.enable_prefix_caching,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            # No periodic stats lines in the log; the statistics themselves go to `stat_loggers`.
             disable_log_stats=True,
             distributed_executor_backend=cfg.executor,
             worker_extension_cls="serving.hotswap.WeightSwapExtension",  # in-place weight updates
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers(cfg))
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
         from vllm import SamplingParams
@@ -100,7 +104,9 @@ class VLLMEngine:
             output_kind=RequestOutputKind.CUMULATIVE if spec.stream else RequestOutputKind.FINAL_ONLY,
         )
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
-            yield [_sample(c, spec.top_logprobs) for c in out.outputs]
+            # RequestStateStats while stats are on; 0.0 until the first token
+            first = getattr(out.metrics, "first_token_latency", 0.0) or None
+            yield [_sample(c, spec.top_logprobs, first) for c in out.outputs]
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -124,7 +130,25 @@ class VLLMEngine:
         return results[0]
 
 
-def _sample(c, top: int) -> Sample:
+def stat_loggers(cfg: EngineSettings) -> list | None:
+    """vLLM's Prometheus metrics (serving/metrics.py: VLLM_METRICS), or None with
+    `serve.engine.log_stats` off. Inside a Ray worker (a Ray Serve replica, which nobody scrapes)
+    they are recorded through Ray's metrics API, as Ray Serve LLM records them, and Ray's metrics
+    agent exports them; elsewhere in this process's prometheus_client registry."""
+    if not cfg.log_stats:
+        return None
+    import ray
+
+    if ray.is_initialized():
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        return [RayPrometheusStatLogger]
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    return [PrometheusStatLogger]
+
+
+def _sample(c, top: int, first_token_s: float | None) -> Sample:
     logprobs, alternatives = [], []
     for tok, pos in zip(c.token_ids, c.logprobs or [], strict=False):
         logprobs.append(float(pos[tok].logprob))
@@ -139,4 +163,5 @@ def _sample(c, top: int) -> Sample:
         top_logprobs=alternatives,
         text=c.text,
         finish_reason=c.finish_reason,
+        first_token_s=first_token_s,
     )

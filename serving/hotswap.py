@@ -27,7 +27,8 @@ version.) The pause is the drain (at most the longest in-flight request) plus th
 
 A failed swap (bad plan, corrupt delta, checksum mismatch, drain timeout, worker error)
 leaves the replica on N: it is logged, kept in `last_swap_error` and counted in
-`flywheel_swap_failures_total`; `flywheel_swap_pause_seconds` records each pause. Should
+`flywheel_swaps_total{outcome="failed"}`; `flywheel_swap_pause_seconds` records each pause,
+both by pool. Should
 the reload fail inside the worker after it began, the engine may hold some tensors of each
 version, so the replica puts N's tensors back: from the checkpoint it keeps, or before its
 first swap (when it keeps none) from the model folder the engine loaded. If it cannot (no
@@ -48,7 +49,9 @@ version instead.
 Who calls `swap_to`: each replica's `PoolReconciler` (serving/app.py), when its pool's target
 version in `serving_pools` changes (feedback/pools.py); the rollout controller or `flywheel
 swap` set the targets. Every attempt is logged in `swap_events`. The metrics live in the
-process that swaps (each Ray Serve replica), not in the ingress's /metrics.
+process that swaps (each Ray Serve replica), so they are recorded through Ray's metrics and
+exported by Ray's metrics agent as `ray_flywheel_...` (serving/metrics.py: ReplicaMetric),
+not in the ingress's /metrics.
 """
 
 from __future__ import annotations
@@ -65,15 +68,17 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prometheus_client import Counter, Histogram
+from serving.metrics import ReplicaMetric
 
 log = logging.getLogger(__name__)
 
-SWAPS = Counter("flywheel_swaps_total", "Successful in-place weight swaps")
-SWAP_FAILURES = Counter("flywheel_swap_failures_total", "Weight swaps that failed and left the replica on its version")
-SWAP_PAUSE = Histogram(
+# outcome: ok | failed (a failed swap leaves the replica on its version); pool: stable | canary
+SWAPS = ReplicaMetric("counter", "flywheel_swaps_total", "In-place weight swaps by outcome", ("pool", "outcome"))
+SWAP_PAUSE = ReplicaMetric(
+    "histogram",
     "flywheel_swap_pause_seconds",
     "Time admission was closed for a weight swap (drain + reload)",
+    ("pool",),
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
@@ -267,11 +272,21 @@ class _Prepared:
 class HotSwapper:
     """Swaps a `CompletionService`'s weights to versions of a weight store, one swap at a time."""
 
-    def __init__(self, service, store, *, drain_timeout_s: float = 60.0, loaded_from: str | Path | None = None):
+    def __init__(
+        self,
+        service,
+        store,
+        *,
+        drain_timeout_s: float = 60.0,
+        loaded_from: str | Path | None = None,
+        pool: str = "",
+    ):
         """`store`: a learner.store.Store, or its URI (opened on first use). `loaded_from`: the
         model folder the engine loaded; if its weights equal the store's copy of the version the
-        replica started on, the first swap reloads only what changed (see `_recognize`)."""
+        replica started on, the first swap reloads only what changed (see `_recognize`). `pool`:
+        the replica's pool, for the metrics ("" outside one)."""
         self.service = service
+        self.pool = pool
         self.loaded_from = Path(loaded_from) if loaded_from is not None else None
         if not isinstance(service.engine, GatedEngine):
             service.engine = GatedEngine(service.engine)
@@ -339,7 +354,7 @@ class HotSwapper:
             except Exception as e:
                 report.error = f"swap v{frm} -> v{version} failed: {type(e).__name__}: {e}"
                 self.failures += 1
-                SWAP_FAILURES.inc()
+                SWAPS.inc(pool=self.pool, outcome="failed")
                 self.last_swap_error, self.last_report = report.error, report
                 log.error("%s; still serving v%d", report.error, self.service.version)
                 raise SwapError(report.error) from e
@@ -348,7 +363,7 @@ class HotSwapper:
                     shutil.rmtree(prepared.folder, ignore_errors=True)
             report.ok, report.version = True, version
             self.swaps += 1
-            SWAPS.inc()
+            SWAPS.inc(pool=self.pool, outcome="ok")
             self.last_swap_error, self.last_report = None, report
             log.info(
                 "swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s)",
@@ -446,7 +461,7 @@ class HotSwapper:
                     self.gate.refusing = None
         finally:
             report.pause_s = time.perf_counter() - t0
-            SWAP_PAUSE.observe(report.pause_s)
+            SWAP_PAUSE.observe(report.pause_s, pool=self.pool)
 
     async def _reload(self, p: _Prepared) -> None:
         try:

@@ -51,6 +51,7 @@ class GenerateResult:
     truncated_tokens: int = 0
     summary_fallback: bool = False
     latency_ms: float = 0.0
+    first_token_ms: float | None = None  # prompt building + the engine's time to first token, when it reports it
     done: bool = True
 
 
@@ -108,9 +109,10 @@ class CompletionService:
         if spec.max_tokens > room:
             spec = dataclasses.replace(spec, max_tokens=max(1, room))
         samples: list[Sample] = []
+        built_ms = (time.perf_counter() - t0) * 1000
         async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
-            yield self._result(req, prompt, samples, t0, done=False)
-        yield self._result(req, prompt, samples, t0, done=True)
+            yield self._result(req, prompt, samples, t0, built_ms, done=False)
+        yield self._result(req, prompt, samples, t0, built_ms, done=True)
 
     async def served_version(self) -> int:
         """The version it serves (an in-process service is a pool of one: serving.http.deps.ReplicaClient)."""
@@ -123,7 +125,8 @@ class CompletionService:
         assert result is not None
         return result
 
-    def _result(self, req, prompt, samples, t0, *, done: bool) -> GenerateResult:
+    def _result(self, req, prompt, samples, t0, built_ms: float, *, done: bool) -> GenerateResult:
+        first = samples[0].first_token_s if samples else None
         return GenerateResult(
             completion_id=req.completion_id,
             model_version=self.version,
@@ -136,6 +139,7 @@ class CompletionService:
             truncated_tokens=prompt.truncated_tokens,
             summary_fallback=prompt.fallback,
             latency_ms=(time.perf_counter() - t0) * 1000,
+            first_token_ms=built_ms + first * 1000 if first is not None else None,
             done=done,
         )
 

@@ -38,6 +38,10 @@ class EngineSettings(Section):
     """GPUs per replica (Ray resource); 0 on CPU machines."""
     num_cpus: float = Field(default=1, ge=0)
     """CPUs per replica (Ray resource)."""
+    log_stats: bool = True
+    """vLLM's engine statistics: time to first token, queue, prefill and decode time, KV-cache use,
+    running and waiting requests (exported through Ray's metrics, see `serve.ray_metrics_port`), and
+    each completion's time to first token in the ingress's metrics. False: none of them."""
     executor: str = Field(default="uni", pattern="^(uni|mp|ray)$")
     """vLLM's worker executor (`distributed_executor_backend`). `uni`: the model worker runs inside
     the engine-core process, one process fewer to start per replica (vLLM start-up is mostly
@@ -53,6 +57,12 @@ class ServeSettings(Section):
     """Ray cluster to join (`ray://head:10001` or `auto`). Empty: start a local Ray."""
     ray_num_cpus: int | None = Field(default=None, ge=1)
     """CPUs a local Ray may use (None: all)."""
+    ray_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of a local Ray's metrics agent, which exports the replicas' metrics (hot swaps, vLLM's
+    engine statistics) for Prometheus at `http://<node>:<port>/metrics`. None: a free port Ray
+    picks, printed at start and listed in Ray's `prom_metrics_service_discovery.json` (in its
+    session folder, /tmp/ray by default). A cluster that Flywheel joins uses its own
+    (`ray start --metrics-export-port`)."""
     model_dir: Path | None = None
     """Exported Hugging Face folder of the model to serve. Empty: the cached pretrained base."""
     model_version: int = Field(default=0, ge=0)

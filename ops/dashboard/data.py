@@ -42,6 +42,7 @@ def dashboard_data(engine: Engine, *, bucket_s: int | None = None) -> dict[str, 
             "versions": _versions(conn),
             "acceptance": _acceptance(conn, bucket),
             "reward": _reward(conn, bucket),
+            "latency": _latency(conn, bucket),
             "volume": _volume(conn, bucket),
             "rollout": _current_rollout(conn),
             "rollouts": _recent_rollouts(conn),
@@ -185,6 +186,53 @@ def _reward(conn: Connection, bucket) -> list[dict]:
         }
         for r in rows
     ]
+
+
+def _latency(conn: Connection, bucket) -> list[dict]:
+    """Per version and time bucket: completion latency p50 and p99 (nearest rank, as v_latency),
+    and the error rate of the choices served (db.ERROR_FINISH_REASONS; outright failures left no
+    record, they are in Prometheus)."""
+    latency = conn.execute(
+        text(f"""
+        SELECT ts, model_version, MAX(n) AS completions,
+               MIN(CASE WHEN rn >= 0.50 * n THEN latency_ms END) AS p50_ms,
+               MIN(CASE WHEN rn >= 0.99 * n THEN latency_ms END) AS p99_ms
+        FROM (SELECT ts, model_version, latency_ms,
+                     ROW_NUMBER() OVER (PARTITION BY ts, model_version ORDER BY latency_ms) AS rn,
+                     COUNT(*) OVER (PARTITION BY ts, model_version) AS n
+              FROM (SELECT {bucket("created_at")} AS ts, model_version, latency_ms FROM completions) b) ranked
+        GROUP BY ts, model_version ORDER BY ts, model_version
+    """)
+    )
+    reasons = ", ".join(f"'{r}'" for r in db.ERROR_FINISH_REASONS)  # constants, inlined
+    errors = {
+        (r.ts, r.model_version): (int(r.choices), int(r.errors))
+        for r in conn.execute(
+            text(f"""
+            SELECT ts, model_version, COUNT(*) AS choices, SUM(failed) AS errors
+            FROM (SELECT {bucket("c.created_at")} AS ts, c.model_version,
+                         CASE WHEN ch.finish_reason IN ({reasons}) THEN 1 ELSE 0 END AS failed
+                  FROM completions c JOIN completion_choices ch ON ch.completion_id = c.completion_id) b
+            GROUP BY ts, model_version
+        """)
+        )
+    }
+    out = []
+    for r in latency:
+        choices, failed_n = errors.get((r.ts, r.model_version), (0, 0))
+        out.append(
+            {
+                "t": _iso_epoch(r.ts),
+                "version": r.model_version,
+                "completions": int(r.completions),
+                "p50_ms": float(r.p50_ms),
+                "p99_ms": float(r.p99_ms),
+                "choices": choices,
+                "errors": failed_n,
+                "error_rate": failed_n / choices if choices else None,
+            }
+        )
+    return out
 
 
 def _volume(conn: Connection, bucket) -> dict[str, list[dict]]:

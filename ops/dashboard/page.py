@@ -54,6 +54,8 @@ def render_html(data: dict[str, Any], *, script_src: str | None = None, refresh_
         _overview(data),
         _section("Accept rate by version", _chart("accept", _accept_figure(data), figures)),
         _section("Mean reward by version", _chart("reward", _reward_figure(data), figures)),
+        _section("Completion latency by version", _chart("latency", _latency_figure(data), figures)),
+        _section("Error rate by version", _chart("errors", _errors_figure(data), figures)),
         _section("Rollout", _rollout_html(data, figures), wide=True),
         _section(
             "Versions: delta vs full snapshot",
@@ -166,6 +168,52 @@ def _reward_figure(data: dict):
             line=dict(color=_color(v, versions)),
             customdata=[r["rewarded"] for r in rows],
             hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.3f}} over %{{customdata}} choices<extra></extra>",
+        )
+    return fig
+
+
+def _latency_figure(data: dict):
+    """p50 (solid) and p99 (dotted) completion latency per version; a log axis, as a p99 of a
+    loaded machine can be a hundred times its p50."""
+    import plotly.graph_objects as go
+
+    series = _by_version(data.get("latency", []), "p50_ms")
+    if not series:
+        return None
+    versions = [v["version"] for v in data["versions"]]
+    fig = go.Figure(layout=_layout(yaxis=dict(type="log", title="latency (ms)")))
+    for v, (xs, _, rows) in series.items():
+        for q, dash in (("p50", "solid"), ("p99", "dot")):
+            fig.add_scatter(
+                x=xs,
+                y=[r[f"{q}_ms"] for r in rows],
+                name=f"v{v} {q}",
+                mode="lines+markers",
+                line=dict(color=_color(v, versions), dash=dash),
+                customdata=[r["completions"] for r in rows],
+                hovertemplate=f"v{v} {q}<br>%{{x}}<br>%{{y:,.0f}} ms of %{{customdata}} completions<extra></extra>",
+            )
+    return fig
+
+
+def _errors_figure(data: dict):
+    """Share of served choices the engine did not finish, per version."""
+    import plotly.graph_objects as go
+
+    series = _by_version(data.get("latency", []), "error_rate")
+    if not series:
+        return None
+    versions = [v["version"] for v in data["versions"]]
+    fig = go.Figure(layout=_layout(yaxis=dict(tickformat=".1%", rangemode="tozero", title="errors / choices")))
+    for v, (xs, ys, rows) in series.items():
+        fig.add_scatter(
+            x=xs,
+            y=ys,
+            name=f"v{v}",
+            mode="lines+markers",
+            line=dict(color=_color(v, versions)),
+            customdata=[[r["errors"], r["choices"]] for r in rows],
+            hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.1%}} (%{{customdata[0]}} of %{{customdata[1]}})<extra></extra>",
         )
     return fig
 

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 from feedback import db
 from ops.rollout.stats import Arm
 
-ERROR_FINISH_REASONS = ("abort", "error")
+ERROR_FINISH_REASONS = db.ERROR_FINISH_REASONS
 ACCEPT_EVENTS = ("select", "edit")
 
 

@@ -58,20 +58,24 @@ router = APIRouter()
 )
 async def completions(body: CompletionBody, st: StateDep, token: CompletionsToken, request: Request):
     """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
+    t0 = time.perf_counter()
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
     gen = _to_generate(st, body, completion_id)
-    replica = _pick(st, body, uhash)
+    pool, replica = _pick(st, body, uhash)
     created = int(time.time())
     if isinstance(body, OpenAICompletionRequest) and body.stream:
-        return StreamingResponse(_sse(st, replica, gen, body, uhash, created), media_type="text/event-stream")
+        return StreamingResponse(_sse(st, pool, replica, gen, body, uhash, created, t0), media_type="text/event-stream")
     try:
         r = await replica.complete(gen)
     except Exception as e:  # the engine or its replica is down: the client may retry
+        _count_error(st, pool, "replica_failed")
         raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
-    _record(st, r, uhash, body, shape)
-    return _response(st, r, body, created)
+    _record(st, r, uhash, body, shape, pool)
+    response = _response(st, r, body, created)
+    metrics.by_version(metrics.COMPLETION_LATENCY, str(r.model_version), pool).observe(time.perf_counter() - t0)
+    return response
 
 
 # --- request translation -----------------------------------------------------------------------
@@ -123,8 +127,9 @@ def _is_pinned(body) -> bool:
     return "@v" in (getattr(body, "model", None) or "")
 
 
-def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
-    """The pool for this request: the one serving a pinned `model: name@vN`, else the user's route."""
+def _pick(st: ApiState, body, uhash: str) -> tuple[str, ReplicaClient]:
+    """The pool for this request (its name and client): the one serving a pinned `model: name@vN`,
+    else the user's route."""
     model = getattr(body, "model", None) or ""
     if _is_pinned(body):
         try:
@@ -138,7 +143,14 @@ def _pick(st: ApiState, body, uhash: str) -> ReplicaClient:
         pool = st.routing.pick(uhash)
     if pool not in st.replicas:
         raise HTTPException(503, f"no {pool} replica pool is deployed")
-    return st.replicas[pool]
+    return pool, st.replicas[pool]
+
+
+def _count_error(st: ApiState, pool: str, reason: str) -> None:
+    """A request the pool failed, under the version the pool reported last (the failed call
+    carries none)."""
+    served = st.routing.serving.get(pool)
+    metrics.by_version(metrics.COMPLETION_ERRORS, str(served) if served is not None else "unknown", pool, reason).inc()
 
 
 def _response(st: ApiState, r: GenerateResult, body, created: int) -> CompletionResponse:
@@ -171,7 +183,7 @@ def _response(st: ApiState, r: GenerateResult, body, created: int) -> Completion
     )
 
 
-def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> None:
+def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str, pool: str) -> None:
     """Count the completion and hand its record to the producer (never blocks, never raises)."""
     language = filepath = None
     if isinstance(body, TabbyCompletionRequest):
@@ -200,21 +212,26 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str) -> No
     )
     st.producer.send(bus.COMPLETIONS, record)
     v = str(r.model_version)
-    metrics.COMPLETIONS.labels(v, shape).inc()
+    metrics.by_version(metrics.COMPLETIONS, v, shape).inc()
     metrics.TOKENS.labels("prompt").inc(len(r.prompt_token_ids))
     metrics.TOKENS.labels("completion").inc(sum(len(s.token_ids) for s in r.samples))
     if all(not s.text for s in r.samples):
-        metrics.EMPTY.labels(v).inc()
+        metrics.by_version(metrics.EMPTY, v).inc()
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
     metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)
     metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
     if r.summary_fallback:
         metrics.SUMMARY_FALLBACKS.inc()
+    if r.first_token_ms is not None:
+        metrics.by_version(metrics.FIRST_TOKEN, v, pool).observe(r.first_token_ms / 1000)
 
 
-async def _sse(st: ApiState, replica: ReplicaClient, gen: GenerateRequest, body, uhash: str, created: int):
-    """OpenAI server-sent events: one chunk per text delta per choice, then `[DONE]`."""
+async def _sse(
+    st: ApiState, pool: str, replica: ReplicaClient, gen: GenerateRequest, body, uhash: str, created: int, t0: float
+):
+    """OpenAI server-sent events: one chunk per text delta per choice, then `[DONE]`; the latency
+    counted is the request's, up to `[DONE]`."""
     sent = {}
     final = None
     try:
@@ -234,8 +251,11 @@ async def _sse(st: ApiState, replica: ReplicaClient, gen: GenerateRequest, body,
                     }
                     yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as e:  # headers are sent: report in-band, as OpenAI does
+        _count_error(st, pool, "stream_failed")
         yield f"data: {json.dumps({'error': {'message': f'model replica failed: {type(e).__name__}', 'type': 'server_error'}})}\n\n"
         return
     if final is not None:
-        _record(st, final, uhash, body, "openai")
+        _record(st, final, uhash, body, "openai", pool)
     yield "data: [DONE]\n\n"
+    if final is not None:
+        metrics.by_version(metrics.COMPLETION_LATENCY, str(final.model_version), pool).observe(time.perf_counter() - t0)

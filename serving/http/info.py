@@ -60,7 +60,9 @@ async def models(st: StateDep, _token: EditorToken) -> dict:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus() -> PlainTextResponse:
-    """Prometheus metrics (requests, latency, tokens, summaries, producer buffer)."""
+    """Prometheus metrics of this ingress (requests, latency, completion latency, time to first token
+    and errors by version and pool, tokens, summaries, producer buffer); the replicas' are exported
+    by Ray's metrics agent (serving/metrics.py)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -26,6 +26,7 @@ class FakeEngine:
     text: str = "return x"
     calls: list = field(default_factory=list)
     fail: bool = False
+    first_token_s: float | None = None  # what the engine reports as its time to first token
 
     async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
         self.calls.append((prompt_ids, spec, request_id))
@@ -42,6 +43,7 @@ class FakeEngine:
                     top_logprobs=[{t: -0.5} for t in ids[:k]] if spec.top_logprobs else [],
                     text=self.tok.decode(ids[:k]),
                     finish_reason=("length" if k == spec.max_tokens else "stop") if done else None,
+                    first_token_s=self.first_token_s,
                 )
                 for i in range(spec.n)
             ]

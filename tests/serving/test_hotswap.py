@@ -257,9 +257,10 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     f.write_bytes(f.read_bytes()[:-7] + b"garbage")
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
     service = make_service(tok, engine)
-    swapper = HotSwapper(service, S.open_store(tmp_path))
+    swapper = HotSwapper(service, S.open_store(tmp_path), pool="canary")
     await swapper.swap_to(1)
-    reloads, before = len(engine.reloads), REGISTRY.get_sample_value("flywheel_swap_failures_total")
+    failed = {"pool": "canary", "outcome": "failed"}
+    reloads, before = len(engine.reloads), REGISTRY.get_sample_value("flywheel_swaps_total", failed) or 0
     with pytest.raises(SwapError, match="corrupt"):
         await swapper.swap_to(2)
     assert (
@@ -268,7 +269,8 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
         and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
     )
     assert "v1 -> v2" in swapper.last_swap_error and swapper.status()["failures"] == 1
-    assert REGISTRY.get_sample_value("flywheel_swap_failures_total") == before + 1
+    assert REGISTRY.get_sample_value("flywheel_swaps_total", failed) == before + 1
+    assert REGISTRY.get_sample_value("flywheel_swaps_total", {"pool": "canary", "outcome": "ok"}) >= 1
     assert (await service.complete(request(1))).model_version == 1  # and it keeps serving
     # a version that is not in the store, and a drain that does not finish, fail the same way
     report = await swapper.swap_report(9)

@@ -311,3 +311,46 @@ def test_pools_swap_in_place_to_their_targets(stack, model_dir):
     with engine.connect() as conn:
         swaps = {(r.pool, r.from_version, r.to_version, r.ok) for r in conn.execute(db.swap_events.select())}
     assert swaps == {("canary", 0, 1, True), ("stable", 0, 1, True)}
+    _metrics_reach_prometheus(client)
+
+
+def _metrics_reach_prometheus(client) -> None:
+    """After the swaps above: the ingress's /metrics has latency and time to first token by version
+    and pool; Ray's metrics agent exports the replicas' swap metrics and vLLM's statistics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.app import replica_metrics_urls
+
+    def samples(text: str) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append(sample)
+        return out
+
+    ingress = samples(client.get("/metrics").text)
+    by = lambda name: {(x.labels["version"], x.labels["pool"]): x.value for x in ingress.get(name, [])}  # noqa: E731
+    assert by("flywheel_completion_seconds_count").get(("1", "canary"), 0) >= 1
+    assert by("flywheel_completion_seconds_count").get(("1", "stable"), 0) >= 1
+    assert by("flywheel_completion_first_token_seconds_count").get(("1", "canary"), 0) >= 1  # vLLM reports it
+
+    (url,) = replica_metrics_urls()  # one node
+
+    def exported() -> tuple[dict, dict]:
+        ray_samples = samples(httpx.get(url, timeout=scaled(10)).text)
+        swaps = {
+            (x.labels["pool"], x.labels["outcome"]): x.value for x in ray_samples.get("ray_flywheel_swaps_total", [])
+        }
+        return ray_samples, swaps
+
+    # Ray's agent exports what each worker recorded every few seconds, worker by worker.
+    deadline = time.monotonic() + scaled(60)
+    ray_samples, swaps = exported()
+    while not (swaps.get(("canary", "ok")) and swaps.get(("stable", "ok"))) and time.monotonic() < deadline:
+        time.sleep(1)
+        ray_samples, swaps = exported()
+    assert swaps.get(("canary", "ok"), 0) >= 1 and swaps.get(("stable", "ok"), 0) >= 1, swaps
+    pauses = {x.labels["pool"] for x in ray_samples["ray_flywheel_swap_pause_seconds_count"] if x.value >= 1}
+    assert pauses == {"canary", "stable"}
+    assert sum(x.value for x in ray_samples["ray_vllm_time_to_first_token_seconds_count"]) >= 2
+    assert "ray_vllm_num_requests_waiting" in ray_samples and "ray_vllm_kv_cache_usage_perc" in ray_samples

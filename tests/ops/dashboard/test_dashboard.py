@@ -36,12 +36,16 @@ def fill(engine) -> dict:
     """Two hours of real-looking traffic over 3 versions, a rollout of v3 in progress, swaps.
     Returns the numbers the dashboard must show."""
     rng = random.Random(7)
+    aborts = random.Random(11)  # its own generator: the other numbers stay as they were
     comps, choices, events, rewards = [], [], [], []
-    expect = {v: {"completions": 0, "shown": 0, "accepted": 0, "rewards": []} for v in SERVED}
+    expect = {v: {"completions": 0, "shown": 0, "accepted": 0, "rewards": [], "served": []} for v in SERVED}
     for v, (start, end, p_accept, r_accept) in SERVED.items():
         for i in range(start * 2, end * 2):  # one completion every 30 s per version
             cid = f"cmpl-v{v}-{i:04d}"
             at = T0 + timedelta(seconds=30 * i + v)
+            latency_ms = rng.uniform(40, 120)
+            finish = "abort" if aborts.random() < 0.1 * v else "stop"  # v3 fails most
+            expect[v]["served"].append((at, latency_ms, finish == "abort"))
             comps.append(
                 dict(
                     completion_id=cid,
@@ -54,7 +58,7 @@ def fill(engine) -> dict:
                     prompt_text="def f(",
                     summary_ids=[],
                     n_choices=1,
-                    latency_ms=rng.uniform(40, 120),
+                    latency_ms=latency_ms,
                     created_at=at,
                 )
             )
@@ -66,7 +70,7 @@ def fill(engine) -> dict:
                     logprobs=[-0.1, -0.2],
                     text="x):",
                     n_chars=3,
-                    finish_reason="stop",
+                    finish_reason=finish,
                 )
             )
             expect[v]["completions"] += 1
@@ -295,6 +299,7 @@ def check_data(data: dict, expect: dict) -> None:
         # the time series add up to the totals
         assert sum(a["shown"] for a in data["acceptance"] if a["version"] == v) == e["shown"]
         assert sum(r["rewarded"] for r in data["reward"] if r["version"] == v) == len(e["rewards"])
+        check_latency(data, v, e["served"])
     n_completions = sum(e["completions"] for e in expect.values())
     assert data["totals"]["completions"] == n_completions == sum(c["n"] for c in data["volume"]["completions"])
     assert data["totals"]["events"] == sum(e["n"] for e in data["volume"]["events"])
@@ -316,6 +321,24 @@ def check_data(data: dict, expect: dict) -> None:
     assert data["swap_summary"][0]["p50_pause_s"] == pytest.approx(0.080)
     assert data["swap_summary"][0]["max_pause_s"] == pytest.approx(0.120)
     assert {p["pool"]: p["version"] for p in data["pools"]} == {"stable": 2, "canary": 3}
+
+
+def check_latency(data: dict, version: int, served: list[tuple[datetime, float, bool]]) -> None:
+    """p50 and p99 per bucket by nearest rank (the ceil(q*n)-th smallest), errors counted by hand."""
+    buckets: dict[str, list] = {}
+    for at, ms, failed in served:
+        start = datetime.fromtimestamp(int(at.timestamp()) // data["bucket_s"] * data["bucket_s"], UTC)
+        buckets.setdefault(start.isoformat(), []).append((ms, failed))
+    got = {r["t"]: r for r in data["latency"] if r["version"] == version}
+    assert got.keys() == buckets.keys()
+    for t, rows in buckets.items():
+        ms = sorted(m for m, _ in rows)
+        errors = sum(f for _, f in rows)
+        row = got[t]
+        assert (row["completions"], row["choices"], row["errors"]) == (len(ms), len(ms), errors)
+        assert row["p50_ms"] == pytest.approx(ms[math.ceil(0.50 * len(ms)) - 1])
+        assert row["p99_ms"] == pytest.approx(ms[math.ceil(0.99 * len(ms)) - 1])
+        assert row["error_rate"] == pytest.approx(errors / len(ms))
 
 
 def test_dashboard_data_sqlite(filled):
@@ -568,7 +591,7 @@ def browser(monkeypatch):
 
 
 @pytest.mark.slow
-def test_dashboard_in_chromium(server, browser):
+def test_dashboard_in_chromium(server, browser, filled):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -583,7 +606,7 @@ def test_dashboard_in_chromium(server, browser):
     # the ops token: a session cookie, then the dashboard
     browser.find_element(By.NAME, "token").send_keys(OPS)
     browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".main-svg")) >= 12)
+    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".main-svg")) >= 16)
     assert browser.current_url == f"{base}/ops/dashboard"
     assert browser.get_cookie("flywheel_ops")["httpOnly"] is True
     assert browser.execute_script("return document.cookie") == ""  # HttpOnly: invisible to scripts
@@ -591,9 +614,12 @@ def test_dashboard_in_chromium(server, browser):
     traces = browser.execute_script(
         "return Object.fromEntries([...document.querySelectorAll('.js-plotly-plot')].map(e => [e.id, e.data.length]))"
     )
-    # one trace per version; event kinds stacked plus the completions line; delta and full; one per pool
+    # one trace per version (p50 and p99 for latency); event kinds stacked plus the completions
+    # line; delta and full; one per pool
     assert traces == {
         "chart-accept": 3,
+        "chart-latency": 6,
+        "chart-errors": 3,
         "chart-reward": 3,
         "chart-rollout": 2,
         "chart-sizes": 2,
@@ -604,6 +630,13 @@ def test_dashboard_in_chromium(server, browser):
         "return [...document.querySelectorAll('#chart-accept .legendtext')].map(e => e.textContent)"
     )
     assert legend == ["v1", "v2", "v3"]
+    latency_legend = browser.execute_script(
+        "return [...document.querySelectorAll('#chart-latency .legendtext')].map(e => e.textContent)"
+    )
+    assert latency_legend == ["v1 p50", "v1 p99", "v2 p50", "v2 p99", "v3 p50", "v3 p99"]
+    # the points drawn are the data's, version by version
+    p99_v3 = browser.execute_script("return document.getElementById('chart-latency').data[5].y")
+    assert p99_v3 == [r["p99_ms"] for r in dashboard_data(filled[0])["latency"] if r["version"] == 3]
     points = browser.execute_script("return document.querySelectorAll('#chart-accept .scatterlayer .point').length")
     assert points == len(
         browser.execute_script("return document.getElementById('chart-accept').data.flatMap(t => t.x)")
@@ -648,6 +681,6 @@ def test_static_copy_in_chromium(filled, browser, tmp_path):
 
     path = write_static(filled[0], tmp_path / "dashboard.html")
     browser.get(path.as_uri())  # file://, no server and no network: plotly.js is in the page
-    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg")) >= 12)
+    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg")) >= 16)
     assert "step 2 of 4" in browser.find_element(By.ID, "rollout-summary").text
     assert [m["message"] for m in browser.get_log("browser") if m["level"] == "SEVERE"] == []
