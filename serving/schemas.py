@@ -7,8 +7,8 @@ Tabby needs.
 
 Every request body is a `RequestBody` (feedback/core/web.py): its text must be valid Unicode
 and its numbers finite, or it is refused with 422 naming the field. Fields that Flywheel
-receives but does not use (Tabby's declarations, snippets, clipboard) are bounded in count and
-size, so they cost at most a bounded parse.
+receives (Tabby's declarations, snippets, clipboard) are bounded in count and size, so they cost
+at most a bounded parse; the declarations and snippets go into the prompt as other files.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ MAX_SNIPPETS = 16
 clients send a handful)."""
 SNIPPET_CHARS = 10_000
 """Longest declaration or snippet body, and longest clipboard, in characters."""
+STOP_CHARS = 64
+"""Longest stop string."""
 
 
 class Strict(RequestBody):
@@ -60,10 +62,11 @@ class OpenAICompletionRequest(Strict):
 
     @field_validator("stop")
     @classmethod
-    def _stop_limits(cls, v: str | list[str] | None) -> str | list[str] | None:
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        # How many: serve.max_stop_strings, checked by the route, which knows the settings.
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s or len(s) > 64 for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings of at most 64 characters")
+        if any(not s or len(s) > STOP_CHARS for s in stops):
+            raise ValueError(f"each stop string must be non-empty and at most {STOP_CHARS} characters")
         return v
 
     @property
@@ -81,6 +84,7 @@ class OpenAICompletionRequest(Strict):
 class Snippet(Strict):
     filepath: str = Field(default="", max_length=1024)
     body: str = Field(default="", max_length=SNIPPET_CHARS)
+    score: float | None = None
 
 
 class Declaration(Strict):

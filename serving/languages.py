@@ -1,0 +1,55 @@
+"""What serving knows of a file's language: its line comment and where a suggestion should end.
+
+An editor's suggestion is the rest of a line or a short block. Besides the blank line
+(learner.prompts.EDITOR_STOP), it ends where the model starts the next top-level definition: a
+newline followed by one of the language's top-level keywords (`\\ndef`, `\\nclass` in Python).
+Indented code (a method, a nested function) starts with spaces after the newline, so it never
+matches. Languages are named as editors name them (VS Code's language ids, which Tabby sends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Language:
+    comment: str
+    top_level: tuple[str, ...] = ()
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(f"\n{k}" for k in self.top_level)
+
+
+_C_LIKE = ("#include", "#define", "struct ", "typedef ", "static ", "extern ", "int ", "void ")
+_JS = ("function ", "class ", "export ", "import ", "const ", "let ", "var ", "async function ")
+_TS = (*_JS, "interface ", "type ", "enum ", "declare ", "abstract class ")
+
+LANGUAGES: dict[str, Language] = {
+    "python": Language("#", ("def ", "class ", "import ", "from ", "if __name__", "@")),
+    "javascript": Language("//", _JS),
+    "javascriptreact": Language("//", _JS),
+    "typescript": Language("//", _TS),
+    "typescriptreact": Language("//", _TS),
+    "go": Language("//", ("func ", "type ", "package ", "import ", "var ", "const ")),
+    "rust": Language(
+        "//", ("fn ", "pub ", "impl ", "struct ", "enum ", "trait ", "mod ", "use ", "const ", "static ", "#[")
+    ),
+    "java": Language("//", ("public ", "private ", "protected ", "class ", "interface ", "import ", "package ", "@")),
+    "kotlin": Language("//", ("fun ", "class ", "object ", "interface ", "import ", "package ", "val ", "private ")),
+    "csharp": Language("//", ("public ", "private ", "internal ", "class ", "namespace ", "using ", "[")),
+    "c": Language("//", _C_LIKE),
+    "cpp": Language("//", (*_C_LIKE, "class ", "namespace ", "template", "using ")),
+    "ruby": Language("#", ("def ", "class ", "module ", "require ")),
+    "php": Language("//", ("function ", "class ", "namespace ", "use ", "interface ")),
+    "lua": Language("--", ("function ", "local function ", "local ")),
+    "shellscript": Language("#", ("function ",)),
+    "sql": Language("--", ("SELECT ", "CREATE ", "INSERT ", "UPDATE ", "DELETE ", "WITH ")),
+}
+UNKNOWN = Language("#")
+"""Any other language: no keyword stops, and `#` for a commented header (DeepSeek-Coder's own)."""
+
+
+def language(name: str | None) -> Language:
+    return LANGUAGES.get((name or "").lower(), UNKNOWN)
