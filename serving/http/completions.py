@@ -73,7 +73,7 @@ async def completions(body: CompletionBody, st: StateDep, token: CompletionsToke
     completion_id = new_completion_id()
     uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
     if isinstance(body, TabbyCompletionRequest):
-        gen, crlf = _tabby_request(st, body, completion_id), _is_crlf(body.segments)
+        gen, crlf = _tabby_request(st, body, completion_id), is_crlf(body.segments.prefix, body.segments.suffix)
         filepath, lang = body.segments.filepath, body.language
     else:
         gen, crlf = _openai_request(st, body, completion_id), False
@@ -131,6 +131,25 @@ def client_prompt(prompt: str) -> tuple[str, str | None, str | None, str | None,
     return parsed.prefix, parsed.suffix, parsed.path, parsed.repo, tuple(reversed(parsed.context))
 
 
+def lf(text: str) -> str:
+    """Windows line endings as the model was trained on them: one newline."""
+    return text.replace("\r\n", "\n")
+
+
+def is_crlf(*texts: str | None) -> bool:
+    """Whether the file uses Windows line endings, so the suggestion must too."""
+    return any("\r\n" in (t or "") for t in texts)
+
+
+def max_tokens_for(st: ApiState, n: int | None) -> int:
+    """A llama.cpp or Ollama token limit as max_tokens: unset, the default; negative ("until the
+    end"), serve.max_tokens_limit; larger than that, cut to it (those servers never refuse a
+    limit, they stop at the context's end)."""
+    if n is None:
+        return st.cfg.default_max_tokens
+    return st.cfg.max_tokens_limit if n < 0 else min(n, st.cfg.max_tokens_limit)
+
+
 async def complete(replica: ReplicaClient, gen: GenerateRequest) -> GenerateResult:
     try:
         return await replica.complete(gen)
@@ -184,12 +203,12 @@ def _tabby_request(st: ApiState, body: TabbyCompletionRequest, completion_id: st
         seed=body.seed,
         stop=(EDITOR_STOP, *lang.stops),
     )
-    context = tuple((d.filepath, _lf(d.body)) for d in seg.declarations or ())
+    context = tuple((d.filepath, lf(d.body)) for d in seg.declarations or ())
     for snippets in (seg.relevant_snippets_from_changed_files, seg.relevant_snippets_from_recently_opened_files):
         # Tabby's agent ranks them; a score, where it sends one, ranks them here too.
         ranked = sorted(snippets or (), key=lambda s: -(s.score or 0.0))
-        context += tuple((s.filepath, _lf(s.body)) for s in ranked)
-    prefix, suffix = _lf(seg.prefix), _lf(seg.suffix or "")
+        context += tuple((s.filepath, lf(s.body)) for s in ranked)
+    prefix, suffix = lf(seg.prefix), lf(seg.suffix or "")
     check_prompt_size(st, prefix, suffix, context)
     return GenerateRequest(
         completion_id,
@@ -201,16 +220,6 @@ def _tabby_request(st: ApiState, body: TabbyCompletionRequest, completion_id: st
         context=context,
         comment=lang.comment,
     )
-
-
-def _lf(text: str) -> str:
-    """Windows line endings as the model was trained on them: one newline."""
-    return text.replace("\r\n", "\n")
-
-
-def _is_crlf(seg) -> bool:
-    """Whether the file uses Windows line endings, so the suggestion must too."""
-    return "\r\n" in seg.prefix or "\r\n" in (seg.suffix or "")
 
 
 def _repo_name(git_url: str | None) -> str | None:
