@@ -194,6 +194,13 @@ class OllamaGenerateRequest(Strict):
     options: OllamaOptions = OllamaOptions()
 
 
+class OllamaShowRequest(Strict):
+    """Ollama's `POST /api/show`: the model by `model` (or `name`, as older clients send it)."""
+
+    model: str | None = Field(default=None, max_length=128)
+    name: str | None = Field(default=None, max_length=128)
+
+
 # --- the response both shapes get ------------------------------------------------------------
 
 

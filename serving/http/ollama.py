@@ -6,6 +6,8 @@
                          and the counts; `stream: false` answers that last object with the whole
                          `response`
     GET  /api/tags       the model and its live versions (`flywheel:v3` pins a version)
+    POST /api/show       the model's window (`model_info`), whether it fills in the middle
+                         (`capabilities` has "insert"), its FIM layout as an Ollama `template`
     GET  /api/version    the Ollama API version these routes answer like (public, as Ollama's)
 
 A request with an empty prompt and no suffix is Ollama's "load the model" call: answered at
@@ -18,10 +20,11 @@ import json
 import time
 from datetime import UTC, datetime
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
 from feedback.core.auth import EditorToken
+from learner.formats import FIM_TEMPLATES, FimTemplate
 from serving.engine import SamplingSpec
 from serving.http.completions import (
     RecordMeta,
@@ -38,7 +41,7 @@ from serving.http.completions import (
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
 from serving.routing import user_hash
-from serving.schemas import OllamaGenerateRequest
+from serving.schemas import OllamaGenerateRequest, OllamaShowRequest
 
 OLLAMA_VERSION = "0.6.0"
 """The Ollama release whose /api/generate these routes answer like (`suffix`, `raw`, `options`):
@@ -83,19 +86,54 @@ async def generate(body: OllamaGenerateRequest, st: StateDep, token: Completions
 async def tags(st: StateDep, _token: EditorToken) -> dict:
     """The served model and its live versions, as Ollama lists its local models."""
     names = [f"{st.cfg.model_name}:latest", *(f"{st.cfg.model_name}:v{v}" for v in st.routing.versions)]
-    modified = _now(st.started)
-    details = {
+    modified, details = _now(st.started), _details(st)
+    return {
+        "models": [
+            {"name": n, "model": n, "modified_at": modified, "size": 0, "digest": "", "details": details} for n in names
+        ]
+    }
+
+
+@router.post("/api/show", responses={401: {}, 404: {}, 422: {}})
+async def show(body: OllamaShowRequest, st: StateDep, _token: EditorToken) -> dict:
+    """What Ollama clients read of a model before they prompt it: its context window, and whether
+    (and how) it takes a suffix."""
+    name = body.model or body.name or ""
+    if name.partition(":")[0] != st.cfg.model_name:
+        raise HTTPException(404, f"model {name!r} not found; this server serves {st.cfg.model_name!r}")
+    fim = next((t for t in FIM_TEMPLATES if t.name == st.prompt_format.get("fim")), None)
+    window = min(st.prompt_format.get("window") or st.cfg.engine.max_model_len, st.cfg.engine.max_model_len)
+    return {
+        "modelfile": "",
+        "parameters": "",
+        "template": _template(fim),
+        "details": _details(st),
+        "model_info": {"general.architecture": "flywheel", "flywheel.context_length": window},
+        "capabilities": ["completion", "insert"] if fim else ["completion"],
+    }
+
+
+def _template(fim: FimTemplate | None) -> str:
+    """The served model's FIM layout in Ollama's template notation (what a client would render)."""
+    if fim is None:
+        return "{{ .Prompt }}"
+    if fim.suffix_first:
+        return f"{{{{ if .Suffix }}}}{fim.suffix}{{{{ .Suffix }}}}{fim.prefix}{{{{ end }}}}{{{{ .Prompt }}}}"
+    middle = fim.middle or ""
+    return (
+        f"{{{{ if .Suffix }}}}{fim.prefix}{{{{ .Prompt }}}}{fim.suffix}{{{{ .Suffix }}}}{middle}"
+        "{{ else }}{{ .Prompt }}{{ end }}"
+    )
+
+
+def _details(st: ApiState) -> dict:
+    return {
         "parent_model": "",
         "format": "safetensors",
         "family": st.prompt_format.get("fim") or "",
         "families": None,
         "parameter_size": "",
         "quantization_level": "",
-    }
-    return {
-        "models": [
-            {"name": n, "model": n, "modified_at": modified, "size": 0, "digest": "", "details": details} for n in names
-        ]
     }
 
 

@@ -18,6 +18,7 @@ SERVING_PATHS = [
     "/infill",
     "/api/generate",
     "/api/tags",
+    "/api/show",
     "/api/version",
     "/v1/events",
     "/v1/events/batch",

@@ -77,6 +77,17 @@ def test_tags_and_version(tok):
     assert client.get("/api/version").json()["version"].count(".") == 2
 
 
+def test_show_tells_the_window_and_that_it_fills_in_the_middle(tok):
+    client, _, _ = make_client(tok)
+    client.app.state.api.prompt_format = {"fim": "qwen", "window": 2048}
+    shown = client.post("/api/show", json={"model": "flywheel:latest"}).json()
+    assert "insert" in shown["capabilities"] and shown["model_info"]["flywheel.context_length"] == 1024  # the engine's
+    assert "<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>{{ .Suffix }}<|fim_middle|>" in shown["template"]
+    assert client.post("/api/show", json={"name": "flywheel"}).status_code == 200  # older clients' field
+    r = client.post("/api/show", json={"model": "llama3"})
+    assert r.status_code == 404 and "flywheel" in r.json()["error"]["message"]
+
+
 def test_a_version_tag_pins_the_version(tok):
     client, _, _ = make_client(tok)
     ok = client.post("/api/generate", json={"model": "flywheel:v3", "prompt": "x", "stream": False})
