@@ -35,8 +35,9 @@ from learner.formats import ModelFormat
 
 EDITOR_STOP = "\n\n"
 """Where an editor's suggestion ends when the client names no stop: at the first blank line (a
-completion in an editor is the rest of a line or a short block). Serving adds it to editor-shaped
-requests, and the held-out replay cuts its greedy middles there, so both see the same text."""
+completion in an editor is the rest of a line or a short block); with the language's own stops in
+learner.languages.editor_stops, which serving adds to editor-shaped requests and the held-out
+replay cuts its greedy middles at, so both see the same text."""
 
 CONTEXT_BUDGET = 768
 """Prompt tokens a completion may use (the default of serve.context_budget); longer prefixes

@@ -10,7 +10,7 @@ it is read back (learner.formats.parse_rendered_fim) and prompted the server's w
 served model's own template, the file header and self-summarization apply. Tabby's declarations
 and snippets go into the prompt as other files of the repository; its text keeps the file's
 line endings (CRLF in, CRLF out), and its suggestions end at the language's next top-level
-definition (serving/languages.py).
+definition (learner/languages.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from pydantic import Discriminator, Tag
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord
 from learner.formats import parse_rendered_fim
-from learner.prompts import EDITOR_STOP
+from learner.languages import editor_stops, language
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
-from serving.languages import language
 from serving.replica import GenerateRequest, GenerateResult
 from serving.routing import user_hash
 from serving.schemas import (
@@ -201,7 +200,7 @@ def _tabby_request(st: ApiState, body: TabbyCompletionRequest, completion_id: st
         max_tokens=st.cfg.default_max_tokens,
         temperature=temperature,
         seed=body.seed,
-        stop=(EDITOR_STOP, *lang.stops),
+        stop=editor_stops(body.language),
     )
     context = tuple((d.filepath, lf(d.body)) for d in seg.declarations or ())
     for snippets in (seg.relevant_snippets_from_changed_files, seg.relevant_snippets_from_recently_opened_files):

@@ -1,15 +1,19 @@
-"""What serving knows of a file's language: its line comment and where a suggestion should end.
+"""A file's language, as prompts and suggestions need it: its line comment, and where a suggestion ends.
 
 An editor's suggestion is the rest of a line or a short block. Besides the blank line
 (learner.prompts.EDITOR_STOP), it ends where the model starts the next top-level definition: a
 newline followed by one of the language's top-level keywords (`\\ndef`, `\\nclass` in Python).
 Indented code (a method, a nested function) starts with spaces after the newline, so it never
 matches. Languages are named as editors name them (VS Code's language ids, which Tabby sends).
+Serving stops editor requests at `editor_stops`, and the held-out replay cuts its greedy
+middles there, so both see the same text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from learner.prompts import EDITOR_STOP
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,8 @@ UNKNOWN = Language("#")
 
 def language(name: str | None) -> Language:
     return LANGUAGES.get((name or "").lower(), UNKNOWN)
+
+
+def editor_stops(name: str | None) -> tuple[str, ...]:
+    """Where a suggestion in a file of language `name` ends: a blank line, or the next top-level definition."""
+    return (EDITOR_STOP, *language(name).stops)
