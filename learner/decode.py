@@ -9,7 +9,7 @@ Pretraining's sample report, the held-out replay (learner.eval) and the learning
               `generator`; either way the raw logprob of the token is kept, as the replica
               records it (the learner's behaviour policy)
     stop      at one of `stop_ids`, the model's EOS tokens (learner.formats; kept as the last
-              token: it is the "stop here" action the RL loss trains), at the `stop` string (the text is cut before it, as vLLM returns
+              token: it is the "stop here" action the RL loss trains), at a `stop` string (the text is cut before it, as vLLM returns
               it; its tokens stay), or after `max_tokens` ("length")
     window    the context keeps its last max_seq_len tokens: once the cache is full, the last
               window is prefilled afresh, which is what a forward without cache over it computes
@@ -60,13 +60,14 @@ def decode(
     stop_ids: Sequence[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    stop: str | None = None,
+    stop: str | Sequence[str] | None = None,
     fp4: WeightHook | None = None,
 ) -> Completion:
     """A completion of `prompt_ids` of at most `max_tokens` tokens (see the module docstring).
-    `stop_ids`: the model's EOS tokens (ModelFormat.eos_ids); `temperature` 0: greedy; `fp4`:
-    the model's weight hook (the QAT view of the weights)."""
+    `stop_ids`: the model's EOS tokens (ModelFormat.eos_ids); `stop`: one stop string or several;
+    `temperature` 0: greedy; `fp4`: the model's weight hook (the QAT view of the weights)."""
     stops = frozenset(stop_ids)
+    stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     window = model.args.max_seq_len
     device = next(model.parameters()).device
     context = list(prompt_ids)
@@ -88,7 +89,7 @@ def decode(
             nxt = int(logits_V.argmax())
         out.append(nxt)
         logprobs.append(float(logp_V[nxt]))
-        if nxt in stops or (stop is not None and stop in tok.decode(out)):
+        if nxt in stops or (stop_strings and any(st in tok.decode(out) for st in stop_strings)):
             finish = "stop"
             break
         if len(out) == max_tokens:
@@ -100,6 +101,7 @@ def decode(
             logits_V = model(torch.tensor([[nxt]], device=device), cache=cache, fp4=fp4)[0, -1]
     stop_token = out[-1] if out and out[-1] in stops else None
     text = tok.decode(out[:-1] if stop_token is not None else out)
-    if stop is not None and (cut := text.find(stop)) >= 0:
-        text = text[:cut]
+    cuts = [i for st in stop_strings if (i := text.find(st)) >= 0]
+    if cuts:  # the first stop string in the text ends it, as in vLLM
+        text = text[: min(cuts)]
     return Completion(out, logprobs, text, finish, stop_token)

@@ -11,8 +11,9 @@ take, so the replay scores a model as users would:
               serving's summarization fallback does (summarizing every older chunk, as
               serving does, would take minutes per site here)
     decode    learner.decode, greedy, up to `max_tokens` (clamped to the window, as the replica
-              does), stopping at the model's EOS tokens or at "\\n\\n" (the stop string serving gives
-              editor requests, serving/http/completions.py)
+              does), stopping at the model's EOS tokens or at the site language's editor stops
+              (learner.languages.editor_stops: a blank line, the next top-level definition), as
+              serving stops editor requests
     judge     learner.judge against the true continuation: accept fully, by line or by word,
               or dismiss; an empty completion is not shown (the model abstained)
     reward    feedback.reward on the events the simulated editor sends for that verdict
@@ -61,8 +62,9 @@ from learner.corpus import SourceFile
 from learner.decode import decode, room
 from learner.formats import ModelFormat
 from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
+from learner.languages import editor_stops
 from learner.model import Transformer, WeightHook
-from learner.prompts import CONTEXT_BUDGET, EDITOR_STOP, SUMMARY_CHUNK_TOKENS, PromptBuilder, SummaryCache, fit_budget
+from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, PromptBuilder, SummaryCache, fit_budget
 
 # --- confidence intervals ---------------------------------------------------------------------------
 
@@ -436,7 +438,7 @@ def heldout_replay(
                 prompt,
                 room(window, len(prompt), max_tokens),
                 stop_ids=fmt.eos_ids,
-                stop=EDITOR_STOP,
+                stop=editor_stops(site.language),
                 fp4=hook,
             )
             latency = time.perf_counter() - started

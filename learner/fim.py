@@ -12,13 +12,16 @@ The model writes the middle and ends it with an EOS token, where generation stop
 carries the file path (and repository) the way the family was trained: a `<|file_sep|>` line
 before the FIM tokens for Qwen and StarCoder 2, a `# path` comment at the start of the prefix
 for DeepSeek-Coder, nothing for Codestral. It is optional: a prompt without it is still in the
-trained format (pretraining adds it to half of its FIM examples).
+trained format (pretraining adds it to half of its FIM examples). Other files of the repository
+(an editor's snippets) go before the current file's header (`context_block_ids`).
 
 Everything is encoded without the tokenizer's own special tokens, so a Llama-style tokenizer's
 `<s>` appears once, at the start (ModelFormat.bos_ids), never in the middle of a prompt.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
@@ -36,18 +39,38 @@ def _fim(fmt: ModelFormat) -> FimIds:
     return fmt.fim
 
 
-def fim_header_ids(fmt: ModelFormat, tok: Tokenizer, *, path: str | None = None, repo: str | None = None) -> list[int]:
-    """The file's path (and repository) in the template's own way; [] when neither is known or
-    the template has no place for them."""
+def fim_header_ids(
+    fmt: ModelFormat,
+    tok: Tokenizer,
+    *,
+    path: str | None = None,
+    repo: str | None = None,
+    context: Sequence[int] = (),
+) -> list[int]:
+    """The file's path (and repository) in the template's own way, after `context` (other files,
+    already laid out by `context_block_ids`); [] when none is known or the template has no place
+    for them."""
     f = _fim(fmt)
     ids: list[int] = []
     if f.template.path_comment:
-        return encode(tok, f"# {path}\n") if path else []
+        return [*context, *(encode(tok, f"# {path}\n") if path else [])]
     if repo and f.repo_name is not None:
         ids += [f.repo_name, *encode(tok, f"{repo}\n")]
+    ids += context
     if path and f.file_sep is not None:
         ids += [f.file_sep, *encode(tok, f"{path}\n")]
     return ids
+
+
+def context_block_ids(fmt: ModelFormat, tok: Tokenizer, path: str, text: str, *, comment: str = "#") -> list[int]:
+    """One other file of the repository, as the prompt carries it before the current file: a
+    `<|file_sep|>path` block where the template has file separators (Qwen's and StarCoder 2's
+    repository-level format), else the text under a commented header line (`# path`), as
+    DeepSeek-Coder's repository-level data starts each file."""
+    f = fmt.fim
+    if f is not None and f.file_sep is not None:
+        return [f.file_sep, *encode(tok, f"{path}\n{text}\n")]
+    return encode(tok, f"{comment} {path}\n{text}\n")
 
 
 def fim_layout(fmt: ModelFormat, header: list[int], prefix: list[int], suffix: list[int]) -> list[int]:

@@ -30,6 +30,10 @@ The file path goes in the way the family was trained; a family with no known con
 (`<|file_sep|>`, `<|fim_pad|>`, ...) also end it when a model writes them.
 
 `ModelFormat.of` is pure (a tokenizer and three dicts); `read_format` reads them from a folder.
+
+Editor clients that render the FIM template themselves (Continue, Twinny) send the rendered
+string as a plain prompt; `parse_rendered_fim` reads it back into prefix, suffix, the file's
+path and the other files it carries, so the server can prompt its own model its own way.
 """
 
 from __future__ import annotations
@@ -89,6 +93,13 @@ FIM_TEMPLATES: tuple[FimTemplate, ...] = (
     FimTemplate("codestral", "[PREFIX]", "[SUFFIX]", None, suffix_first=True),
 )
 FIM_NAMES = tuple(t.name for t in FIM_TEMPLATES)
+
+CLIENT_TEMPLATES: tuple[FimTemplate, ...] = (
+    *FIM_TEMPLATES,
+    # Code Llama's: no model family here has it, but Twinny and Continue render it by default.
+    FimTemplate("codellama", "<PRE>", "<SUF>", "<MID>"),
+)
+"""Templates a client may have rendered a prompt in (parse_rendered_fim)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,67 @@ def summary_format(tok: Tokenizer) -> SummaryFormat:
         return SummaryFormat(True, (start,), (end,), SUMMARY_START, SUMMARY_END)
     enc = lambda s: tuple(tok.encode(s, add_special_tokens=False).ids)  # noqa: E731
     return SummaryFormat(False, enc(TEXT_SUMMARY_OPEN), enc(TEXT_SUMMARY_CLOSE), TEXT_SUMMARY_OPEN, TEXT_SUMMARY_CLOSE)
+
+
+@dataclass(frozen=True)
+class RenderedFim:
+    """A prompt a client rendered in a FIM template, read back (parse_rendered_fim)."""
+
+    template: str
+    prefix: str
+    suffix: str
+    path: str | None = None
+    repo: str | None = None
+    context: tuple[tuple[str, str], ...] = ()
+    """Other files the prompt carried before the current one, as (path, text), in its order."""
+
+
+def parse_rendered_fim(text: str) -> RenderedFim | None:
+    """`text` read back as a FIM prompt of one of CLIENT_TEMPLATES, or None when it is not one.
+
+    A prompt is read as rendered only when each of the template's markers occurs exactly once and
+    in the template's order, so code that merely mentions a marker stays a plain prompt. Text after
+    the middle marker (the start of the middle the client already wrote) ends the prefix. In
+    Qwen's and StarCoder 2's layout, `<repo_name>` names the repository and each file separator
+    starts `path\\ntext`: the last one is the current file (its text opens the prefix), the others
+    are returned as context. Any other text before the prefix (a client's comment header) opens
+    the prefix."""
+    for t in CLIENT_TEMPLATES:
+        markers = (t.suffix, t.prefix) if t.suffix_first else (t.prefix, t.suffix, *((t.middle,) if t.middle else ()))
+        if any(text.count(m) != 1 for m in markers):
+            continue
+        where = [text.index(m) for m in markers]
+        if where != sorted(where):
+            continue
+        first, second = where[0], where[1]
+        between = text[first + len(markers[0]) : second]
+        if t.suffix_first:
+            head, suffix, prefix, tail = text[:first], between, text[second + len(markers[1]) :], ""
+        else:
+            end = where[2] if t.middle else len(text)
+            head, prefix, suffix = text[:first], between, text[second + len(markers[1]) : end]
+            tail = text[end + len(t.middle) :] if t.middle else ""
+        if t.name == "codellama":  # `<PRE> prefix <SUF>suffix <MID>`: the spaces belong to the markers
+            prefix = prefix.removeprefix(" ").removesuffix(" ")
+            suffix = suffix.removesuffix(" ")
+        repo = path = None
+        context: list[tuple[str, str]] = []
+        if t.repo_name and head.startswith(t.repo_name):
+            head = head[len(t.repo_name) :]
+            cut = min(i for i in (head.find("\n"), head.find(t.file_sep or "\n"), len(head)) if i >= 0)
+            repo, head = head[:cut].strip() or None, head[cut:].removeprefix("\n")
+        if t.file_sep and t.file_sep in head:
+            free, *files = head.split(t.file_sep)
+            *others, current = files
+            for f in others:
+                name, _, body = f.partition("\n")
+                if name.strip() and body.strip():
+                    context.append((name.strip(), body.removesuffix("\n")))
+            name, newline, opening = current.partition("\n")
+            path = name.strip() if newline else None
+            head = free + (opening if newline else current)
+        return RenderedFim(t.name, head + prefix + tail, suffix, path or None, repo, tuple(context))
+    return None
 
 
 def read_json(folder: Path, name: str) -> dict:

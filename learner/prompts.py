@@ -2,12 +2,13 @@
 
 Layout (the model's FIM template, learner.fim; for Qwen's and Flywheel's own):
 
-    [<|file_sep|> path]  <|fim_prefix|> [<open> s_1 <close> ... s_k]  recent prefix
-    <|fim_suffix|> suffix <|fim_middle|>
+    [<|file_sep|> other path \\n text ...]  [<|file_sep|> path]
+    <|fim_prefix|> [<open> s_1 <close> ... s_k]  recent prefix  <|fim_suffix|> suffix <|fim_middle|>
 
-A model without FIM tokens gets prefix-only prompts (the suffix is dropped). When prefix +
-suffix exceed `budget` tokens, the prefix is cut at line boundaries into an old part and a
-recent tail. The old part is split into chunks that the model itself summarizes (prompted
+Other files of the repository (an editor's snippets) go before the current file, within the
+budget (`PromptBuilder._context`). A model without FIM tokens gets prefix-only prompts (the
+suffix is dropped). When prefix + suffix exceed `budget` tokens, the prefix is cut at line
+boundaries into an old part and a recent tail. The old part is split into chunks that the model itself summarizes (prompted
 with the chunk followed by the summary's opening marker, the teacher task Flywheel's own
 model was pretrained on), and the summaries stand in for the chunks, between the format's
 markers (learner.formats.SummaryFormat: Flywheel's summary tokens, or plain text). Only the
@@ -24,18 +25,19 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from learner.fim import encode, fim_header_ids, fim_layout, plain_prompt_ids
+from learner.fim import context_block_ids, encode, fim_header_ids, fim_layout, plain_prompt_ids
 from learner.formats import ModelFormat
 
 EDITOR_STOP = "\n\n"
 """Where an editor's suggestion ends when the client names no stop: at the first blank line (a
-completion in an editor is the rest of a line or a short block). Serving adds it to editor-shaped
-requests, and the held-out replay cuts its greedy middles there, so both see the same text."""
+completion in an editor is the rest of a line or a short block); with the language's own stops in
+learner.languages.editor_stops, which serving adds to editor-shaped requests and the held-out
+replay cuts its greedy middles at, so both see the same text."""
 
 CONTEXT_BUDGET = 768
 """Prompt tokens a completion may use (the default of serve.context_budget); longer prefixes
@@ -44,6 +46,9 @@ SUMMARY_CHUNK_TOKENS = 192
 """Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
 MAX_SUMMARIES = 4
 """Summaries one request may have the model write (the default of serve.max_summaries_per_request)."""
+CONTEXT_TOKENS = 256
+"""Prompt tokens other files of the repository keep even when the current file would fill the
+budget (the default of serve.repo_context_tokens)."""
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,8 @@ class Prompt:
     truncated_tokens: int = 0
     fallback: bool = False
     """Summarization failed and the prefix was truncated instead."""
+    context_files: int = 0
+    """Other files of the repository the prompt carries (whole or cut)."""
 
 
 def fit_budget(
@@ -123,6 +130,7 @@ class PromptBuilder:
     cache: SummaryCache
     version: int
     max_summaries: int = MAX_SUMMARIES
+    context_tokens: int = CONTEXT_TOKENS
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tok, text)
@@ -135,24 +143,33 @@ class PromptBuilder:
         *,
         path: str | None = None,
         repo: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+        comment: str = "#",
     ) -> Prompt:
         """A FIM prompt within `budget` tokens (plain left-to-right when `suffix` is None or the
-        model has no FIM tokens). `path`, `repo`: the file's, for the template's header."""
+        model has no FIM tokens). `path`, `repo`: the file's, for the template's header.
+        `context`: other files as (path, text), the most relevant first, for the room
+        `_context` gives them; `comment`: the language's line comment, for templates that
+        mark a file by a commented header."""
         fim = suffix is not None and self.fmt.fim is not None
         suffix_ids = (
             self.encode(suffix)[: self.budget // 4] if fim and suffix else []
         )  # the code right after the cursor matters most
-        header_ids = fim_header_ids(self.fmt, self.tok, path=path, repo=repo) if fim else []
         prefix_ids = self.encode(prefix)
+        context_ids: list[int] = []
 
         def assemble(body: list[int]) -> list[int]:
             if fim:
-                return fim_layout(self.fmt, header_ids, body, suffix_ids)
-            return [*self.fmt.bos_ids, *body] or plain_prompt_ids(self.fmt, self.tok, "")
+                header = fim_header_ids(self.fmt, self.tok, path=path, repo=repo, context=context_ids)
+                return fim_layout(self.fmt, header, body, suffix_ids)
+            return [*self.fmt.bos_ids, *context_ids, *body] or plain_prompt_ids(self.fmt, self.tok, "")
 
+        context_files = 0
+        if context:
+            context_ids, context_files = self._context(context, len(assemble(prefix_ids)), comment)
         whole = assemble(prefix_ids)  # exactly the trained format
         if len(whole) <= self.budget:
-            return Prompt(whole)
+            return Prompt(whole, context_files=context_files)
 
         if self.max_summaries == 0:
             summarize = None
@@ -161,11 +178,54 @@ class PromptBuilder:
         if summarize is not None:
             try:
                 body, stats = await self._summarized(prefix, room, summarize)
-                return Prompt(assemble(body), **stats)
+                return Prompt(assemble(body), context_files=context_files, **stats)
             except Exception as e:  # any summarizer failure degrades to truncation, never fails the request
                 log.warning("self-summarization failed (%s: %s); truncating the prefix instead", type(e).__name__, e)
         kept = prefix_ids[-room:]
-        return Prompt(assemble(kept), truncated_tokens=len(prefix_ids) - len(kept), fallback=summarize is not None)
+        return Prompt(
+            assemble(kept),
+            context_files=context_files,
+            truncated_tokens=len(prefix_ids) - len(kept),
+            fallback=summarize is not None,
+        )
+
+    def _context(self, files: Sequence[tuple[str, str]], file_tokens: int, comment: str) -> tuple[list[int], int]:
+        """Other files laid out for the prompt, and how many made it. They get what the current
+        file leaves of the budget, and at least `context_tokens` (at most half the budget) of a
+        long file's: the most relevant first, whole while they fit, then the first that does not
+        cut at a line to fill the rest. Laid out the other way round, so the most relevant one
+        sits right before the current file."""
+        reserve = min(self.context_tokens, self.budget // 2)
+        left = self.budget - min(file_tokens, self.budget - reserve)
+        blocks: list[list[int]] = []
+        for path, text in files:
+            if not text.strip() or left <= 0:
+                continue
+            ids = context_block_ids(self.fmt, self.tok, path, text, comment=comment)
+            if len(ids) > left:
+                ids = self._cut_block(path, text, left, comment)
+                if ids:
+                    blocks.append(ids)
+                break
+            blocks.append(ids)
+            left -= len(ids)
+        return [t for ids in reversed(blocks) for t in ids], len(blocks)
+
+    def _cut_block(self, path: str, text: str, room: int, comment: str) -> list[int] | None:
+        """The file's block with as many of its first lines as fit in `room` tokens (None: not one)."""
+        lines = text.splitlines(keepends=True)
+        counts = [len(e.ids) for e in self.tok.encode_batch(lines, add_special_tokens=False)]
+        spare = room - len(context_block_ids(self.fmt, self.tok, path, "", comment=comment))
+        n, used = 0, 0
+        while n < len(lines) and used + counts[n] <= spare:
+            used += counts[n]
+            n += 1
+        while n > 0:  # tokens merge across a cut differently: check the block itself
+            ids = context_block_ids(self.fmt, self.tok, path, "".join(lines[:n]).rstrip("\n"), comment=comment)
+            if len(ids) <= room:
+                return ids
+            n -= 1
+        return None
 
     async def _summarized(self, prefix: str, room: int, summarize: Summarizer) -> tuple[list[int], dict]:
         lines = prefix.splitlines(keepends=True)

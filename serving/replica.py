@@ -36,6 +36,8 @@ class GenerateRequest:
     path: str | None  # the file's path, for the FIM template's header ("" or None: unknown)
     spec: SamplingSpec
     repo: str | None = None  # the repository's name, for templates with repo context
+    context: tuple[tuple[str, str], ...] = ()  # other files as (path, text), the most relevant first
+    comment: str = "#"  # the language's line comment, for context under a commented header
 
 
 @dataclass
@@ -50,6 +52,7 @@ class GenerateResult:
     summaries_skipped: int = 0
     truncated_tokens: int = 0
     summary_fallback: bool = False
+    context_files: int = 0
     latency_ms: float = 0.0
     first_token_ms: float | None = None  # prompt building + the engine's time to first token, when it reports it
     done: bool = True
@@ -70,6 +73,7 @@ class CompletionService:
             SummaryCache(cfg.summary_cache_size),
             version,
             max_summaries=cfg.max_summaries_per_request,
+            context_tokens=cfg.repo_context_tokens,
         )
 
     async def summarize(self, chunk: str) -> list[int]:
@@ -97,7 +101,15 @@ class CompletionService:
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Cumulative results as tokens arrive; the last one has `done=True`."""
         t0 = time.perf_counter()
-        prompt = await self.prompts.build(req.prefix, req.suffix, self.summarize, path=req.path or None, repo=req.repo)
+        prompt = await self.prompts.build(
+            req.prefix,
+            req.suffix,
+            self.summarize,
+            path=req.path or None,
+            repo=req.repo,
+            context=req.context,
+            comment=req.comment,
+        )
         spec = req.spec
         # Generation ends at the model's EOS tokens; a middle also at its FIM template's own tokens.
         stops = self.fmt.eos_ids
@@ -138,6 +150,7 @@ class CompletionService:
             summaries_skipped=prompt.summaries_skipped,
             truncated_tokens=prompt.truncated_tokens,
             summary_fallback=prompt.fallback,
+            context_files=prompt.context_files,
             latency_ms=(time.perf_counter() - t0) * 1000,
             first_token_ms=built_ms + first * 1000 if first is not None else None,
             done=done,

@@ -7,8 +7,8 @@ Tabby needs.
 
 Every request body is a `RequestBody` (feedback/core/web.py): its text must be valid Unicode
 and its numbers finite, or it is refused with 422 naming the field. Fields that Flywheel
-receives but does not use (Tabby's declarations, snippets, clipboard) are bounded in count and
-size, so they cost at most a bounded parse.
+receives (Tabby's declarations, snippets, clipboard) are bounded in count and size, so they cost
+at most a bounded parse; the declarations and snippets go into the prompt as other files.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ MAX_SNIPPETS = 16
 clients send a handful)."""
 SNIPPET_CHARS = 10_000
 """Longest declaration or snippet body, and longest clipboard, in characters."""
+STOP_CHARS = 64
+"""Longest stop string."""
 
 
 class Strict(RequestBody):
@@ -60,10 +62,11 @@ class OpenAICompletionRequest(Strict):
 
     @field_validator("stop")
     @classmethod
-    def _stop_limits(cls, v: str | list[str] | None) -> str | list[str] | None:
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        # How many: serve.max_stop_strings, checked by the route, which knows the settings.
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s or len(s) > 64 for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings of at most 64 characters")
+        if any(not s or len(s) > STOP_CHARS for s in stops):
+            raise ValueError(f"each stop string must be non-empty and at most {STOP_CHARS} characters")
         return v
 
     @property
@@ -81,6 +84,7 @@ class OpenAICompletionRequest(Strict):
 class Snippet(Strict):
     filepath: str = Field(default="", max_length=1024)
     body: str = Field(default="", max_length=SNIPPET_CHARS)
+    score: float | None = None
 
 
 class Declaration(Strict):
@@ -111,6 +115,90 @@ class TabbyCompletionRequest(Strict):
 
 
 CompletionRequest = OpenAICompletionRequest | TabbyCompletionRequest
+
+
+# --- llama.cpp server's /infill ---------------------------------------------------------------
+
+
+MAX_EXTRA_CHUNKS = 64
+"""Most `input_extra` chunks an /infill request may carry (llama.vscode and llama.vim send up to 16)."""
+
+
+class InfillChunk(Strict):
+    filename: str = Field(default="", max_length=1024)
+    text: str = Field(default="", max_length=SNIPPET_CHARS)
+
+
+class InfillRequest(Strict):
+    """llama.cpp server's `POST /infill`, as llama.vscode and llama.vim send it. The prefix is
+    `input_prefix` + `prompt` (llama.cpp puts `prompt` after the middle token: the start of the
+    middle, the current line up to the cursor). `input_extra`: chunks of other files, the most
+    recent last. Sampling fields Flywheel has no use for (`top_k`, `samplers`, `cache_prompt`,
+    `t_max_prompt_ms`, `id_slot`, `n_indent`) are accepted and ignored."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] = Field(default_factory=list, max_length=MAX_EXTRA_CHUNKS)
+    prompt: str = ""
+    n_predict: int = Field(default=-1, ge=-1, description="-1: up to serve.max_tokens_limit; 0: a warm-up")
+    n_cmpl: int = Field(default=1, ge=1, description="completions to return (at most serve.max_n)")
+    temperature: float = Field(default=0.2, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=-1, le=2**63 - 1, description="-1: random")
+    stop: list[str] = []
+    stream: bool = False
+    t_max_predict_ms: int | None = Field(
+        default=None, ge=0, le=600_000, description="stop after this long once every completion has a new line"
+    )
+    model: str | None = Field(default=None, max_length=128)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        if any(not s or len(s) > STOP_CHARS for s in v):
+            raise ValueError(f"each stop string must be non-empty and at most {STOP_CHARS} characters")
+        return v
+
+
+# --- Ollama's /api/generate --------------------------------------------------------------------
+
+
+class OllamaOptions(Strict):
+    """The `options` of an Ollama request that map to sampling; the others are accepted and ignored."""
+
+    num_predict: int | None = Field(default=None, ge=-2, description="-1, -2: up to serve.max_tokens_limit")
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: list[str] | None = None
+    seed: int | None = Field(default=None, ge=-1, le=2**63 - 1, description="-1: random")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str] | None) -> list[str] | None:
+        if any(not s or len(s) > STOP_CHARS for s in v or ()):
+            raise ValueError(f"each stop string must be non-empty and at most {STOP_CHARS} characters")
+        return v
+
+
+class OllamaGenerateRequest(Strict):
+    """Ollama's `POST /api/generate`, as Twinny and Continue's Ollama provider send it. With a
+    `suffix`, `prompt` is the prefix; without one, a prompt the client rendered in a FIM template
+    is read back, and any other prompt is continued. `raw`, `keep_alive`, `system`, `template`,
+    `context`, `format` are accepted and ignored: Flywheel always prompts the model its own way."""
+
+    model: str = Field(max_length=128)
+    prompt: str = ""
+    suffix: str | None = None
+    raw: bool = False
+    stream: bool = True
+    options: OllamaOptions = OllamaOptions()
+
+
+class OllamaShowRequest(Strict):
+    """Ollama's `POST /api/show`: the model by `model` (or `name`, as older clients send it)."""
+
+    model: str | None = Field(default=None, max_length=128)
+    name: str | None = Field(default=None, max_length=128)
 
 
 # --- the response both shapes get ------------------------------------------------------------

@@ -14,7 +14,7 @@ from feedback.core.config import FlywheelSettings, Section
 from feedback.core.files import open_private, private_dir
 from feedback.core.web import HttpLimits
 from learner.base_settings import ModelSection
-from learner.prompts import CONTEXT_BUDGET, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
+from learner.prompts import CONTEXT_BUDGET, CONTEXT_TOKENS, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
 class EngineSettings(Section):
@@ -104,6 +104,9 @@ class ServeSettings(Section):
     """Upper bound for a request's `n`."""
     default_max_tokens: int = Field(default=64, ge=1)
     """`max_tokens` when a request does not send one."""
+    max_stop_strings: int = Field(default=32, ge=1, le=1024)
+    """Most stop strings one request may send (OpenAI's `stop`, Ollama's `options.stop`); more get
+    422. Editor clients send their template's tokens, blank lines and language keywords: a dozen or two."""
 
     context_budget: int = Field(default=CONTEXT_BUDGET, ge=32)
     """Prompt tokens a completion may use; longer prefixes are self-summarized into it."""
@@ -113,6 +116,11 @@ class ServeSettings(Section):
     """Longest summary the model may write for one chunk."""
     summary_cache_size: int = Field(default=4096, ge=0)
     """Summaries cached per replica (keyed by chunk hash and model version)."""
+    repo_context_tokens: int = Field(default=CONTEXT_TOKENS, ge=0)
+    """Prompt tokens other files of the repository (Tabby's declarations and snippets, llama.cpp's
+    `input_extra`, files in a client-rendered prompt) keep when the current file would fill
+    `context_budget` (at most half of it); a short file leaves them the rest. 0: only what the
+    file leaves."""
     max_summaries_per_request: int = Field(default=MAX_SUMMARIES, ge=0)
     """Most summaries one request may have the model write (cached ones are free): chunks are
     summarized newest first until the summaries fill their room or this many were written; older

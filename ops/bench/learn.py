@@ -57,7 +57,7 @@ def run_bench(
     from learner.decode import decode, room
     from learner.formats import read_format
     from learner.judge import cursor_sites, judge
-    from learner.prompts import EDITOR_STOP
+    from learner.languages import editor_stops
     from learner.tokenizer import load_tokenizer
     from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update
     from learner.train.pretrain import (
@@ -134,7 +134,7 @@ def run_bench(
                             stop_ids=model_format.eos_ids,
                             temperature=temperature,
                             generator=gen,
-                            stop=EDITOR_STOP,
+                            stop=editor_stops(train[i].language),
                         )
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
                         batch.append(

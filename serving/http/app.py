@@ -1,8 +1,9 @@
 """`build_app(routers)`: the FastAPI app of serving's routes, plus the route groups passed in.
 
-Serving's own routes (completions, events, health/models/metrics) are always there; other
-route groups (the ops dashboard and rollout routes) are added by whoever builds the app:
-`flywheel serve` through serving/app.py's ingress, the demo, benchmarks and tests. Every
+Serving's own routes (completions, llama.cpp's /infill, Ollama's /api, events,
+health/models/metrics) are always there; other route groups (the ops dashboard and rollout
+routes) are added by whoever builds the app: `flywheel serve` through serving/app.py's
+ingress, the demo, benchmarks and tests. Every
 error answers `{"error": {"message", "type"}}` (OpenAI's shape), and every request is
 counted and timed by route in Prometheus. A body larger than serve.limits.max_body_bytes
 gets 413 on every route, before it is parsed (feedback/core/web.py).
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from feedback.core.web import BodyLimit, http_limits
 from serving import metrics
-from serving.http import completions, events, info
+from serving.http import completions, events, info, llamacpp, ollama
 from serving.http.deps import AppState
 
 
@@ -34,7 +35,7 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
     app = FastAPI(
         title="Flywheel",
         version="0.1.0",
-        description="Code completion that learns from its users. OpenAI- and Tabby-compatible.",
+        description="Code completion that learns from its users. OpenAI-, Tabby-, llama.cpp- and Ollama-compatible.",
     )
     app.state = AppState()
     # Inside the request metrics below, so a refused body is counted too.
@@ -85,7 +86,7 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
             headers=getattr(exc, "headers", None),
         )
 
-    for r in (completions.router, events.router, info.router, *routers):
+    for r in (completions.router, llamacpp.router, ollama.router, events.router, info.router, *routers):
         app.include_router(r)
     return app
 

@@ -1,8 +1,16 @@
-"""POST /v1/completions: OpenAI's and Tabby's request shapes, answered whole or as SSE.
+"""POST /v1/completions: OpenAI's and Tabby's request shapes, answered whole or as SSE; and what
+every completion route shares (serving/http/llamacpp.py, serving/http/ollama.py).
 
 Every served completion is recorded to `flywheel.completions`, tagged with the version that
 produced it, through a buffered producer that never holds up a request. The pool comes from
 the routing state (serving/http/routing.py), or from a pinned `model: name@vN`.
+
+Clients that render the model's FIM template themselves (Continue) send it as a plain `prompt`;
+it is read back (learner.formats.parse_rendered_fim) and prompted the server's way, so the
+served model's own template, the file header and self-summarization apply. Tabby's declarations
+and snippets go into the prompt as other files of the repository; its text keeps the file's
+line endings (CRLF in, CRLF out), and its suggestions end at the language's next top-level
+definition (learner/languages.py).
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -18,7 +27,8 @@ from pydantic import Discriminator, Tag
 
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord
-from learner.prompts import EDITOR_STOP
+from learner.formats import parse_rendered_fim
+from learner.languages import editor_stops, language
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
@@ -58,61 +68,168 @@ router = APIRouter()
 )
 async def completions(body: CompletionBody, st: StateDep, token: CompletionsToken, request: Request):
     """Complete code: OpenAI's request shape (prompt, suffix, ...) or Tabby's (language, segments)."""
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    completion_id = new_completion_id()
     uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
-    gen = _to_generate(st, body, completion_id)
-    pool, replica = _pick(st, body, uhash)
+    if isinstance(body, TabbyCompletionRequest):
+        gen, crlf = _tabby_request(st, body, completion_id), is_crlf(body.segments.prefix, body.segments.suffix)
+        filepath, lang = body.segments.filepath, body.language
+    else:
+        gen, crlf = _openai_request(st, body, completion_id), False
+        filepath, lang = gen.path, None
+    pool, replica = pick(st, getattr(body, "model", None), uhash)
     created = int(time.time())
+    meta = RecordMeta(uhash, shape, pool, started, lang, filepath, is_pinned(getattr(body, "model", None)))
     if isinstance(body, OpenAICompletionRequest) and body.stream:
-        return StreamingResponse(_sse(st, pool, replica, gen, body, uhash, created, t0), media_type="text/event-stream")
+        return StreamingResponse(_sse(st, replica, gen, meta, created), media_type="text/event-stream")
+    r = await complete(st, meta, replica, gen)
+    record(st, r, meta)
+    return _response(st, r, body, created, crlf=crlf)
+
+
+# --- what every completion route shares ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordMeta:
+    """What a completion's record says of its request, besides what the replica returned."""
+
+    user_hash: str
+    shape: str  # the request shape, for flywheel_completions_total{shape}
+    pool: str  # the pool that answers (pick), for the per-pool latency and errors
+    started: float  # time.perf_counter() when the request arrived: latency is counted from it
+    language: str | None = None
+    filepath: str | None = None
+    pinned: bool = False
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def check_prompt_size(st: ApiState, prefix: str, suffix: str | None, context=()) -> None:
+    """413 for a prompt over serve.max_prompt_chars (prefix, suffix and other files together)."""
+    size = len(prefix) + len(suffix or "") + sum(len(text) for _, text in context)
+    if size > st.cfg.max_prompt_chars:
+        raise HTTPException(413, f"prompt of {size} characters exceeds the limit of {st.cfg.max_prompt_chars}")
+
+
+def check_stops(st: ApiState, stops: list[str], field: str) -> None:
+    """422 for more stop strings than serve.max_stop_strings."""
+    if len(stops) > st.cfg.max_stop_strings:
+        raise HTTPException(
+            422, f"{field}: {len(stops)} stop strings, more than the limit of {st.cfg.max_stop_strings}"
+        )
+
+
+def client_prompt(prompt: str) -> tuple[str, str | None, str | None, str | None, tuple[tuple[str, str], ...]]:
+    """A prompt sent without a suffix, as (prefix, suffix, path, repo, other files): read back
+    when a client rendered it in a FIM template, else a plain continuation (suffix None). The
+    other files nearest the current one come first, as the prompt builder ranks them."""
+    parsed = parse_rendered_fim(prompt)
+    if parsed is None:
+        return prompt, None, None, None, ()
+    return parsed.prefix, parsed.suffix, parsed.path, parsed.repo, tuple(reversed(parsed.context))
+
+
+def lf(text: str) -> str:
+    """Windows line endings as the model was trained on them: one newline."""
+    return text.replace("\r\n", "\n")
+
+
+def is_crlf(*texts: str | None) -> bool:
+    """Whether the file uses Windows line endings, so the suggestion must too."""
+    return any("\r\n" in (t or "") for t in texts)
+
+
+def max_tokens_for(st: ApiState, n: int | None) -> int:
+    """A llama.cpp or Ollama token limit as max_tokens: unset, the default; negative ("until the
+    end"), serve.max_tokens_limit; larger than that, cut to it (those servers never refuse a
+    limit, they stop at the context's end)."""
+    if n is None:
+        return st.cfg.default_max_tokens
+    return st.cfg.max_tokens_limit if n < 0 else min(n, st.cfg.max_tokens_limit)
+
+
+async def complete(st: ApiState, meta: RecordMeta, replica: ReplicaClient, gen: GenerateRequest) -> GenerateResult:
     try:
-        r = await replica.complete(gen)
+        return await replica.complete(gen)
     except Exception as e:  # the engine or its replica is down: the client may retry
-        _count_error(st, pool, "replica_failed")
+        count_error(st, meta.pool, "replica_failed")
         raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
-    _record(st, r, uhash, body, shape, pool)
-    response = _response(st, r, body, created)
-    metrics.by_version(metrics.COMPLETION_LATENCY, str(r.model_version), pool).observe(time.perf_counter() - t0)
-    return response
+
+
+def count_error(st: ApiState, pool: str, reason: str) -> None:
+    """A request the pool failed, under the version the pool reported last (the failed call
+    carries none)."""
+    served = st.routing.serving.get(pool)
+    metrics.by_version(metrics.COMPLETION_ERRORS, str(served) if served is not None else "unknown", pool, reason).inc()
 
 
 # --- request translation -----------------------------------------------------------------------
 
 
-def _to_generate(
-    st: ApiState, body: OpenAICompletionRequest | TabbyCompletionRequest, completion_id: str
-) -> GenerateRequest:
+def _openai_request(st: ApiState, body: OpenAICompletionRequest, completion_id: str) -> GenerateRequest:
     cfg = st.cfg
-    if isinstance(body, TabbyCompletionRequest):
-        seg = body.segments
-        prefix, suffix, path, repo = seg.prefix, seg.suffix or "", seg.filepath, _repo_name(seg.git_url)
-        temperature = body.temperature if body.temperature is not None else 0.2
-        spec = SamplingSpec(
-            n=1, max_tokens=cfg.default_max_tokens, temperature=temperature, seed=body.seed, stop=(EDITOR_STOP,)
-        )
+    if body.n > cfg.max_n:
+        raise HTTPException(400, f"n={body.n} exceeds the limit of {cfg.max_n}")
+    max_tokens = body.max_tokens or cfg.default_max_tokens
+    if max_tokens > cfg.max_tokens_limit:
+        raise HTTPException(400, f"max_tokens={max_tokens} exceeds the limit of {cfg.max_tokens_limit}")
+    check_stops(st, body.stop_list, "stop")
+    spec = SamplingSpec(
+        n=body.n,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=tuple(body.stop_list),
+        top_logprobs=body.logprobs or 0,
+    )
+    if body.suffix:
+        prefix, suffix, path, repo, context = body.prompt_text, body.suffix, None, None, ()
     else:
-        prefix, suffix, path, repo = body.prompt_text, body.suffix, None, None
-        if body.n > cfg.max_n:
-            raise HTTPException(400, f"n={body.n} exceeds the limit of {cfg.max_n}")
-        max_tokens = body.max_tokens or cfg.default_max_tokens
-        if max_tokens > cfg.max_tokens_limit:
-            raise HTTPException(400, f"max_tokens={max_tokens} exceeds the limit of {cfg.max_tokens_limit}")
-        spec = SamplingSpec(
-            n=body.n,
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=tuple(body.stop_list),
-            top_logprobs=body.logprobs or 0,
-        )
-    if len(prefix) + len(suffix or "") > cfg.max_prompt_chars:
+        prefix, suffix, path, repo, context = client_prompt(body.prompt_text)
+        if suffix is None:
+            suffix = body.suffix  # "" stays fill-in-the-middle with nothing after the cursor
+    check_prompt_size(st, prefix, suffix, context)
+    return GenerateRequest(completion_id, prefix, suffix, path, spec, repo=repo, context=context)
+
+
+def _tabby_request(st: ApiState, body: TabbyCompletionRequest, completion_id: str) -> GenerateRequest:
+    if body.mode == "next_edit_suggestion":
         raise HTTPException(
-            413, f"prompt of {len(prefix) + len(suffix or '')} characters exceeds the limit of {cfg.max_prompt_chars}"
+            400,
+            "mode: next-edit prediction (next_edit_suggestion) is not supported; Flywheel completes "
+            "at the cursor (mode: standard)",
         )
-    return GenerateRequest(completion_id=completion_id, prefix=prefix, suffix=suffix, path=path, spec=spec, repo=repo)
+    seg, lang = body.segments, language(body.language)
+    temperature = body.temperature if body.temperature is not None else 0.2
+    spec = SamplingSpec(
+        n=1,
+        max_tokens=st.cfg.default_max_tokens,
+        temperature=temperature,
+        seed=body.seed,
+        stop=editor_stops(body.language),
+    )
+    context = tuple((d.filepath, lf(d.body)) for d in seg.declarations or ())
+    for snippets in (seg.relevant_snippets_from_changed_files, seg.relevant_snippets_from_recently_opened_files):
+        # Tabby's agent ranks them; a score, where it sends one, ranks them here too.
+        ranked = sorted(snippets or (), key=lambda s: -(s.score or 0.0))
+        context += tuple((s.filepath, lf(s.body)) for s in ranked)
+    prefix, suffix = lf(seg.prefix), lf(seg.suffix or "")
+    check_prompt_size(st, prefix, suffix, context)
+    return GenerateRequest(
+        completion_id,
+        prefix,
+        suffix,
+        seg.filepath,
+        spec,
+        repo=_repo_name(seg.git_url),
+        context=context,
+        comment=lang.comment,
+    )
 
 
 def _repo_name(git_url: str | None) -> str | None:
@@ -122,16 +239,16 @@ def _repo_name(git_url: str | None) -> str | None:
     return git_url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1].removesuffix(".git") or None
 
 
-def _is_pinned(body) -> bool:
+def is_pinned(model: str | None) -> bool:
     """Whether the request names its version (`model: name@vN`) instead of taking its route."""
-    return "@v" in (getattr(body, "model", None) or "")
+    return "@v" in (model or "")
 
 
-def _pick(st: ApiState, body, uhash: str) -> tuple[str, ReplicaClient]:
+def pick(st: ApiState, model: str | None, uhash: str) -> tuple[str, ReplicaClient]:
     """The pool for this request (its name and client): the one serving a pinned `model: name@vN`,
     else the user's route."""
-    model = getattr(body, "model", None) or ""
-    if _is_pinned(body):
+    model = model or ""
+    if is_pinned(model):
         try:
             pinned = int(model.rsplit("@v", 1)[1])
         except ValueError:
@@ -146,14 +263,7 @@ def _pick(st: ApiState, body, uhash: str) -> tuple[str, ReplicaClient]:
     return pool, st.replicas[pool]
 
 
-def _count_error(st: ApiState, pool: str, reason: str) -> None:
-    """A request the pool failed, under the version the pool reported last (the failed call
-    carries none)."""
-    served = st.routing.serving.get(pool)
-    metrics.by_version(metrics.COMPLETION_ERRORS, str(served) if served is not None else "unknown", pool, reason).inc()
-
-
-def _response(st: ApiState, r: GenerateResult, body, created: int) -> CompletionResponse:
+def _response(st: ApiState, r: GenerateResult, body, created: int, *, crlf: bool = False) -> CompletionResponse:
     want_lp = isinstance(body, OpenAICompletionRequest) and body.logprobs is not None
     choices = []
     for s in r.samples:
@@ -167,7 +277,8 @@ def _response(st: ApiState, r: GenerateResult, body, created: int) -> Completion
             top = [{st.decode([t]): v for t, v in alt.items()} for alt in s.top_logprobs] if body.logprobs else None
             lp = LogProbs(tokens=pieces, token_logprobs=s.logprobs, top_logprobs=top, text_offset=offsets)
         finish = s.finish_reason if s.finish_reason in ("stop", "length") else None
-        choices.append(Choice(index=s.index, text=s.text, logprobs=lp, finish_reason=finish))
+        text = s.text.replace("\n", "\r\n") if crlf else s.text
+        choices.append(Choice(index=s.index, text=text, logprobs=lp, finish_reason=finish))
     completion_tokens = sum(len(s.token_ids) for s in r.samples)
     return CompletionResponse(
         id=r.completion_id,
@@ -183,17 +294,15 @@ def _response(st: ApiState, r: GenerateResult, body, created: int) -> Completion
     )
 
 
-def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str, pool: str) -> None:
-    """Count the completion and hand its record to the producer (never blocks, never raises)."""
-    language = filepath = None
-    if isinstance(body, TabbyCompletionRequest):
-        language, filepath = body.language, body.segments.filepath
-    record = CompletionRecord(
+def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
+    """Count the completion (its latency up to now: a stream records at its end) and hand its
+    record to the producer (never blocks, never raises)."""
+    rec = CompletionRecord(
         completion_id=r.completion_id,
         model_version=r.model_version,
-        user_hash=uhash,
-        language=language,
-        filepath=filepath,
+        user_hash=meta.user_hash,
+        language=meta.language,
+        filepath=meta.filepath,
         prompt_token_ids=r.prompt_token_ids,
         choices=[
             CompletionChoice(
@@ -208,11 +317,14 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str, pool:
         summary_ids=r.summary_ids,
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
-        pinned=_is_pinned(body),
+        pinned=meta.pinned,
     )
-    st.producer.send(bus.COMPLETIONS, record)
+    st.producer.send(bus.COMPLETIONS, rec)
     v = str(r.model_version)
-    metrics.by_version(metrics.COMPLETIONS, v, shape).inc()
+    metrics.by_version(metrics.COMPLETION_LATENCY, v, meta.pool).observe(time.perf_counter() - meta.started)
+    if r.first_token_ms is not None:
+        metrics.by_version(metrics.FIRST_TOKEN, v, meta.pool).observe(r.first_token_ms / 1000)
+    metrics.by_version(metrics.COMPLETIONS, v, meta.shape).inc()
     metrics.TOKENS.labels("prompt").inc(len(r.prompt_token_ids))
     metrics.TOKENS.labels("completion").inc(sum(len(s.token_ids) for s in r.samples))
     if all(not s.text for s in r.samples):
@@ -223,15 +335,10 @@ def _record(st: ApiState, r: GenerateResult, uhash: str, body, shape: str, pool:
     metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
     if r.summary_fallback:
         metrics.SUMMARY_FALLBACKS.inc()
-    if r.first_token_ms is not None:
-        metrics.by_version(metrics.FIRST_TOKEN, v, pool).observe(r.first_token_ms / 1000)
 
 
-async def _sse(
-    st: ApiState, pool: str, replica: ReplicaClient, gen: GenerateRequest, body, uhash: str, created: int, t0: float
-):
-    """OpenAI server-sent events: one chunk per text delta per choice, then `[DONE]`; the latency
-    counted is the request's, up to `[DONE]`."""
+async def _sse(st: ApiState, replica: ReplicaClient, gen: GenerateRequest, meta: RecordMeta, created: int):
+    """OpenAI server-sent events: one chunk per text delta per choice, then `[DONE]`."""
     sent = {}
     final = None
     try:
@@ -251,11 +358,9 @@ async def _sse(
                     }
                     yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as e:  # headers are sent: report in-band, as OpenAI does
-        _count_error(st, pool, "stream_failed")
+        count_error(st, meta.pool, "stream_failed")
         yield f"data: {json.dumps({'error': {'message': f'model replica failed: {type(e).__name__}', 'type': 'server_error'}})}\n\n"
         return
     if final is not None:
-        _record(st, final, uhash, body, "openai", pool)
+        record(st, final, meta)
     yield "data: [DONE]\n\n"
-    if final is not None:
-        metrics.by_version(metrics.COMPLETION_LATENCY, str(final.model_version), pool).observe(time.perf_counter() - t0)

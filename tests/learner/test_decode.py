@@ -114,6 +114,20 @@ def test_a_stop_string_ends_the_text_before_it(tok, model, prompts, eos):
     assert EDITOR_STOP not in decode(model, tok, prompts[0], 32, stop_ids=eos, stop=EDITOR_STOP).text
 
 
+def test_several_stop_strings_end_the_text_at_the_first_one_written(tok, model, prompts, eos):
+    for prompt in prompts:
+        free = decode(model, tok, prompt, 16, stop_ids=eos)
+        text = tok.decode(free.content_ids)
+        pieces = [text[i : i + 2] for i in range(1, len(text) - 1) if text[i : i + 2].strip()]
+        if len(pieces) < 2:
+            continue
+        first, later = pieces[0], pieces[-1]
+        never = "\x00never\x00"
+        c = decode(model, tok, prompt, 16, stop_ids=eos, stop=(never, later, first))
+        alone = [decode(model, tok, prompt, 16, stop_ids=eos, stop=s) for s in (first, later)]
+        assert c == min(alone, key=lambda a: len(a.ids))  # whichever is written first, wherever it is listed
+
+
 def test_end_of_text_is_the_last_token_and_no_text(tok):
     torch.manual_seed(0)
     abstains = Transformer(ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=WINDOW)).eval()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from learner.fim import fim_prompt_ids
-from learner.formats import ModelFormat, own_format, read_format
+from learner.formats import ModelFormat, own_format, parse_rendered_fim, read_format
 from tests.helpers import family_tokenizer
 
 QWEN_SPECIALS = [
@@ -81,3 +81,44 @@ def test_own_format_is_what_the_export_reads(tok, tmp_path):
     assert read_format(tmp_path) == own_format(tok, 128)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eos_token_id"] == tok.token_to_id("<|endoftext|>")
+
+
+@pytest.mark.parametrize(
+    "rendered, template, prefix, suffix",
+    [
+        ("<|fim_prefix|>def f(x):\n    <|fim_suffix|>\n<|fim_middle|>", "qwen", "def f(x):\n    ", "\n"),
+        ("<fim_prefix>def f(x):\n    <fim_suffix>\n<fim_middle>", "starcoder", "def f(x):\n    ", "\n"),
+        ("<｜fim▁begin｜>def f(x):\n    <｜fim▁hole｜>\n<｜fim▁end｜>", "deepseek", "def f(x):\n    ", "\n"),
+        ("[SUFFIX]\n[PREFIX]def f(x):\n    ", "codestral", "def f(x):\n    ", "\n"),
+        ("<PRE> def f(x):\n     <SUF>\n <MID>", "codellama", "def f(x):\n    ", "\n"),
+        # text after the middle marker is the start of the middle: it ends the prefix
+        ("<|fim_prefix|>def f(x):\n<|fim_suffix|>\n<|fim_middle|>    ret", "qwen", "def f(x):\n    ret", "\n"),
+    ],
+)
+def test_a_client_rendered_fim_prompt_is_read_back(rendered, template, prefix, suffix):
+    parsed = parse_rendered_fim(rendered)
+    assert (parsed.template, parsed.prefix, parsed.suffix) == (template, prefix, suffix)
+
+
+def test_qwen_repository_level_prompt_gives_repo_path_and_other_files():
+    rendered = (
+        "<|repo_name|>shop\n<|file_sep|>shop/util.py\ndef helper(a):\n    return a\n"
+        "<|file_sep|>shop/models.py\nclass User: ...\n"
+        "<|file_sep|>shop/app.py\n<|fim_prefix|>import util\n<|fim_suffix|>\n<|fim_middle|>"
+    )
+    p = parse_rendered_fim(rendered)
+    assert (p.repo, p.path, p.prefix, p.suffix) == ("shop", "shop/app.py", "import util\n", "\n")
+    assert p.context == (("shop/util.py", "def helper(a):\n    return a"), ("shop/models.py", "class User: ..."))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x = 1\n",
+        "marker = '<|fim_prefix|>'\n",  # mentions one marker
+        "<|fim_suffix|>a<|fim_prefix|>b<|fim_middle|>",  # out of order
+        "<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>c<|fim_prefix|>",  # twice
+    ],
+)
+def test_a_plain_prompt_is_not_read_as_fim(text):
+    assert parse_rendered_fim(text) is None

@@ -151,3 +151,53 @@ def test_no_summaries_allowed_truncates(tok, fmt):
 
     p = run(builder(tok, fmt, max_summaries=0).build(NUMBERED, "", summarize))
     assert not p.summary_ids and not p.fallback and p.truncated_tokens > 0 and len(p.ids) <= 256
+
+
+UTIL = "def helper(a):\n    return a + 1\n"
+MODELS = "class User:\n    name: str\n"
+
+
+def test_other_files_go_before_the_current_file_the_most_relevant_nearest(tok, fmt):
+    p = run(
+        builder(tok, fmt).build("x = ", "\n", None, path="app.py", context=[("util.py", UTIL), ("models.py", MODELS)])
+    )
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert text == (
+        f"<|file_sep|>models.py\n{MODELS}\n<|file_sep|>util.py\n{UTIL}\n"
+        "<|file_sep|>app.py\n<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>"
+    )
+    assert p.context_files == 2
+
+
+def test_other_files_are_trimmed_to_fit_the_budget_least_relevant_dropped(tok, fmt):
+    big = "".join(f"def f_{i}(a):\n    return a * {i}\n" for i in range(60))
+    files = [("util.py", UTIL), ("big.py", big), ("never.py", MODELS)]
+    b = builder(tok, fmt, budget=256)
+    p = run(b.build(LONG, "\n", None, path="app.py", context=files))
+    text = tok.decode(p.ids, skip_special_tokens=False)
+    assert len(p.ids) <= 256 and p.context_files == 2  # util.py whole, big.py cut, never.py left out
+    assert f"<|file_sep|>util.py\n{UTIL}\n<|file_sep|>app.py" in text and "never.py" not in text
+    kept = text.split("<|file_sep|>big.py\n")[1].split("<|file_sep|>")[0]
+    assert kept and big.startswith(kept.removesuffix("\n")) and kept.endswith("\n")  # its first lines, whole
+    # A long file leaves the others their reserved room (at most half the budget), less the part
+    # of a line that did not fit (a line of big.py is at most 16 tokens); the file gets the rest.
+    others = len(tok.encode(text.split("<|file_sep|>app.py")[0]).ids)
+    assert 128 - 16 <= others <= 128
+    assert p.truncated_tokens > 0
+
+
+def test_a_short_file_leaves_other_files_the_rest_of_the_budget(tok, fmt):
+    many = [(f"m{i}.py", UTIL.replace("helper", f"helper_{i}")) for i in range(40)]
+    b = builder(tok, fmt, budget=512)
+    b.context_tokens = 64
+    p = run(b.build("x = ", "\n", None, path="app.py", context=many))
+    assert 400 < len(p.ids) <= 512 and p.context_files > 64 // 16
+
+
+def test_without_file_separators_other_files_get_a_commented_header(fmt):
+    tok = family_tokenizer([LONG[:2000]], 400, ["<|endoftext|>"])
+    plain = ModelFormat.of(
+        tok, config={"max_position_embeddings": 512, "eos_token_id": tok.token_to_id("<|endoftext|>")}
+    )
+    p = run(builder(tok, plain).build("x = 1\n", None, None, context=[("util.js", "let a = 1")], comment="//"))
+    assert tok.decode(p.ids, skip_special_tokens=False) == "// util.js\nlet a = 1\nx = 1\n"

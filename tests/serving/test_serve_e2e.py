@@ -135,6 +135,39 @@ def test_tabby_request_and_events(stack):
     assert client.get("/v1/health", headers={"Authorization": ""}).json()["model"] == "flywheel"
 
 
+def test_editor_clients_behind_ray_serve(stack):
+    """Continue's rendered FIM prompt, llama.vscode's /infill (its warm-up, several completions,
+    one cut by t_max_predict_ms) and Twinny's NDJSON stream, through Ray Serve and vLLM, each
+    recorded on Kafka."""
+    s, _, client = stack
+    ids = set()
+    stops = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "/src/", "#- coding: utf-8", "```"]
+    fim = "<|fim_prefix|>def f(x):\n    y = <|fim_suffix|>\n    return y\n<|fim_middle|>"
+    body = {"prompt": fim, "max_tokens": 8, "temperature": 0, "stop": stops, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    ids.add(chunks[0]["id"])
+    extra = [{"filename": "util.py", "text": "def helper(a):\n    return a\n", "time": 0}]
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "", "n_predict": 0}
+    assert client.post("/infill", json=warm).json()["content"] == ""
+    infill = {"input_prefix": "def f(x):\n", "prompt": "    y = ", "input_suffix": "\n", "input_extra": extra}
+    answers = client.post("/infill", json={**infill, "n_predict": 8, "n_cmpl": 2}).json()
+    assert len(answers) == 2 and all(isinstance(a["content"], str) for a in answers)
+    ids.add(answers[0]["completion_id"])
+    cut = client.post("/infill", json={**infill, "n_predict": 64, "t_max_predict_ms": 1, "temperature": 0})
+    assert cut.status_code == 200, cut.text
+    ids.add(cut.json()["completion_id"])
+    twinny = {"model": "flywheel", "prompt": fim, "stream": True, "options": {"temperature": 0, "num_predict": 8}}
+    with client.stream("POST", "/api/generate", json=twinny) as r:
+        lines = [json.loads(ln) for ln in r.iter_lines() if ln]
+    assert lines[-1]["done"] is True and "".join(ln["response"] for ln in lines) == "".join(
+        c["choices"][0]["text"] for c in chunks
+    )  # greedy, the same prompt: the same text whichever client asked
+    ids.add(lines[-1]["completion_id"])
+    assert set(_records(s, ids)) == ids
+
+
 @pytest.mark.numerics
 def test_records_match_recomputation_by_our_model(stack, model_dir):
     """Acceptance 2: token ids and behaviour logprobs match our own model of that version."""

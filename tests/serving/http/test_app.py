@@ -13,7 +13,19 @@ from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.settings import ServeSettings
 
-SERVING_PATHS = ["/v1/completions", "/v1/events", "/v1/events/batch", "/v1/health", "/v1/models", "/metrics"]
+SERVING_PATHS = [
+    "/v1/completions",
+    "/infill",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/version",
+    "/v1/events",
+    "/v1/events/batch",
+    "/v1/health",
+    "/v1/models",
+    "/metrics",
+]
 
 
 def extra_router() -> APIRouter:
@@ -78,7 +90,8 @@ def test_the_ingress_builds_its_app_from_router_factories():
 
 def test_serving_imports_no_ops_module():
     code = (
-        "import sys, serving.app, serving.http.app, serving.http.completions, serving.http.events, serving.http.info; "
+        "import sys, serving.app, serving.http.app, serving.http.completions, serving.http.events, serving.http.info, "
+        "serving.http.llamacpp, serving.http.ollama; "
         "print(sorted(m for m in sys.modules if m == 'ops' or m.startswith('ops.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -42,6 +42,11 @@ JSON_H = {"Content-Type": "application/json"}
 # Every route of the served API: method, path, who may call it.
 ROUTES = [
     ("POST", "/v1/completions", "editor"),
+    ("POST", "/infill", "editor"),
+    ("POST", "/api/generate", "editor"),
+    ("GET", "/api/tags", "editor"),
+    ("POST", "/api/show", "editor"),
+    ("GET", "/api/version", "public"),
     ("POST", "/v1/events", "editor"),
     ("POST", "/v1/events/batch", "editor"),
     ("GET", "/v1/models", "editor"),
@@ -132,6 +137,22 @@ CRAFTED = [
         "segments.declarations.0.body",
     ),
     ("/v1/completions", {"segments": {"prefix": "x"}, "user": LONE}, "user"),
+    (
+        "/v1/completions",
+        {"segments": {"prefix": "x", "declarations": [{"filepath": LONE}]}},
+        "segments.declarations.0.filepath",
+    ),
+    ("/infill", {"input_prefix": LONE}, "input_prefix"),
+    ("/infill", {"input_suffix": LONE}, "input_suffix"),
+    ("/infill", {"prompt": LONE}, "prompt"),
+    ("/infill", {"input_extra": [{"filename": LONE}]}, "input_extra.0.filename"),
+    ("/infill", {"input_extra": [{"text": LONE}]}, "input_extra.0.text"),
+    ("/infill", {"stop": [LONE]}, "stop"),
+    ("/api/generate", {"model": LONE}, "model"),
+    ("/api/show", {"model": LONE}, "model"),
+    ("/api/generate", {"model": "m", "prompt": LONE}, "prompt"),
+    ("/api/generate", {"model": "m", "prompt": "x", "suffix": LONE}, "suffix"),
+    ("/api/generate", {"model": "m", "options": {"stop": [LONE]}}, "options.stop"),
     ("/v1/events", {"type": "view", "completion_id": "c", "view_id": LONE}, "view_id"),
     ("/v1/events", {"type": "edit", "completion_id": "c", "kept_text": f"kept{LONE}"}, "kept_text"),
     ("/v1/events", {"type": "view", "completion_id": LONE}, "completion_id"),
@@ -142,6 +163,11 @@ CRAFTED = [
     ("/v1/completions", {"prompt": "x", "temperature": float("nan")}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": float("inf")}, "top_p"),
     ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+    ("/infill", {"temperature": float("nan")}, "temperature"),
+    ("/infill", {"seed": 2**63}, "seed"),
+    ("/infill", {"t_max_predict_ms": 2**40}, "t_max_predict_ms"),
+    ("/api/generate", {"model": "m", "options": {"top_p": float("inf")}}, "options.top_p"),
+    ("/api/generate", {"model": "m", "options": {"seed": 2**63}}, "options.seed"),
     ("/v1/events", {"type": "select", "completion_id": "c", "accepted_chars": 2**63}, "accepted_chars"),
     ("/ops/rollouts", {"version": 2**63}, "version"),
     ("/ops/rollouts", {"version": -1}, "version"),
@@ -163,6 +189,7 @@ CRAFTED = [
         {"segments": {"prefix": "x", "relevant_snippets_from_recently_opened_files": [{}] * 17}},
         "segments.relevant_snippets_from_recently_opened_files",
     ),
+    ("/infill", {"input_extra": [{}] * 65}, "input_extra"),
 ]
 
 
@@ -236,7 +263,12 @@ def test_login_with_undecodable_form_bytes_is_401(api):
 
 @pytest.mark.parametrize(
     "path, body",
-    [("/v1/completions", {"prompt": "x", "max_tokens": 2}), ("/v1/events", {"type": "view", "completion_id": "c"})],
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+        ("/infill", {"input_prefix": "x", "n_predict": 2}),
+        ("/api/generate", {"model": "flywheel", "prompt": "x", "stream": False, "options": {"num_predict": 2}}),
+        ("/v1/events", {"type": "view", "completion_id": "c"}),
+    ],
 )
 def test_rate_limit_per_token_is_429_with_retry_after(api, path, body):
     client, sink = api

@@ -1,0 +1,138 @@
+"""POST /v1/completions as real editor clients send it: Continue (a client-rendered FIM prompt, many
+stop strings, streaming) and Tabby's agent (declarations and snippets, language stops, CRLF)."""
+
+import json
+
+from feedback import bus
+from learner.fim import fim_prompt_ids
+from tests.serving.conftest import FakeEngine, make_client
+
+# Continue's autocomplete with an OpenAI-compatible provider and a Qwen2.5-Coder model: it renders
+# the Qwen FIM template itself and sends it as the prompt, without a suffix, streaming, with the
+# template's stop tokens and its common stops (core/autocomplete: getStopTokens).
+CONTINUE_PREFIX = "import math\n\n\ndef area(r):\n    return "
+CONTINUE_SUFFIX = "\n\n\nprint(area(2))\n"
+CONTINUE_BODY = {
+    "model": "flywheel",
+    "prompt": f"<|fim_prefix|>{CONTINUE_PREFIX}<|fim_suffix|>{CONTINUE_SUFFIX}<|fim_middle|>",
+    "max_tokens": 64,
+    "temperature": 0.01,
+    "stop": ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "/src/", "#- coding: utf-8", "```"],
+    "stream": True,
+}
+
+
+def test_continue_streams_a_completion_of_its_rendered_fim_prompt_through_flywheels_prompt(tok, fmt):
+    client, sink, engine = make_client(tok)
+    with client.stream("POST", "/v1/completions", json=CONTINUE_BODY) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    # What Continue's OpenAI provider reads: `data:` chunks of choices[0].text, then [DONE].
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "return x"
+    prompt_ids, spec, _ = engine.calls[0]
+    assert prompt_ids == fim_prompt_ids(fmt, tok, CONTINUE_PREFIX, CONTINUE_SUFFIX)  # read back, prompted our way
+    assert spec.stop == tuple(CONTINUE_BODY["stop"]) and spec.max_tokens == 64
+    ((topic, rec),) = sink.sent
+    assert topic == bus.COMPLETIONS and rec.completion_id == chunks[0]["id"] and rec.prompt_token_ids == prompt_ids
+
+
+def test_a_rendered_prompt_with_the_repository_keeps_its_files_and_path(tok):
+    client, sink, engine = make_client(tok)
+    prompt = (
+        "<|repo_name|>shop\n<|file_sep|>shop/util.py\ndef helper(a):\n    return a\n"
+        "<|file_sep|>shop/app.py\n<|fim_prefix|>x = <|fim_suffix|>\n<|fim_middle|>"
+    )
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    text = tok.decode(engine.calls[0][0], skip_special_tokens=False)
+    assert text == prompt  # Flywheel's own model has Qwen's layout, so its prompt is the client's
+    assert sink.sent[0][1].filepath == "shop/app.py"
+
+
+def test_a_plain_prompt_stays_a_plain_continuation(tok):
+    client, _, engine = make_client(tok)
+    r = client.post("/v1/completions", json={"prompt": "marker = '<|fim_prefix|>'\n", "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert tok.decode(engine.calls[0][0], skip_special_tokens=False) == "marker = '<|fim_prefix|>'\n"
+    assert tok.token_to_id("<|fim_middle|>") not in engine.calls[0][0]
+
+
+def test_stop_strings_up_to_the_setting_then_422_naming_the_field(tok):
+    client, sink, engine = make_client(tok, max_stop_strings=8)
+    ok = client.post("/v1/completions", json={"prompt": "x", "stop": [f"s{i}" for i in range(8)]})
+    assert ok.status_code == 200, ok.text
+    r = client.post("/v1/completions", json={"prompt": "x", "stop": [f"s{i}" for i in range(9)]})
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith("stop: 9 stop strings")
+    assert len(sink.sent) == 1 and len(engine.calls) == 1
+
+
+# Tabby's agent (clients/tabby-agent): its completion request with the repository context it collects.
+TABBY_BODY = {
+    "language": "python",
+    "segments": {
+        "prefix": "from shop.util import helper\n\n\ndef total(items):\n    ",
+        "suffix": "\n",
+        "filepath": "shop/app.py",
+        "git_url": "https://github.com/acme/shop.git",
+        "declarations": [{"filepath": "shop/util.py", "body": "def helper(a):\n    return a + 1"}],
+        "relevant_snippets_from_changed_files": [
+            {"filepath": "shop/cart.py", "body": "def cart_sum(c):\n    return sum(c)", "score": 0.4},
+            {"filepath": "shop/models.py", "body": "class Item:\n    price: int", "score": 0.9},
+        ],
+        "relevant_snippets_from_recently_opened_files": [
+            {"filepath": "shop/db.py", "body": "def connect():\n    return None", "score": 0.7}
+        ],
+        "clipboard": "",
+    },
+    "temperature": 0.2,
+    "mode": "standard",
+}
+
+
+def test_tabby_declarations_and_snippets_reach_the_prompt_nearest_first(tok):
+    client, sink, engine = make_client(tok)
+    r = client.post("/v1/completions", json=TABBY_BODY)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "return x"
+    text = tok.decode(engine.calls[0][0], skip_special_tokens=False)
+    # Farthest first, so the most relevant (the declarations) sits right before the current file.
+    order = ["shop/db.py", "shop/cart.py", "shop/models.py", "shop/util.py", "shop/app.py"]
+    assert text.startswith("<|repo_name|>shop\n<|file_sep|>shop/db.py\ndef connect():\n    return None\n")
+    assert [text.index(f"<|file_sep|>{p}\n") for p in order] == sorted(text.index(f"<|file_sep|>{p}\n") for p in order)
+    assert text.endswith(
+        "<|file_sep|>shop/app.py\n<|fim_prefix|>" + TABBY_BODY["segments"]["prefix"] + "<|fim_suffix|>\n<|fim_middle|>"
+    )
+    spec = engine.calls[0][1]
+    assert "\n\n" in spec.stop and "\ndef " in spec.stop and "\nclass " in spec.stop  # Python's top level ends it
+    assert sink.sent[0][1].language == "python" and sink.sent[0][1].filepath == "shop/app.py"
+
+
+def test_tabby_context_is_trimmed_to_the_budget(tok):
+    client, _, engine = make_client(tok, context_budget=256, repo_context_tokens=96)
+    big = "".join(f"def f_{i}(a):\n    return a * {i}\n" for i in range(200))
+    body = json.loads(json.dumps(TABBY_BODY))
+    body["segments"]["prefix"] = big + body["segments"]["prefix"]
+    body["segments"]["relevant_snippets_from_changed_files"].append({"filepath": "big.py", "body": big[:9000]})
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    ids = engine.calls[-1][0]  # after the long prefix's self-summaries
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert len(ids) <= 256 and "<|file_sep|>shop/util.py\n" in text  # the declaration, the most relevant, stays
+    assert "shop/db.py" not in text  # the least relevant does not fit
+
+
+def test_tabby_crlf_file_gets_a_crlf_suggestion(tok):
+    client, _, engine = make_client(tok, engine=FakeEngine(tok, text="a = 1\nb = 2"))
+    body = {"language": "python", "segments": {"prefix": "def f():\r\n    ", "suffix": "\r\n"}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert "\r" not in tok.decode(engine.calls[0][0]) and r.json()["choices"][0]["text"] == "a = 1\r\nb = 2"
+
+
+def test_tabby_next_edit_suggestion_is_refused_clearly(tok):
+    client, sink, engine = make_client(tok)
+    r = client.post("/v1/completions", json={**TABBY_BODY, "mode": "next_edit_suggestion"})
+    assert r.status_code == 400 and "next_edit_suggestion" in r.json()["error"]["message"]
+    assert "not supported" in r.json()["error"]["message"] and not sink.sent and not engine.calls
