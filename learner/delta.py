@@ -169,9 +169,7 @@ class PartDelta:
 
     def xor_words(self) -> np.ndarray:
         """The changed elements' XOR [k, w] bytes, one row per element (planes transposed back)."""
-        if self.w == 1:
-            return self.values.reshape(-1, 1)
-        return np.ascontiguousarray(self.values.reshape(self.w, -1).T)
+        return _words([self])
 
     def apply_to(self, raw: np.ndarray) -> np.ndarray:
         """`raw` [n * w] bytes XOR this part, as a new array."""
@@ -335,7 +333,7 @@ def xor_parts(items: list[tuple[np.ndarray, PartDelta]]) -> list[np.ndarray]:
         n = np.array([p.n for p in ps], dtype=np.int64)
         if sum(p.k for p in ps):
             index = changed_index(ps)  # [K] ascending: part order, then element order
-            xor = np.concatenate([p.xor_words() for p in ps])  # [K, w] in the same order
+            xor = _words(ps)  # [K, w] in the same order
             word = _WORD.get(w)
             if word is not None:
                 buf.view(word)[index] ^= xor.view(word).reshape(-1)
@@ -367,6 +365,21 @@ def changed_index(ps: list[PartDelta]) -> np.ndarray:
     return at + np.repeat(first - mask_bit, per_part)
 
 
+def _words(ps: list[PartDelta]) -> np.ndarray:
+    """The parts' changed elements' XOR laid end to end [K, w] bytes: each part's byte planes
+    written into the columns (strided copies, about ten times faster than numpy's transposed copy)."""
+    w = ps[0].w
+    if w == 1:
+        return np.concatenate([p.values for p in ps]).reshape(-1, 1)
+    out = np.empty((sum(p.k for p in ps), w), dtype=np.uint8)
+    pos = 0
+    for p in ps:
+        for i, plane in enumerate(p.values.reshape(w, -1)):
+            out[pos : pos + p.k, i] = plane
+        pos += p.k
+    return out
+
+
 _DENSE_MASK_BYTES = 8
 """Above one mask byte in this many with a change, unpacking every element is cheaper than
 mapping the changed ones back to their parts (measured on checkpoint pairs of the small model)."""
@@ -380,7 +393,7 @@ def _groups(sizes: list[int], count: int) -> list[range]:
     total, out, start, acc = sum(sizes), [], 0, 0
     for i, size in enumerate(sizes):
         acc += size
-        if acc * count >= total * (len(out) + 1) and i + 1 < len(sizes):
+        if len(out) + 1 < count and acc * count >= total * (len(out) + 1) and i + 1 < len(sizes):
             out.append(range(start, i + 1))
             start = i + 1
     return [*out, range(start, len(sizes))]
