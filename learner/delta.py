@@ -486,26 +486,39 @@ def decode(data: bytes) -> Delta:
     if len(payload) != h["payload_nbytes"]:
         raise DeltaError(f"corrupt delta payload: {len(payload)} bytes, the header says {h['payload_nbytes']}")
     buf = np.frombuffer(payload, dtype=np.uint8)
-    pos, changed = 0, {}
+    pos, changed, bounds, owners = 0, {}, [], []
     try:
         for e in h["changed"]:
             part_deltas = []
             for p in e["parts"]:
                 n, w, k = p["n"], p["w"], p["k"]
-                mask, pos = buf[pos : pos + (n + 7) // 8], pos + (n + 7) // 8
-                values, pos = buf[pos : pos + k * w], pos + k * w
-                if (
-                    w < 1
-                    or values.size != k * w
-                    or mask.size != (n + 7) // 8
-                    or int(np.bitwise_count(mask).sum(dtype=np.int64)) != k
-                    or (n % 8 and int(mask[-1]) >> (n % 8))  # a bit set past the last element
-                ):
+                mask_end = pos + (n + 7) // 8
+                end = mask_end + k * w
+                if w < 1 or n < 0 or not 0 <= k <= n or end > buf.size:
                     raise DeltaError(f"{e['name']}: corrupt delta payload (mask and values disagree)")
-                part_deltas.append(PartDelta(n, w, mask, values))
+                part_deltas.append(PartDelta(n, w, buf[pos:mask_end], buf[mask_end:end]))
+                bounds.append((pos, mask_end, n, k))
+                owners.append(e["name"])
+                pos = end
             changed[e["name"]] = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(part_deltas))
         if pos != buf.size:
             raise DeltaError(f"corrupt delta payload: {buf.size - pos} trailing bytes")
+        if bounds:
+            bad = _bad_masks(buf, np.array(bounds, dtype=np.int64))
+            if bad.size:
+                raise DeltaError(f"{owners[bad[0]]}: corrupt delta payload (mask and values disagree)")
         return Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed)
     except (KeyError, TypeError) as e:
         raise DeltaError(f"corrupt delta header: {e!r}") from None
+
+
+def _bad_masks(buf: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Which parts' masks [P] (bounds rows: mask start, mask end, n, k) do not have exactly k
+    bits set, or set a bit past their last element: all parts in a few numpy calls."""
+    start, end, n, k = bounds.T
+    # reduceat sums each [start, end) range; an empty range (n = 0) would give buf[start], so it is masked out
+    ones = np.add.reduceat(np.append(np.bitwise_count(buf), 0), bounds[:, :2].reshape(-1))[::2]
+    ones = np.where(end > start, ones, 0)
+    spare = n % 8  # bits of the last mask byte that are elements
+    last = buf[np.maximum(end - 1, 0)] if buf.size else np.zeros_like(n)
+    return np.flatnonzero((ones != k) | ((spare > 0) & (last.astype(np.int64) >> spare != 0)))

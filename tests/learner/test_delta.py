@@ -289,3 +289,24 @@ def test_groups_cover_every_tensor_once_in_order(sizes, count):
     groups = D._groups(sizes, count)
     assert [i for g in groups for i in g] == list(range(len(sizes))) and 1 <= len(groups) <= count
     assert all(len(g) for g in groups)
+
+
+@given(part_deltas(), st.data())
+@settings(max_examples=100, deadline=None)
+def test_decode_keeps_every_part_and_rejects_a_flipped_mask_bit(ps, data):
+    def wire(parts):
+        td = D.TensorDelta({"kind": "dense"}, "a" * 64, "b" * 64, tuple(parts))
+        return D.encode(D.Delta(1, 2, "c" * 64, "d" * 64, {"t": td, "u": td}))
+
+    got = D.decode(wire(ps))
+    for td in got.changed.values():
+        assert [(p.n, p.w, p.mask.tobytes(), p.values.tobytes()) for p in td.parts] == [
+            (p.n, p.w, p.mask.tobytes(), p.values.tobytes()) for p in ps
+        ]
+    i = data.draw(st.integers(0, len(ps) - 1))
+    bit = data.draw(st.integers(0, 8 * ps[i].mask.size - 1))  # an element's bit or a spare one past n
+    mask = ps[i].mask.copy()
+    mask[bit // 8] ^= 1 << (bit % 8)
+    bad = [*ps[:i], dataclasses.replace(ps[i], mask=mask), *ps[i + 1 :]]
+    with pytest.raises(D.DeltaError, match="t: corrupt delta payload"):
+        D.decode(wire(bad))
