@@ -324,11 +324,11 @@ pairs) are still in cache when the gather reads and writes them."""
 def _gather_cpu(table: torch.Tensor, rows: np.ndarray, columns: np.ndarray) -> torch.Tensor:
     """table[rows[i // C] | columns[i]] [numel(columns)] for rows [NB] int32 and columns [NB * C].
 
-    Chunk by chunk: the index is built by numpy (a widening, a repeat and an OR, where torch would
-    run the OR with a broadcast over an inner dim of 8 element by element) and gathered by torch.index_select;
-    both release the GIL, so chunks run on torch.get_num_threads() threads, handed out one at a
-    time: on a shared machine a thread that loses its core does not hold the others up, as an
-    even split (torch's intra-op threads) would."""
+    Chunk by chunk: the index is built by numpy (a widening, a repeat and an OR, where torch
+    would run the OR as a broadcast over an inner dim of 8, element by element) and gathered by
+    torch.index_select; both release the GIL, so chunks run on torch.get_num_threads() threads,
+    handed out one at a time: on a shared machine a thread that loses its core does not hold
+    the others up, as an even split (torch's intra-op threads) would."""
     per_row = columns.size // rows.size
     out = torch.empty(columns.size, dtype=table.dtype)
     step = max(1, _GATHER_CHUNK // per_row)  # rows per chunk
