@@ -64,8 +64,10 @@ import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # code -> value; index bits 0-2 are the magnitude, bit 3 the sign
@@ -297,7 +299,8 @@ def _lookup(
     pairs: bool,
 ) -> torch.Tensor:
     """table[(global scale, scale byte, column)] for every element of `columns` [..., NB, C]: codes
-    (C = B, the [256, 16] value tables) or packed bytes (pairs: C = B/2, the [256, 256] pair tables)."""
+    (C = B, the [256, 16] value tables) or packed bytes (pairs: C = B/2, the [256, 256] pair tables).
+    Returns the values flat [numel(columns)]."""
     bits = 8 if pairs else 4
     distinct, which = torch.unique(global_scale.float().reshape(-1), return_inverse=True)
     make = _pair_table if pairs else _value_table
@@ -305,10 +308,46 @@ def _lookup(
     rows = scales.view(torch.uint8).to(torch.int32) << bits  # [..., NB]
     if len(tables) > 1:  # one table per distinct global scale, one after the other
         rows += which.to(torch.int32).reshape(global_scale.shape) << (bits + 8)
-    index = columns.to(torch.int32)  # the one full-size pass besides the gather itself
-    index.bitwise_or_(rows.unsqueeze(-1))
     table = tables[0] if len(tables) == 1 else torch.cat(tables)
+    if columns.device.type == "cpu":
+        return _gather_cpu(table, rows.reshape(-1).numpy(), columns.contiguous().reshape(-1).numpy())
+    index = columns.to(torch.int32)
+    index.bitwise_or_(rows.unsqueeze(-1))
     return table.index_select(0, index.reshape(-1))
+
+
+_GATHER_CHUNK = 1 << 18
+"""Columns per gather on the CPU: the chunk's int32 index and its values (1 MiB each for bf16
+pairs) are still in cache when the gather reads and writes them."""
+
+
+def _gather_cpu(table: torch.Tensor, rows: np.ndarray, columns: np.ndarray) -> torch.Tensor:
+    """table[rows[i // C] | columns[i]] [numel(columns)] for rows [NB] int32 and columns [NB * C].
+
+    Chunk by chunk: the index is built by numpy (a widening, a repeat and an OR, where torch
+    would run the OR as a broadcast over an inner dim of 8, element by element) and gathered by
+    torch.index_select; both release the GIL, so chunks run on torch.get_num_threads() threads,
+    handed out one at a time: on a shared machine a thread that loses its core does not hold
+    the others up, as an even split (torch's intra-op threads) would."""
+    per_row = columns.size // rows.size
+    out = torch.empty(columns.size, dtype=table.dtype)
+    step = max(1, _GATHER_CHUNK // per_row)  # rows per chunk
+
+    def gather(r0: int) -> None:
+        r1 = min(rows.size, r0 + step)
+        index = columns[r0 * per_row : r1 * per_row].astype(np.int32)
+        index |= np.repeat(rows[r0:r1], per_row)  # int32 | int32: numpy casts mixed types slowly
+        torch.index_select(table, 0, torch.from_numpy(index), out=out[r0 * per_row : r1 * per_row])
+
+    starts = range(0, rows.size, step)
+    workers = min(torch.get_num_threads(), len(starts))
+    if workers <= 1:
+        for r0 in starts:
+            gather(r0)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(gather, starts))
+    return out
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

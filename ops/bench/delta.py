@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -340,6 +341,7 @@ def run_bench(
         "zstd_level": level,
         "zstd_threads": threads,
         "torch_threads": torch.get_num_threads(),
+        "apply_threads": os.cpu_count() or 1,  # learner.delta.apply's default: tensors checked and built at once
         "batch": [BATCH, SEQ_LEN],
         "runs": [],
     }
@@ -383,7 +385,8 @@ def run_bench(
     if swap:
         console.print(_swap_table(results["swap"]))
     console.print(
-        f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, zstd threads {threads})"
+        f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, "
+        f"apply threads {results['apply_threads']}, zstd threads {threads})"
     )
     if out:
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
@@ -474,8 +477,6 @@ async def bench_swap(
 ) -> dict:
     """Publish `packed` (v0, v1, ...) to a temporary store, serve v0 with vLLM, keep `clients`
     concurrent greedy completions going, swap to each later version in turn, and measure."""
-    import os
-
     from learner.export import export_hf
     from learner.formats import read_format
     from learner.store import open_store

@@ -5,6 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from learner import delta as D
 from learner import fp4
@@ -247,3 +249,64 @@ def _importable(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+@st.composite
+def part_deltas(draw) -> list[D.PartDelta]:
+    """Parts of one width, each with its own size and share of changed elements (none to all)."""
+    w = draw(st.sampled_from([1, 2, 3, 4]))
+    parts = []
+    for _ in range(draw(st.integers(1, 6))):
+        n = draw(st.integers(1, 300))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        changed = rng.random(n) < draw(st.sampled_from([0.0, 0.003, 0.05, 0.3, 1.0]))
+        values = rng.integers(1, 256, (w, int(changed.sum())), dtype=np.uint8).reshape(-1)
+        parts.append(D.PartDelta(n, w, np.packbits(changed, bitorder="little"), values))
+    return parts
+
+
+@given(part_deltas())
+@settings(max_examples=200, deadline=None)
+def test_changed_index_and_xor_bytes_of_parts_laid_end_to_end(ps):
+    # both ways of finding the changed elements (only the nonzero mask bytes, or every element)
+    # against one flag per element, and the XOR words against the byte planes transposed
+    want = np.flatnonzero(np.concatenate([np.unpackbits(p.mask, count=p.n, bitorder="little") for p in ps]))
+    assert np.array_equal(D.changed_index(ps), want)
+    words = np.concatenate([p.values.reshape(p.w, -1).T for p in ps])
+    assert np.array_equal(D._words(ps), words)
+    raws = [np.random.default_rng(i).integers(0, 256, p.nbytes, dtype=np.uint8) for i, p in enumerate(ps)]
+    for raw, p, got in zip(raws, ps, D.xor_parts(list(zip(raws, ps))), strict=True):
+        flags = np.unpackbits(p.mask, count=p.n, bitorder="little").view(bool)
+        full = np.zeros((p.n, p.w), dtype=np.uint8)
+        full[flags] = p.values.reshape(p.w, -1).T
+        assert np.array_equal(got, raw ^ full.reshape(-1))
+
+
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=40), st.integers(1, 16))
+@example([0, 0, 0], 1)
+@example([1000, 1, 1, 1], 2)
+def test_groups_cover_every_tensor_once_in_order(sizes, count):
+    groups = D._groups(sizes, count)
+    assert [i for g in groups for i in g] == list(range(len(sizes))) and 1 <= len(groups) <= count
+    assert all(len(g) for g in groups)
+
+
+@given(part_deltas(), st.data())
+@settings(max_examples=100, deadline=None)
+def test_decode_keeps_every_part_and_rejects_a_flipped_mask_bit(ps, data):
+    def wire(parts):
+        td = D.TensorDelta({"kind": "dense"}, "a" * 64, "b" * 64, tuple(parts))
+        return D.encode(D.Delta(1, 2, "c" * 64, "d" * 64, {"t": td, "u": td}))
+
+    got = D.decode(wire(ps))
+    for td in got.changed.values():
+        assert [(p.n, p.w, p.mask.tobytes(), p.values.tobytes()) for p in td.parts] == [
+            (p.n, p.w, p.mask.tobytes(), p.values.tobytes()) for p in ps
+        ]
+    i = data.draw(st.integers(0, len(ps) - 1))
+    bit = data.draw(st.integers(0, 8 * ps[i].mask.size - 1))  # an element's bit or a spare one past n
+    mask = ps[i].mask.copy()
+    mask[bit // 8] ^= 1 << (bit % 8)
+    bad = [*ps[:i], dataclasses.replace(ps[i], mask=mask), *ps[i + 1 :]]
+    with pytest.raises(D.DeltaError, match="t: corrupt delta payload"):
+        D.decode(wire(bad))

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import load as st_load
@@ -343,3 +345,25 @@ def test_default_fp4_targets_are_the_expert_weights_only():
         assert not is_fp4_target(name), name
     assert is_fp4_target("model.layers.3.self_attn.q_proj.weight", [r"self_attn\.\w+_proj\.weight$"])
     assert not is_fp4_target("model.layers.3.mlp.experts.5.up_proj.weight", [])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("chunk", [1, 8, 24, 1000])
+def test_decode_in_chunks_on_threads_matches_the_formula(fmt, chunk, monkeypatch):
+    # chunks of 1 row of blocks up to many (and one that does not divide the rows), gathered on 3
+    # threads: every chunk boundary lands on the right block scale and the right global scale
+    monkeypatch.setattr("learner.fp4._GATHER_CHUNK", chunk * fmt.block_size // 2)
+    x = spread(3, 40, 256, lo=-20, hi=20, seed=9)  # stacked experts: 3 global scales (nvfp4)
+    p = pack(quantize(x, fmt))
+    glob = (1 / p.weight_global_scale).reshape(3, 1, 1) if fmt == NVFP4 else torch.ones(3, 1, 1)
+    want = formula(unpack_codes(p.weight_packed), p.weight_scale, glob, fmt)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        for dtype in (torch.bfloat16, torch.float32):
+            assert torch.equal(decode(p, dtype).view(torch.uint8), want.to(dtype).view(torch.uint8))
+            assert torch.equal(dequantize(unpack(p), dtype).view(torch.uint8), want.to(dtype).view(torch.uint8))
+        strided = dataclasses.replace(p, weight_packed=p.weight_packed.mT.contiguous().mT)  # not contiguous
+        assert torch.equal(decode(strided).view(torch.uint8), want.bfloat16().view(torch.uint8))
+    finally:
+        torch.set_num_threads(threads)
