@@ -82,7 +82,9 @@ async def infill(body: InfillRequest, st: StateDep, token: CompletionsToken):
         except Exception as e:  # the engine or its replica is down: the client may retry
             count_error(st, pool, "replica_failed")
             raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
-        assert r is not None
+        if r is None:  # a stream that ended without a result: the replica went away
+            count_error(st, pool, "replica_failed")
+            raise HTTPException(503, "model replica unavailable: it answered nothing")
     else:
         r = await complete(st, meta, replica, gen)
     record(st, r, meta)
