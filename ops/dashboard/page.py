@@ -131,21 +131,27 @@ def _color(version: int, versions: list[int]) -> str:
 
 
 def _accept_figure(data: dict):
+    return _rate_figure(data, data["acceptance"], "accept_rate", ("accepted", "shown"), ".0%", "accepted / shown")
+
+
+def _rate_figure(data: dict, rows: list, field: str, counts: tuple[str, str], tickformat: str, title: str):
+    """A rate per version over time, each point saying the counts it is made of."""
     import plotly.graph_objects as go
 
-    series = _by_version(data["acceptance"], "accept_rate")
+    series = _by_version(rows, field)
     if not series:
         return None
     versions = [v["version"] for v in data["versions"]]
-    fig = go.Figure(layout=_layout(yaxis=dict(tickformat=".0%", rangemode="tozero", title="accepted / shown")))
-    for v, (xs, ys, rows) in series.items():
+    fig = go.Figure(layout=_layout(yaxis=dict(tickformat=tickformat, rangemode="tozero", title=title)))
+    part, whole = counts
+    for v, (xs, ys, points) in series.items():
         fig.add_scatter(
             x=xs,
             y=ys,
             name=f"v{v}",
             mode="lines+markers",
             line=dict(color=_color(v, versions)),
-            customdata=[[r["accepted"], r["shown"]] for r in rows],
+            customdata=[[r[part], r[whole]] for r in points],
             hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.1%}} (%{{customdata[0]}} of %{{customdata[1]}})<extra></extra>",
         )
     return fig
@@ -198,24 +204,7 @@ def _latency_figure(data: dict):
 
 def _errors_figure(data: dict):
     """Share of served choices the engine did not finish, per version."""
-    import plotly.graph_objects as go
-
-    series = _by_version(data.get("latency", []), "error_rate")
-    if not series:
-        return None
-    versions = [v["version"] for v in data["versions"]]
-    fig = go.Figure(layout=_layout(yaxis=dict(tickformat=".1%", rangemode="tozero", title="errors / choices")))
-    for v, (xs, ys, rows) in series.items():
-        fig.add_scatter(
-            x=xs,
-            y=ys,
-            name=f"v{v}",
-            mode="lines+markers",
-            line=dict(color=_color(v, versions)),
-            customdata=[[r["errors"], r["choices"]] for r in rows],
-            hovertemplate=f"v{v}<br>%{{x}}<br>%{{y:.1%}} (%{{customdata[0]}} of %{{customdata[1]}})<extra></extra>",
-        )
-    return fig
+    return _rate_figure(data, data.get("latency", []), "error_rate", ("errors", "choices"), ".1%", "errors / choices")
 
 
 def _sizes_figure(data: dict):
