@@ -632,6 +632,7 @@ class Learner:
             and s.token_ids
             and len(s.behaviour) >= len(s.token_ids)
             and not s.pinned  # its client chose the version: feedback aimed at it, not the users' own
+            and self._in_vocabulary(s)
         ]
         st.samples_skipped += len(samples) - len(usable)
         usable = self._within_user_cap(usable)
@@ -640,6 +641,13 @@ class Learner:
         self.buffer.add(usable)
         self.buffer.drop_stale(self.state.version)
         return len(usable)
+
+    def _in_vocabulary(self, s: Sample) -> bool:
+        """A record of another model (a database shared with another base, a test's broker) names
+        tokens this one may not have: one such sample would fail every update it joins."""
+        return all(0 <= t < self.args.vocab_size for t in s.prompt_ids) and all(
+            0 <= t < self.args.vocab_size for t in s.token_ids
+        )
 
     def _within_user_cap(self, samples: list[Sample]) -> list[Sample]:
         """The samples whose user has not yet given `learn.max_samples_per_user` toward the next

@@ -146,6 +146,31 @@ def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
     assert lr.poll() == 0 and lr.state.samples_skipped == 4 and lr.state.samples_read == 4
 
 
+def test_a_sample_of_another_models_vocabulary_is_skipped_not_trained_on(tmp_path, base):
+    """Another model's records (a shared database or broker) once made every update fail."""
+    from sqlalchemy import update
+
+    from feedback import db
+
+    lr = started(tmp_path, base, min_samples=4, batch_size=4)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    foreign = write_samples(lr.engine, v0, lr.tok, texts(2))
+    write_samples(lr.engine, v0, lr.tok, texts(4))
+    with lr.engine.begin() as conn:
+        conn.execute(
+            update(db.completions)
+            .where(db.completions.c.completion_id == foreign[0])
+            .values(prompt_token_ids=[lr.args.vocab_size + 7])
+        )
+        conn.execute(
+            update(db.completion_choices)
+            .where(db.completion_choices.c.completion_id == foreign[1])
+            .values(token_ids=[-1])
+        )
+    assert lr.poll() == 4 and lr.state.samples_skipped == 2
+    assert lr.update() is not None
+
+
 def test_one_user_supplies_at_most_max_samples_per_user_per_version_and_pinned_never_train(tmp_path, base):
     lr = started(tmp_path, base, max_samples_per_user=3, min_samples=4)
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
