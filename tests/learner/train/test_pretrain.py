@@ -25,6 +25,7 @@ from learner.train.pretrain import (
 )
 from learner.train.pretrain_settings import PretrainSection, PretrainSettings
 from tests.helpers import flywheel
+from tests.learner.train.learn_support import tiny_pretrain
 
 FILES = ["textwrap.py", "shlex.py", "string.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py", "colorsys.py"]
 
@@ -38,21 +39,7 @@ def corpus_dir(tmp_path_factory):
 
 
 def tiny_settings(cache, corpus, **kw) -> PretrainSettings:
-    cfg = dict(
-        corpus=str(corpus),
-        size="tiny",
-        vocab_size=400,
-        seq_len=32,
-        batch_size=4,
-        steps=6,
-        warmup_steps=2,
-        eval_every=3,
-        eval_windows=4,
-        final_eval_windows=8,
-        checkpoint_minutes=1000,
-        heldout_fraction=0.2,
-        quality_check=False,
-    )
+    cfg = tiny_pretrain(corpus, seq_len=32, steps=6, eval_every=3, heldout_fraction=0.2)
     return PretrainSettings(cache_dir=cache, pretrain=cfg | kw)
 
 
