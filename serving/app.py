@@ -37,7 +37,7 @@ from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.http.routing import RoutingState, poll_routing
 from serving.replica import GenerateRequest, GenerateResult
-from serving.settings import ServeSettings, ServingSettings
+from serving.settings import EngineSettings, ServeSettings, ServingSettings
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,24 @@ class Ingress:
             producer.close(timeout_s=5)
 
 
+def replica_options(eng: EngineSettings) -> dict:
+    """Ray Serve options for one model replica's resources.
+
+    One worker, or `mp` workers (the replica's child processes): the replica's actor holds them all.
+    `ray` workers: a placement group per replica, one GPU bundle per worker, the replica's own CPUs
+    in the first bundle beside worker 0 (Ray Serve puts the replica in bundle 0), as Ray Serve LLM
+    places vLLM; `placement_strategy` says whether the bundles may span nodes."""
+    if eng.executor != "ray" or eng.world_size == 1:
+        return {"ray_actor_options": {"num_cpus": eng.num_cpus, "num_gpus": eng.num_gpus * eng.world_size}}
+    first = {"CPU": eng.num_cpus, "GPU": 1.0} if eng.num_cpus else {"GPU": 1.0}  # Ray refuses a 0 in a bundle
+    bundles = [first] + [{"GPU": 1.0} for _ in range(eng.world_size - 1)]
+    return {
+        "ray_actor_options": {"num_cpus": eng.num_cpus, "num_gpus": 0},
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": eng.placement_strategy,
+    }
+
+
 def build(settings: ServingSettings, model_dir: Path, version: int, routers: Sequence[RouterFactory] = ()):
     """The bound application, ready for `serve.run`: both pools start on `version` of `model_dir`;
     the ingress serves serving's routes and those of `routers`."""
@@ -311,7 +329,7 @@ def build(settings: ServingSettings, model_dir: Path, version: int, routers: Seq
         pool: ModelReplica.options(
             name=deployment_name(pool),
             num_replicas=n,
-            ray_actor_options={"num_cpus": eng.num_cpus, "num_gpus": eng.num_gpus},
+            **replica_options(eng),
         ).bind(str(model_dir), settings, version, pool)
         for pool, n in pool_sizes(settings.serve).items()
     }

@@ -7,6 +7,7 @@ tests use a fake with the same two methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -82,9 +83,20 @@ class VLLMEngine:
             # No periodic stats lines in the log; the statistics themselves go to `stat_loggers`.
             disable_log_stats=True,
             distributed_executor_backend=cfg.executor,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            pipeline_parallel_size=cfg.pipeline_parallel_size,
+            data_parallel_size=cfg.data_parallel_size,
+            enable_expert_parallel=cfg.enable_expert_parallel,
+            quantization=cfg.quantization,
             worker_extension_cls="serving.hotswap.WeightSwapExtension",  # in-place weight updates
         )
-        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers(cfg))
+        config = args.create_engine_config()
+        # vLLM's engine core runs in a child process, which does not inherit the Ray Serve replica's
+        # placement group; handed over here, its workers take the group's GPU bundles (serving/app.py:
+        # replica_options), as Ray Serve LLM hands it over.
+        config.parallel_config.placement_group = replica_placement_group(cfg)
+        with _cpu_workers_bound(cfg):
+            self.llm = AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers(cfg))
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
         from vllm import SamplingParams
@@ -128,6 +140,43 @@ class VLLMEngine:
         finally:
             await self.llm.resume_generation()
         return results[0]
+
+
+@contextlib.contextmanager
+def _cpu_workers_bound(cfg: EngineSettings):
+    """vLLM binds each CPU worker's threads to a NUMA node and refuses more workers than nodes. On
+    one node, the workers split this process's cores instead, unless the user bound them; set only
+    while the engine starts its worker processes, so this process's later engines are unaffected."""
+    key = "VLLM_CPU_OMP_THREADS_BIND"
+    if cfg.num_gpus > 0 or cfg.world_size == 1 or key in os.environ:
+        yield
+        return
+    os.environ[key] = cpu_binding(sorted(os.sched_getaffinity(0)), cfg.world_size)
+    try:
+        yield
+    finally:
+        del os.environ[key]
+
+
+def cpu_binding(cpus: list[int], workers: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of `workers` CPU workers its own contiguous share of
+    `cpus`: `[0, 1, 2, 3]` over 2 workers is `"0,1|2,3"`."""
+    if workers > len(cpus):
+        raise ValueError(
+            f"serve.engine: {workers} CPU model workers need at least as many cores; this replica has {len(cpus)}"
+        )
+    shares = [cpus[len(cpus) * i // workers : len(cpus) * (i + 1) // workers] for i in range(workers)]
+    return "|".join(",".join(map(str, share)) for share in shares)
+
+
+def replica_placement_group(cfg: EngineSettings):
+    """The placement group Ray Serve made for this replica, where vLLM's Ray executor places its
+    workers; None when the workers are this process's children (`uni`, `mp`) or outside Ray."""
+    if cfg.executor != "ray" or cfg.world_size == 1:
+        return None
+    import ray
+
+    return ray.util.get_current_placement_group() if ray.is_initialized() else None
 
 
 def stat_loggers(cfg: EngineSettings) -> list | None:

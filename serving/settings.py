@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
 
@@ -35,7 +35,7 @@ class EngineSettings(Section):
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (an editor resends most of a file)."""
     num_gpus: float = Field(default=0, ge=0)
-    """GPUs per replica (Ray resource); 0 on CPU machines."""
+    """GPUs per model worker (Ray resource); 0 on CPU machines. A replica has `world_size` workers."""
     num_cpus: float = Field(default=1, ge=0)
     """CPUs per replica (Ray resource)."""
     log_stats: bool = True
@@ -47,6 +47,55 @@ class EngineSettings(Section):
     the engine-core process, one process fewer to start per replica (vLLM start-up is mostly
     imports: measured 16.5 s against 25.4 s on 2 cores, 51 against 65 s with the cores loaded);
     `mp` or `ray` for tensor parallelism across GPUs."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """vLLM tensor parallelism: every layer's matrices split over this many workers (one GPU each)."""
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    """vLLM pipeline parallelism: the layers split into this many stages, one worker each. Stages may
+    sit on different nodes (with `executor = "ray"`)."""
+    data_parallel_size: int = Field(default=1, ge=1)
+    """vLLM's data parallelism inside one replica: this many copies of the attention layers, which with
+    `enable_expert_parallel` share the MoE experts between them (wide expert parallelism). Plain data
+    parallelism is more replicas (`serve.replicas`), which needs nothing here."""
+    enable_expert_parallel: bool = False
+    """Place whole MoE experts on the tensor × data parallel workers instead of splitting every expert
+    over them (vLLM's expert parallelism)."""
+    quantization: str | None = Field(default=None, pattern="^[a-z0-9_-]+$")
+    """vLLM's quantization method for the served weights (for example `fp8`: weights quantized as they
+    load; an in-place swap reloads checkpoint-format tensors and vLLM quantizes them again, layer by
+    layer). None: the exported dtype. The learner's FP4 training and the deltas do not depend on it."""
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """How a replica's workers are placed with `executor = "ray"` (Ray placement group strategy).
+    STRICT_PACK: all on one node (tensor parallelism wants NVLink); PACK: spill to other nodes only
+    when one node lacks GPUs (pipeline stages across nodes)."""
+
+    @property
+    def world_size(self) -> int:
+        """Model workers of one replica: tensor × pipeline × data parallel sizes."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @model_validator(mode="after")
+    def _parallelism_fits_the_executor(self) -> Self:
+        if self.world_size > 1 and self.executor == "uni":
+            raise ValueError(
+                f"serve.engine: {self.world_size} model workers (tensor × pipeline × data parallel) need "
+                'executor = "mp" (one node) or "ray" (placement group, may span nodes), not "uni"'
+            )
+        if self.world_size > 1 and self.executor == "ray" and self.num_gpus == 0:
+            raise ValueError(
+                'serve.engine: executor = "ray" places one GPU per model worker; on CPUs use executor = "mp" '
+                "for tensor parallelism"
+            )
+        if self.world_size > 1 and self.executor == "ray" and self.num_gpus != 1:
+            raise ValueError(
+                'serve.engine: with executor = "ray" each model worker takes exactly one GPU (num_gpus = 1), '
+                f"got num_gpus = {self.num_gpus:g}"
+            )
+        if self.enable_expert_parallel and self.tensor_parallel_size * self.data_parallel_size == 1:
+            raise ValueError(
+                "serve.engine.enable_expert_parallel spreads experts over the tensor × data parallel workers: "
+                "set tensor_parallel_size or data_parallel_size above 1"
+            )
+        return self
 
 
 class ServeSettings(Section):

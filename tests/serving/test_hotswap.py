@@ -379,6 +379,17 @@ def model_from(hf: dict, args: ModelArgs) -> Transformer:
 @pytest.mark.numerics
 @sync
 async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
+    await _hot_swap_serves_the_new_weights(tok, tmp_path)
+
+
+@pytest.mark.slow
+@sync
+async def test_vllm_hot_swap_under_tensor_parallelism(tok, tmp_path):
+    """Two workers each hold half of every matrix; each reloads its half from the one file."""
+    await _hot_swap_serves_the_new_weights(tok, tmp_path, executor="mp", tensor_parallel_size=2)
+
+
+async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
     from learner.export import export_hf, fp4_dequantized
     from serving.engine import VLLMEngine
 
@@ -409,7 +420,9 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     )
 
     cfg = ServeSettings(
-        engine=EngineSettings(max_model_len=256, max_num_seqs=8), context_budget=200, summary_chunk_tokens=64
+        engine=EngineSettings(max_model_len=256, max_num_seqs=8, **parallel),
+        context_budget=200,
+        summary_chunk_tokens=64,
     )
     t0 = time.perf_counter()
     engine = VLLMEngine(folder, cfg.engine)

@@ -1,0 +1,39 @@
+"""How a model replica asks Ray Serve for its resources (serving/app.py: replica_options)."""
+
+from __future__ import annotations
+
+from serving.app import replica_options
+from serving.settings import EngineSettings
+
+
+def test_one_worker_holds_its_resources_in_the_replica_actor():
+    assert replica_options(EngineSettings(num_cpus=2, num_gpus=0.5)) == {
+        "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}
+    }
+
+
+def test_mp_workers_are_children_of_the_replica_so_it_holds_every_gpu():
+    eng = EngineSettings(executor="mp", num_gpus=1, tensor_parallel_size=4)
+    assert replica_options(eng) == {"ray_actor_options": {"num_cpus": 1, "num_gpus": 4}}
+
+
+def test_ray_workers_get_one_gpu_bundle_each_with_the_replica_in_the_first():
+    eng = EngineSettings(
+        executor="ray",
+        num_gpus=1,
+        num_cpus=2,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        placement_strategy="PACK",
+    )
+    opts = replica_options(eng)
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0}
+    assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": 1.0}] + [{"GPU": 1.0}] * 3
+    assert opts["placement_group_strategy"] == "PACK"
+    # vLLM's Ray executor counts bundles holding exactly one GPU and needs one per worker
+    assert sum(b.get("GPU", 0) == 1 for b in opts["placement_group_bundles"]) == eng.world_size
+
+
+def test_a_replica_without_cpus_of_its_own_puts_no_zero_in_a_bundle():
+    eng = EngineSettings(executor="ray", num_gpus=1, num_cpus=0, tensor_parallel_size=2)
+    assert all(v > 0 for b in replica_options(eng)["placement_group_bundles"] for v in b.values())
