@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from feedback.core.clock import as_utc, utcnow
+from feedback.routing import check_routing
 
 INT32_MAX = 2**31 - 1
 """The largest value of an SQL INTEGER column (PostgreSQL's int4; SQLite stores 64 bits)."""
@@ -94,8 +95,9 @@ class CompletionRecord(Message):
     Invariants: `choices` is non-empty and indexed 0..n-1 in order; `model_version` is the
     version whose weights really produced every token (a request that straddles a hot swap
     is tagged with the version that served it); `user_hash` is a hash, never a raw user id;
-    `routing`, when present, holds per layer and per completion token the expert ids the
-    serving engine chose (list over layers of [T, k]).
+    `routing`, when present, holds the expert ids the serving engine chose for every token it
+    ran (prompt and completion but the last), per MoE layer, for the first choice: int16
+    [L, P+N-1, K] in feedback.routing's compact text form, -1 where a position is unknown.
     """
 
     completion_id: CompletionId
@@ -111,7 +113,7 @@ class CompletionRecord(Message):
     latency_ms: float = Field(ge=0)
     prompt_text: str | None = None
     """Subject to the retention setting (see `completion_text`)."""
-    routing: list[list[list[TokenId]]] | None = None
+    routing: Annotated[str, AfterValidator(check_routing)] | None = None
     pinned: bool = False
     """Served for a request that named its version (`model: flywheel@vN`) instead of being routed:
     the client chose where its feedback lands, so rollout arms and the learner leave it out."""

@@ -37,7 +37,8 @@ held in a KV cache.
 Router replay: `forward(..., return_routing=True)` also returns the experts each token
 chose, per MoE layer ([B, S, K] int64; a dense model has none). Passing such a list back as `routing=` forces those
 experts; the gate weights still come from the router's own softmax at the forced
-indices, so the router keeps its gradient (as in R3 / Megatron's RouterReplay).
+indices, so the router keeps its gradient (as in R3 / Megatron's RouterReplay). A token
+whose ids are -1 chooses its own experts (a position the serving engine's trace lacks).
 
 KV cache: `forward(ids, cache=KVCache())` runs `ids` at the positions after those already in
 the cache and appends their keys and values, so one forward serves training (no cache), a
@@ -383,6 +384,9 @@ class MoE(nn.Module):
             w_TK, idx_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         else:
             idx_TK = forced_TK
+            unknown_T1 = (forced_TK < 0).any(dim=-1, keepdim=True)
+            if unknown_T1.any():  # a token without a recorded route (-1) chooses its own experts
+                idx_TK = torch.where(unknown_T1, torch.topk(probs_TE, self.top_k, dim=-1).indices, forced_TK)
             w_TK = probs_TE.gather(-1, idx_TK)  # differentiable: the router still learns
         if self.norm_topk:
             w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
@@ -539,8 +543,8 @@ class Transformer(nn.Module):
         for r in routing:
             if r.shape != (B, S, a.top_k) or r.dtype != torch.int64:
                 raise ValueError(f"routing entries must be int64 [{B}, {S}, {a.top_k}], got {r.dtype} {tuple(r.shape)}")
-            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= a.n_experts):
-                raise ValueError(f"routing holds expert ids outside [0, {a.n_experts})")
+            if r.numel() and (int(r.min()) < -1 or int(r.max()) >= a.n_experts):
+                raise ValueError(f"routing holds expert ids outside [0, {a.n_experts}) (or -1: route it yourself)")
 
     def num_params(self, *, active: bool = False) -> int:
         """All parameters, or those one token uses (top_k of n_experts experts)."""

@@ -28,6 +28,7 @@ so one command shows the loop; in production each is its own process (`flywheel 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import secrets
@@ -329,8 +330,6 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console) -> di
 
 def _base_precision(model_dir: Path) -> str | None:
     """The precision the base was pretrained in (its metrics.json), when recorded."""
-    import json
-
     metrics = model_dir.parent / "metrics.json"
     try:
         return json.loads(metrics.read_text()).get("precision")
@@ -424,7 +423,7 @@ def summarize(engine, console: Console) -> dict:
         )
         versions = conn.execute(
             text(
-                "SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, gate_reason FROM model_versions ORDER BY version"
+                "SELECT version, parent, kind, size_bytes, full_size_bytes, gate_passed, gate_reason, metrics FROM model_versions ORDER BY version"
             )
         ).all()
         swaps = conn.execute(
@@ -475,6 +474,7 @@ def summarize(engine, console: Console) -> dict:
         "published bytes",
         "full bytes",
         "delta / full",
+        "mismatch KL: replay / own",
         "gate",
         title="published versions (the weight store)",
     )
@@ -488,6 +488,7 @@ def summarize(engine, console: Console) -> dict:
                 "size_bytes": v.size_bytes,
                 "ratio": ratio,
                 "gate_passed": v.gate_passed,
+                **{k: _json(v.metrics).get(k) for k in MISMATCH},
             }
         )
         t.add_row(
@@ -497,6 +498,7 @@ def summarize(engine, console: Console) -> dict:
             f"{v.size_bytes:,}",
             f"{v.full_size_bytes:,}",
             f"1/{1 / ratio:.0f}" if ratio and v.kind == "delta" else "full",
+            _mismatch(_json(v.metrics)),
             ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason and v.version else ""),
         )
     console.print(t)
@@ -549,6 +551,24 @@ def summarize(engine, console: Console) -> dict:
             markup=False,
         )
     return out
+
+
+MISMATCH = ("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing")
+"""The learner's train-inference mismatch over a version's updates (learner.train.learn): replaying
+the serving engine's routes (where records carried them) against the FP4 forward's own routing."""
+
+
+def _json(value) -> dict:
+    """A JSON column read by a text() query: parsed by PostgreSQL's driver, a string from SQLite."""
+    return value if isinstance(value, dict) else json.loads(value or "{}")
+
+
+def _mismatch(m: dict) -> str:
+    replay, own, recorded = (m.get(k) for k in MISMATCH)
+    if replay is None or own is None:
+        return "-"
+    ratio = f" = {replay / own:.2f}x" if own else ""
+    return f"{replay:.1e} / {own:.1e}{ratio} ({recorded or 0:.0%} serving routes)"
 
 
 def _evidence_line(ev) -> str:

@@ -48,6 +48,9 @@ class Sample:
     first_token_s: float | None = None
     """The request's time from reaching the engine to its first token, once the engine reports it
     (vLLM does while its statistics are on); the same for every sample of a request."""
+    routing: str | None = None
+    """The experts the engine chose for every token it ran (feedback.routing's compact form), on
+    the first sample of a finished request, when the engine captures routes (serving/routes.py)."""
 
 
 class Engine(Protocol):
@@ -88,7 +91,7 @@ class VLLMEngine:
             data_parallel_size=cfg.data_parallel_size,
             enable_expert_parallel=cfg.enable_expert_parallel,
             quantization=cfg.quantization,
-            worker_extension_cls="serving.hotswap.WeightSwapExtension",  # in-place weight updates
+            worker_extension_cls="serving.worker.WorkerExtension",  # in-place weight swaps, route capture
         )
         config = args.create_engine_config()
         # vLLM's engine core runs in a child process, which does not inherit the Ray Serve replica's
@@ -97,6 +100,8 @@ class VLLMEngine:
         config.parallel_config.placement_group = replica_placement_group(cfg)
         with _cpu_workers_bound(cfg):
             self.llm = AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers(cfg))
+        self.capture_routes = cfg.capture_routes
+        self.route_layers: int | None = None  # MoE layers whose routes the worker captures, once asked
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
         from vllm import SamplingParams
@@ -115,10 +120,32 @@ class VLLMEngine:
             skip_special_tokens=True,
             output_kind=RequestOutputKind.CUMULATIVE if spec.stream else RequestOutputKind.FINAL_ONLY,
         )
+        capturing = await self._capturing()
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
             # RequestStateStats while stats are on; 0.0 until the first token
             first = getattr(out.metrics, "first_token_latency", 0.0) or None
-            yield [_sample(c, spec.top_logprobs, first) for c in out.outputs]
+            samples = [_sample(c, spec.top_logprobs, first) for c in out.outputs]
+            if out.finished and capturing and samples:
+                samples[0].routing = await self._take_routes(request_id)
+            yield samples
+
+    async def _capturing(self) -> bool:
+        """Whether the worker records routes: asked once (binding the routers is idempotent)."""
+        if self.capture_routes and self.route_layers is None:
+            try:
+                self.route_layers = (await self.llm.collective_rpc("flywheel_capture_routes"))[0]["layers"]
+            except Exception:
+                log.exception("route capture could not start; records carry no routes")
+                self.route_layers = 0
+            log.info("route capture: %s MoE layers", self.route_layers)
+        return bool(self.route_layers)
+
+    async def _take_routes(self, request_id: str) -> str | None:
+        try:
+            return (await self.llm.collective_rpc("flywheel_take_routes", args=(request_id,)))[0]
+        except Exception:  # a record without routes trains with the learner's own routing
+            log.exception("taking the routes of %s failed", request_id)
+            return None
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

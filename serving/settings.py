@@ -47,6 +47,9 @@ class EngineSettings(Section):
     the engine-core process, one process fewer to start per replica (vLLM start-up is mostly
     imports: measured 16.5 s against 25.4 s on 2 cores, 51 against 65 s with the cores loaded);
     `mp` or `ray` for tensor parallelism across GPUs."""
+    capture_routes: bool = True
+    """Record the experts vLLM's forward chose for every token of an MoE model (serving/routes.py),
+    so the learner replays the serving engine's own routing. False: the learner routes itself."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """vLLM tensor parallelism: every layer's matrices split over this many workers (one GPU each)."""
     pipeline_parallel_size: int = Field(default=1, ge=1)

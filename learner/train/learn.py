@@ -1,7 +1,7 @@
 """`flywheel learn`: user feedback in, model versions out.
 
     rewards ⨝ completion_choices ⨝ completions        (SQL: the sink joined Kafka's records and events)
-        -> ReplayBuffer (drops samples whose behaviour version lags > max_staleness)
+        -> ReplayBuffer (drops samples whose behaviour version lags stable's by > max_staleness)
         -> update: FP4 QAT forward with router replay, rl_loss (PPO-clip or TIS, KL to the base), AdamW
         -> checkpoint (weights, optimizer, step, cursor, buffer: one atomic file)
         -> every `publish_every`, once `min_samples` were trained:
@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from sqlalchemy import select
@@ -93,7 +94,7 @@ class Sample:
     behaviour: list[float]
     reward: float
     outcome: str | None
-    routing: list | None = None  # serving's experts per layer and position, when recorded
+    routing: str | None = None  # the serving engine's routing trace (feedback.routing), when recorded
     user_hash: str = ""  # who gave the feedback (serving/routing.py): the per-user cap counts by it
     pinned: bool = False  # the request chose its version (model: flywheel@vN): not trained on
 
@@ -201,7 +202,9 @@ class Batch:
     mask_BT: torch.Tensor
     behaviour_BT: torch.Tensor
     reward_B: torch.Tensor
-    routing: list[torch.Tensor] | None  # recorded serving routing, [B, S, K] per layer, when every sample has it
+    routing: (
+        list[torch.Tensor] | None
+    )  # serving's routing, [B, S, K] per layer, -1 where unknown; None: no sample has it
     abstain_B: torch.Tensor  # the completion is a lone EOS token: the model declined to suggest
 
 
@@ -244,20 +247,39 @@ def make_batch(samples: Sequence[Sample], args: ModelArgs, fmt: ModelFormat) -> 
 
 
 def _recorded_routing(samples, spans, args: ModelArgs, S: int) -> list[torch.Tensor] | None:
-    """The serving engine's routing as [B, S, K] per layer, if every sample carries it for every
-    position (record layout: routing[layer][position] = K expert ids over prompt + completion)."""
-    if not samples or any(not s.routing for s in samples):
-        return None
-    out = [torch.zeros((len(samples), S, args.top_k), dtype=torch.long) for _ in args.moe_layers]
+    """The serving engine's routing as [B, S, K] per layer (record layout: feedback.routing's
+    [L, positions, K] over prompt + completion minus the last token), -1 wherever a sample has no
+    usable trace or a position is unknown: the model routes those itself. None when no sample has one."""
+    from feedback.routing import decode_routing
+
+    L, K = len(args.moe_layers), args.top_k
+    out = [torch.full((len(samples), S, K), -1, dtype=torch.long) for _ in range(L)]
+    found = False
     for b, (s, (p, n, cut)) in enumerate(zip(samples, spans, strict=True)):
-        if len(s.routing) != len(args.moe_layers):
-            return None
-        for i, layer in enumerate(s.routing):
-            r = torch.tensor(layer[cut : cut + p + n - 1], dtype=torch.long)
-            if r.shape != (p + n - 1, args.top_k):
-                return None
-            out[i][b, : p + n - 1] = r
-    return out
+        if not s.routing or not L:
+            continue
+        try:
+            trace = decode_routing(s.routing)
+        except ValueError:
+            continue
+        if trace.shape[0] != L or trace.shape[2] != K or trace.shape[1] < cut + p + n - 1:
+            continue  # another model's trace, or one cut short
+        part = trace[:, cut : cut + p + n - 1]
+        if part.size and int(part.max()) >= args.n_experts:
+            continue
+        seg = torch.from_numpy(part.astype(np.int64))
+        for i in range(L):
+            out[i][b, : p + n - 1] = seg[i]
+        found = True
+    return out if found else None
+
+
+def _known_share(batch: Batch) -> float:
+    """Share of the completion tokens predicted from a position whose serving route is recorded."""
+    if batch.routing is None:
+        return 0.0
+    known_BT = (batch.routing[0] >= 0).all(dim=-1).gather(1, batch.pos_BT).float()
+    return float((known_BT * batch.mask_BT).sum() / batch.mask_BT.sum().clamp_min(1))
 
 
 def token_logprobs(logits_BSV: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -286,8 +308,10 @@ def rl_update(
         ref_BT = token_logprobs(ref(x, fp4=hook), batch)
         own_BT = token_logprobs(model(x, fp4=hook), batch)  # FP4, routing chosen by the FP4 router itself
         routing = batch.routing
-        if routing is None and cfg.router_replay:
-            _, routing = model(x, return_routing=True)  # high-precision forward's routing
+        if cfg.router_replay and (routing is None or any(bool((r < 0).any()) for r in routing)):
+            _, hp_routing = model(x, return_routing=True)  # high-precision forward's routing ...
+            # ... where the serving engine's is not known
+            routing = hp_routing if routing is None else [torch.where(r < 0, h, r) for r, h in zip(routing, hp_routing)]
     model.train()
     logits = model(x, routing=routing if cfg.router_replay else None, fp4=hook)
     logp_BT = token_logprobs(logits, batch)
@@ -303,7 +327,7 @@ def rl_update(
             replayed = token_logprobs(model(x, routing=hp_routing, fp4=hook), batch)
     m["mismatch_kl_replay"] = _k3(replayed, batch.behaviour_BT, batch.mask_BT)
     m["mismatch_kl_no_replay"] = _k3(own_BT, batch.behaviour_BT, batch.mask_BT)
-    m["recorded_routing"] = float(batch.routing is not None)
+    m["recorded_routing"] = _known_share(batch)
     m["abstain_share"] = float(batch.abstain_B.float().mean())
     return m
 
@@ -358,6 +382,7 @@ class LearnerState:
     samples_trained: int = 0
     user_samples: dict[str, int] = field(default_factory=dict)  # per user_hash, since the last publish
     rewards_since_publish: list[float] = field(default_factory=list)
+    mismatch_since_publish: list[list[float]] = field(default_factory=list)  # per update: replay, none, recorded share
     online_reward_history: list[float] = field(default_factory=list)  # mean training reward per version window
     last_metrics: dict = field(default_factory=dict)
     trained_ids: list[int] = field(default_factory=list)  # audit: the last AUDIT_IDS reward ids trained
@@ -639,8 +664,20 @@ class Learner:
         st.samples_read += len(samples)
         st.cursor = last
         self.buffer.add(usable)
-        self.buffer.drop_stale(self.state.version)
+        self.buffer.drop_stale(self._staleness_reference())
         return len(usable)
+
+    def _staleness_reference(self) -> int:
+        """The version staleness counts from: what users are served by default (stable's version),
+        not the learner's newest number. A rollout lags the learner by the versions it has not
+        reached yet, and a blocked version serves nobody (the learner reverted to the last good
+        one): counting from the newest dropped good samples for both. Without a stable version,
+        the learner's base for this update (the last good version)."""
+        from feedback import pools
+
+        with self.engine.connect() as conn:
+            stable = pools.current_stable(conn)
+        return self.state.last_good if stable is None else min(stable, self.state.last_good)
 
     def _in_vocabulary(self, s: Sample) -> bool:
         """A record of another model (a database shared with another base, a test's broker) names
@@ -675,6 +712,7 @@ class Learner:
         st.samples_trained += len(samples)
         st.trained_since_publish += len(samples)
         st.rewards_since_publish += [s.reward for s in samples]
+        st.mismatch_since_publish.append([m["mismatch_kl_replay"], m["mismatch_kl_no_replay"], m["recorded_routing"]])
         st.trained_ids = (st.trained_ids + [s.reward_id for s in samples])[-AUDIT_IDS:]
         st.last_metrics = {k: round(v, 6) for k, v in m.items()}
         self._save()
@@ -709,11 +747,21 @@ class Learner:
 
         st = self.state
         online = sum(st.rewards_since_publish) / len(st.rewards_since_publish) if st.rewards_since_publish else None
+        mismatch = st.mismatch_since_publish
         metrics = {
             **metrics,
             "online_reward": online,
             "samples_trained": st.trained_since_publish,
             "learner_step": st.step,
+            # the train-inference mismatch of this version's updates, and how much of it replayed serving's routes
+            **(
+                {
+                    name: sum(row[i] for row in mismatch) / len(mismatch)
+                    for i, name in enumerate(("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing"))
+                }
+                if mismatch
+                else {}
+            ),
         }
         msg = publish_version(
             self.store,
@@ -730,6 +778,7 @@ class Learner:
         if online is not None:
             st.online_reward_history.append(online)
         st.version, st.last_publish_at, st.trained_since_publish, st.rewards_since_publish = v, time.time(), 0, []
+        st.mismatch_since_publish = []
         st.user_samples = {}
         if passed:
             st.last_good = v

@@ -7,6 +7,7 @@
     flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--json]
     flywheel bench fp4 [--steps N] [--out results.json]
     flywheel bench train [--steps N] [--warmup N] [--size small] [--out results.json]
+    flywheel bench routes [--sites N] [--out results.json]
 
 `flywheel bench` is shared: each package adds its benchmarks with ops.cli.console.bench_subcommands(sub).
 """
@@ -168,6 +169,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(bl)
     bl.set_defaults(fn=cmd_bench_learn)
 
+    br = bench_subcommands(sub).add_parser(
+        "routes",
+        help="router replay: the learner's mismatch to vLLM's logprobs with serving routes replayed vs its own routing",
+        description="vLLM samples held-out completions with its routes captured; the learner's FP4 forward recomputes "
+        "them with its own routing, high-precision routing replayed, and vLLM's routes replayed (R3).",
+    )
+    br.add_argument("--sites", type=int, default=200, help="held-out cursor sites (default 200)")
+    br.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    br.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
+    br.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(br)
+    br.set_defaults(fn=cmd_bench_routes)
+
 
 def _bench_parts(value: str) -> str:
     if not value or set(value) - set("abcd"):
@@ -273,6 +287,23 @@ def cmd_bench_learn(args: argparse.Namespace) -> int:
         updates=args.updates,
         temperature=args.temperature,
         train_sites=args.train_sites,
+        out=args.out,
+        command=shlex.join(["flywheel", *sys.argv[1:]]),
+    )
+    return 0
+
+
+def cmd_bench_routes(args: argparse.Namespace) -> int:
+    s = _settings(args, {})
+    print_config(s, "flywheel bench routes")
+    from ops.bench.routes import run_bench
+
+    run_bench(
+        s,
+        console,
+        sites=args.sites,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
         out=args.out,
         command=shlex.join(["flywheel", *sys.argv[1:]]),
     )

@@ -317,6 +317,7 @@ def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
         summary_ids=r.summary_ids,
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
+        routing=r.samples[0].routing if r.samples else None,
         pinned=meta.pinned,
     )
     st.producer.send(bus.COMPLETIONS, rec)

@@ -5,6 +5,7 @@ import uuid
 import pytest
 
 from feedback import bus
+from feedback.routing import encode_routing
 from feedback.schemas import CompletionChoice, CompletionRecord, FeedbackEvent, ModelVersion, decode, encode, key_of
 from tests.helpers import scaled
 
@@ -43,7 +44,7 @@ def test_topics_exist_with_configured_partitions(kafka_settings):
                 prompt_token_ids=[1, 2, 3],
                 choices=[CompletionChoice(index=0, token_ids=[4], logprobs=[-0.25], text="x")],
                 latency_ms=3.0,
-                routing=[[[0, 1]], [[2, 3]]],
+                routing=encode_routing([[[0, 1]], [[2, 3]]]),
             ),
         ),
         (bus.EVENTS, FeedbackEvent(completion_id=f"c-{uuid.uuid4().hex}", type="edit", kept_text="kept")),

@@ -114,7 +114,6 @@ INTEGERS = [
     ),
     # Inside JSON columns: vocabulary ids, which the learner reads back as machine integers.
     ("record.prompt_token_ids", lambda v: record(prompt_token_ids=[v]), None),
-    ("record.routing", lambda v: record(routing=[[[v]]]), None),
     ("choice.token_ids", lambda v: _choice(token_ids=[v]), None),
 ]
 
@@ -163,3 +162,12 @@ def test_a_malformed_message_names_the_field():
     payload = json.dumps(EVENT | {"accepted_chars": 2**63}).encode()
     with pytest.raises(MalformedMessage, match=r"^invalid FeedbackEvent: accepted_chars: Input should be less"):
         decode(FeedbackEvent, payload)
+
+
+def test_a_record_with_a_malformed_routing_trace_is_refused_where_it_enters():
+    from feedback.routing import encode_routing
+
+    assert record(routing=encode_routing([[[0, 1], [-1, -1]]])).routing.startswith("1,2,2:")
+    for bad in ("[[[0, 1]]]", "1,1,2:not base64!", "1,1,2:" + encode_routing([[[0, 1, 2]]]).split(":")[1]):
+        with pytest.raises(ValidationError, match="routing"):
+            record(routing=bad)

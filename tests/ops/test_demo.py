@@ -57,3 +57,27 @@ def test_the_summary_says_when_learned_versions_never_got_a_rollout(tmp_path):
     demo.summarize(engine, Console(file=out, width=200))
     assert "no rollout started" not in out.getvalue() and "rollout #1: v2 -> running" in out.getvalue()
     engine.dispose()
+
+
+def test_the_published_table_shows_each_versions_mismatch_with_and_without_serving_routes(tmp_path):
+    from sqlalchemy import update
+
+    from feedback import db
+    from tests.ops.rollout.traffic import record_versions
+
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'f.db'}")
+    db.upgrade(engine)
+    record_versions(engine)
+    with engine.begin() as conn:  # what the learner records for a version's updates (learner.train.learn)
+        conn.execute(
+            update(db.model_versions)
+            .where(db.model_versions.c.version == 1)
+            .values(metrics={"mismatch_kl_replay": 1e-4, "mismatch_kl_no_replay": 4e-4, "recorded_routing": 0.9})
+        )
+    out = io.StringIO()
+    summary = demo.summarize(engine, Console(file=out, width=240))
+    assert "1.0e-04 / 4.0e-04 = 0.25x (90% serving routes)" in out.getvalue()
+    first = summary["published"][0]
+    assert (first["mismatch_kl_replay"], first["recorded_routing"]) == (1e-4, 0.9)
+    assert summary["published"][1]["mismatch_kl_replay"] is None  # a version without updates says nothing
+    engine.dispose()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from feedback import bus
+from feedback.routing import decode_routing
 from feedback.schemas import CompletionRecord
 from ops import kafka_broker
 from tests.helpers import free_port, make_settings, scaled, served_logprob_tolerance
@@ -184,6 +185,15 @@ def test_records_match_recomputation_by_our_model(stack, model_dir):
     assert {rec.model_version for rec in records.values()} == {0}
     worst, tol = _worst_logprob_diff(s, records.values(), model)
     assert worst < tol, (worst, tol)
+    # each record carries the experts vLLM chose for every token it ran (serving/routes.py)
+    for rec in records.values():
+        trace = decode_routing(rec.routing)
+        assert trace.shape == (
+            len(model.args.moe_layers),
+            len(rec.prompt_token_ids) + len(rec.choices[0].token_ids) - 1,
+            model.args.top_k,
+        )
+        assert (trace >= 0).all() and (trace < model.args.n_experts).all()
 
 
 def _worst_logprob_diff(s, records, model) -> tuple[float, float]:

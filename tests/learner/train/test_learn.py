@@ -344,3 +344,19 @@ def test_the_learner_waits_out_a_database_outage_and_loses_nothing(tmp_path, bas
         rows = conn.execute(db.model_versions.select()).all()
     assert [r.version for r in rows] == [0, 1] and rows[1].metrics["learner_step"] == lr.state.step
     assert [m.version for _, m in lr._producer.sent] == [0, 1]
+
+
+def test_staleness_counts_from_the_version_users_are_served_not_the_newest_published(tmp_path, base):
+    """Versions the rollout has not reached, and blocked ones, no longer make served samples stale."""
+    from feedback import pools
+
+    lr = started(tmp_path, base, min_samples=4, batch_size=4, max_staleness=1)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    lr.state.version, lr.state.last_good = 5, 3  # v4, v5 blocked; stable still serves v1
+    pools.set_stable(lr.engine, 1)
+    write_samples(lr.engine, v0, lr.tok, texts(3), version=0)  # 1 behind stable: kept
+    assert lr.poll() == 3 and len(lr.buffer) == 3 and lr.buffer.dropped_stale == 0
+    pools.set_stable(lr.engine, 3)  # the rollout caught up: v0's samples are now 3 behind
+    write_samples(lr.engine, v0, lr.tok, texts(1), version=3, seed=1)
+    lr.poll()
+    assert lr.buffer.dropped_stale == 3 and [s.version for s in lr.buffer.items] == [3]
