@@ -14,7 +14,8 @@ model was pretrained on), and the summaries stand in for the chunks, between the
 markers (learner.formats.SummaryFormat: Flywheel's summary tokens, or plain text). Only the
 newest few summaries fit, so chunks are summarized newest first until the room is full or
 `max_summaries` were written for this request; older chunks are left out and counted.
-Summaries are cached by (chunk hash, model version). If summarizing fails, the prefix is
+Summaries are cached by chunk hash, for the version that wrote them and a few after it
+(`SummaryCache`). If summarizing fails, the prefix is
 truncated to the budget instead, and the fallback is counted.
 
 Everything here is pure except `build()`, which awaits the summarizer it is given.
@@ -100,23 +101,33 @@ def split_lines_by_tokens(lines: list[str], counts: list[int], limit: int) -> li
 
 
 class SummaryCache:
-    """LRU of summary token ids keyed by (chunk hash, model version)."""
+    """LRU of summary token ids by chunk hash, each with the model version that wrote it.
 
-    def __init__(self, capacity: int):
+    A summary serves the version that wrote it and up to `reuse_versions` later ones: a replica
+    that swaps to the next version keeps its summaries warm instead of writing them all again
+    (a canary's first requests were slow, and its latency compared badly, for a cold cache). That
+    is sound for training: a record carries the prompt ids the model really saw, summaries
+    included, whichever version wrote them; and the versions a replica moves through are each
+    a small step from the last. A summary is never served to a version older than its writer, so
+    after a rollback the bad version's summaries are written again by the version rolled back to."""
+
+    def __init__(self, capacity: int, reuse_versions: int = 0):
         self.capacity = capacity
-        self._d: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        self.reuse_versions = reuse_versions
+        self._d: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
 
-    def get(self, key: tuple[str, int]) -> list[int] | None:
-        if key in self._d:
-            self._d.move_to_end(key)
-            return self._d[key]
-        return None
+    def get(self, chunk: str, version: int) -> list[int] | None:
+        hit = self._d.get(chunk)
+        if hit is None or not 0 <= version - hit[0] <= self.reuse_versions:
+            return None
+        self._d.move_to_end(chunk)
+        return hit[1]
 
-    def put(self, key: tuple[str, int], ids: list[int]) -> None:
+    def put(self, chunk: str, version: int, ids: list[int]) -> None:
         if self.capacity <= 0:
             return
-        self._d[key] = ids
-        self._d.move_to_end(key)
+        self._d[chunk] = (version, ids)
+        self._d.move_to_end(chunk)
         while len(self._d) > self.capacity:
             self._d.popitem(last=False)
 
@@ -246,22 +257,22 @@ class PromptBuilder:
             if left <= len(markers.open_ids) + len(markers.close_ids):  # full: no room for a marked summary
                 break
             text = "".join(lines[a:b])
-            key = (chunk_hash(text), self.version)
-            ids = self.cache.get(key)
+            key = chunk_hash(text)
+            ids = self.cache.get(key, self.version)
             if ids is None:
                 if generated == self.max_summaries:
                     break
                 ids = await summarize(text)
                 if not ids:
                     raise ValueError("the model wrote an empty summary")
-                self.cache.put(key, ids)
+                self.cache.put(key, self.version, ids)
                 generated += 1
             else:
                 cached += 1
             block = [*markers.open_ids, *ids, *markers.close_ids]
             if len(block) > left:
                 break
-            kept.insert(0, (key[0], block))
+            kept.insert(0, (key, block))
             left -= len(block)
         left_out = spans[: len(spans) - len(kept)]
         body = [t for _, ids in kept for t in ids] + recent

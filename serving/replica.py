@@ -70,7 +70,7 @@ class CompletionService:
             fmt,
             cfg.context_budget,
             cfg.summary_chunk_tokens,
-            SummaryCache(cfg.summary_cache_size),
+            SummaryCache(cfg.summary_cache_size, cfg.summary_reuse_versions),
             version,
             max_summaries=cfg.max_summaries_per_request,
             context_tokens=cfg.repo_context_tokens,

@@ -167,7 +167,10 @@ class ServeSettings(Section):
     summary_max_tokens: int = Field(default=48, ge=4)
     """Longest summary the model may write for one chunk."""
     summary_cache_size: int = Field(default=4096, ge=0)
-    """Summaries cached per replica (keyed by chunk hash and model version)."""
+    """Summaries cached per replica (by chunk hash, with the version that wrote each)."""
+    summary_reuse_versions: int = Field(default=2, ge=0)
+    """A cached summary serves the version that wrote it and this many later ones, so a replica's
+    cache stays warm across a hot swap (learner.prompts.SummaryCache). 0: each version writes its own."""
     repo_context_tokens: int = Field(default=CONTEXT_TOKENS, ge=0)
     """Prompt tokens other files of the repository (Tabby's declarations and snippets, llama.cpp's
     `input_extra`, files in a client-rendered prompt) keep when the current file would fill

@@ -55,7 +55,27 @@ def test_long_prefix_is_summarized_within_budget_and_cached(tok, fmt):
     again = run(builder(tok, fmt, cache=cache).build(LONG, "", summarize))
     assert len(calls) == n and again.summaries_cached == p.summaries_generated and again.ids == p.ids
     other_version = run(builder(tok, fmt, cache=cache, version=2).build(LONG, "", summarize))
-    assert len(calls) > n and other_version.summaries_generated > 0  # keyed by version too
+    assert len(calls) > n and other_version.summaries_generated > 0  # no reuse across versions by default
+
+
+def test_a_swap_to_the_next_versions_keeps_the_summaries_warm_a_rollback_does_not(tok, fmt):
+    calls = []
+
+    async def summarize(chunk):
+        calls.append(chunk)
+        return tok.encode("def f(a, b)", add_special_tokens=False).ids
+
+    cache = SummaryCache(100, reuse_versions=2)
+    first = run(builder(tok, fmt, cache=cache, version=5).build(LONG, "", summarize))
+    n = len(calls)
+    for later in (6, 7):  # the canary moves on: every summary served from the cache
+        warm = run(builder(tok, fmt, cache=cache, version=later).build(LONG, "", summarize))
+        assert len(calls) == n and warm.summaries_cached == first.summaries_generated and warm.ids == first.ids
+    assert run(builder(tok, fmt, cache=cache, version=8).build(LONG, "", summarize)).summaries_generated > 0
+    n = len(calls)
+    # version 8 wrote them again; rolled back to 6, it writes its own rather than serve 8's
+    back = run(builder(tok, fmt, cache=cache, version=6).build(LONG, "", summarize))
+    assert back.summaries_generated > 0 and len(calls) > n
 
 
 def test_summarizer_failure_falls_back_to_truncation(tok, fmt):
