@@ -11,7 +11,9 @@ refusal into one UserError line at once; an unreachable broker is left to the cl
 
 from __future__ import annotations
 
+import logging
 import ssl
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +40,29 @@ def topic_specs(k: KafkaSettings) -> dict[str, TopicSettings]:
     return {COMPLETIONS: k.completions, EVENTS: k.events, VERSIONS: k.versions}
 
 
+class _CheckIsQuiet(logging.Filter):
+    """Drops kafka-python's own log lines about `check_security`'s connection: its refusal is
+    raised as one line, and a CLI must not print three more before it. The check drives its
+    connection on the calling thread, so the thread says which lines are the check's."""
+
+    active = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.active, "on", False)
+
+
+_QUIET = _CheckIsQuiet()
+for _name in ("kafka.net.manager", "kafka.net.connection", "kafka.net.transport", "kafka.protocol.parser"):
+    logging.getLogger(_name).addFilter(_QUIET)
+
+
 class KafkaRefused(UserError):
     """A broker answered but refused this client: its TLS handshake or its SASL login."""
 
 
 def security_options(k: KafkaSettings) -> dict[str, Any]:
     """The security options every client gets, in kafka-python's names."""
-    opts: dict[str, Any] = {"security_protocol": k.protocol}
+    opts: dict[str, Any] = {"security_protocol": k.security_protocol}
     if k.uses_tls:
         if k.ssl_cafile is None and not k.ssl_system_trust:
             # KafkaSettings refuses this; only a hand-built local sasl_ssl section gets here.
@@ -114,7 +132,7 @@ def refusal(k: KafkaSettings, server: str, error: BaseException, *, in_login: bo
 def check_security(k: KafkaSettings, timeout_s: float = 10.0) -> None:
     """Raise KafkaRefused if the first bootstrap server that answers refuses the TLS handshake or
     the SASL login; return if one accepts, or if none answers (the client then reports that)."""
-    if k.protocol == "PLAINTEXT":
+    if k.security_protocol == "PLAINTEXT":
         return
     # kafka-python's own connection code (pinned version; `kafka.net` exports both), so the check
     # makes the same TLS context, handshake and login as the clients do.
@@ -139,11 +157,13 @@ def check_security(k: KafkaSettings, timeout_s: float = 10.0) -> None:
                     return why
         return None
 
+    _QUIET.active.on = True
     try:
         refused = manager.run(first_answer)
     finally:
         manager.close()
         net.close()
+        _QUIET.active.on = False
     if refused is not None:
         raise KafkaRefused(refused)
 

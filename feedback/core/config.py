@@ -134,7 +134,7 @@ class KafkaSettings(Section):
     SSL (TLS; with `ssl_certfile` also a client certificate: Strimzi's `tls` listeners), SASL_SSL
     (TLS and a login: Confluent Cloud, MSK), SASL_PLAINTEXT (a login without TLS: the password
     crosses the network readable, so only inside a trusted network). With `local_listener =
-    "sasl_ssl"` it is SASL_SSL whatever is set here."""
+    "sasl_ssl"` it is SASL_SSL (and may be left out)."""
     ssl_cafile: OptionalPath = None
     """PEM file of the CA(s) that signed the brokers' certificates. TLS needs it, or
     `ssl_system_trust = true`. Unset with `local_listener = "sasl_ssl"`: the CA `flywheel up`
@@ -189,14 +189,14 @@ class KafkaSettings(Section):
             ]
             if missing:
                 raise ValueError(
-                    f"kafka.security_protocol = {self.protocol} needs {', '.join(missing)} "
+                    f"kafka.security_protocol = {self.security_protocol} needs {', '.join(missing)} "
                     f"(the password from FLYWHEEL_KAFKA__SASL_PASSWORD or the config file)"
                 )
         else:
             stray = [n for n in ("sasl_mechanism", "sasl_username", "sasl_password") if getattr(self, n)]
             if stray:
                 raise ValueError(
-                    f"kafka.{stray[0]} is set but kafka.security_protocol = {self.protocol} sends no login: "
+                    f"kafka.{stray[0]} is set but kafka.security_protocol = {self.security_protocol} sends no login: "
                     f"set security_protocol to SASL_SSL (or SASL_PLAINTEXT), or remove it"
                 )
         tls_files = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password")
@@ -204,7 +204,7 @@ class KafkaSettings(Section):
             stray = [n for n in (*tls_files, "ssl_system_trust") if getattr(self, n)]
             if stray:
                 raise ValueError(
-                    f"kafka.{stray[0]} is set but kafka.security_protocol = {self.protocol} uses no TLS: "
+                    f"kafka.{stray[0]} is set but kafka.security_protocol = {self.security_protocol} uses no TLS: "
                     f"set security_protocol to SSL or SASL_SSL, or remove it"
                 )
             return self
@@ -212,7 +212,7 @@ class KafkaSettings(Section):
             raise ValueError("kafka.ssl_cafile and kafka.ssl_system_trust = true exclude each other: trust one of them")
         if self.ssl_cafile is None and not self.ssl_system_trust and self.local_listener != "sasl_ssl":
             raise ValueError(
-                f"kafka.security_protocol = {self.protocol} needs the CA that signed the brokers' certificates: "
+                f"kafka.security_protocol = {self.security_protocol} needs the CA that signed the brokers' certificates: "
                 f"set kafka.ssl_cafile to its PEM file, or kafka.ssl_system_trust = true for publicly signed "
                 f"brokers (Confluent Cloud, MSK)"
             )
@@ -225,17 +225,12 @@ class KafkaSettings(Section):
         return self
 
     @property
-    def protocol(self) -> str:
-        """The security protocol clients use: `security_protocol`, or SASL_SSL for the local sasl_ssl broker."""
-        return "SASL_SSL" if self.local_listener == "sasl_ssl" else self.security_protocol
-
-    @property
     def uses_tls(self) -> bool:
-        return self.protocol in ("SSL", "SASL_SSL")
+        return self.security_protocol in ("SSL", "SASL_SSL")
 
     @property
     def uses_sasl(self) -> bool:
-        return self.protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+        return self.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
 
     @property
     def managed(self) -> bool:
@@ -253,11 +248,12 @@ def _check_local_sasl_ssl(k: KafkaSettings) -> None:
             "kafka.local_listener applies to the broker `flywheel up` runs; with kafka.bootstrap_servers "
             "set, configure that cluster's kafka.security_protocol instead"
         )
-    if "security_protocol" in k.model_fields_set and k.security_protocol != "SASL_SSL":
+    if k.security_protocol not in ("PLAINTEXT", "SASL_SSL"):  # PLAINTEXT: the default, left as it was
         raise ValueError(
             f'kafka.local_listener = "sasl_ssl" listens with SASL_SSL only, but kafka.security_protocol = '
             f"{k.security_protocol}: set it to SASL_SSL or leave it out"
         )
+    k.security_protocol = "SASL_SSL"
     if k.sasl_mechanism == "PLAIN":
         raise ValueError(
             'the local sasl_ssl broker stores SCRAM credentials, not PLAIN passwords: set kafka.sasl_mechanism = "SCRAM-SHA-512"'
