@@ -13,7 +13,7 @@ SASL_SSL = {
     "local_listener": "sasl_ssl",
     "sasl_mechanism": "SCRAM-SHA-256",
     "sasl_username": "u",
-    "sasl_password": "pw",
+    "sasl_password": "user-s3cret",
 }
 
 
