@@ -344,7 +344,13 @@ def _secure(s: FlywheelSettings, paths: BrokerPaths, progress: Callable[[str], N
 
 def broker_login(s: FlywheelSettings) -> KafkaSettings:
     """Kafka settings that log in as the local sasl_ssl broker's own user (its super user)."""
-    password = BrokerPaths.of(s).login.read_text().strip()
+    login = BrokerPaths.of(s).login
+    if not login.exists():  # `up` with sasl_ssl while a broker started without it still runs
+        raise UserError(
+            'kafka.local_listener = "sasl_ssl", but the running local broker was started without it: '
+            "run `flywheel down`, then `flywheel up`"
+        )
+    password = login.read_text().strip()
     return s.kafka.model_copy(
         update={
             "sasl_username": LOCAL_BROKER_USER,

@@ -176,6 +176,12 @@ class KafkaSettings(Section):
     def _security_complete(self) -> Self:
         if self.local_listener == "sasl_ssl":
             _check_local_sasl_ssl(self)
+        elif self.managed and self.security_protocol != "PLAINTEXT":
+            raise ValueError(
+                f"kafka.security_protocol = {self.security_protocol}, but the local broker `flywheel up` runs "
+                f'listens with PLAINTEXT: set kafka.local_listener = "sasl_ssl", or kafka.bootstrap_servers '
+                f"to the cluster that speaks {self.security_protocol}"
+            )
         tls, sasl = self.uses_tls, self.uses_sasl
         if sasl:
             missing = [

@@ -252,6 +252,7 @@ def tls_files(tmp_path_factory):
     return {name: folder / f"{name}.pem" for name in files}
 
 
+EXTERNAL = "kafka.bootstrap_servers=kafka-1:9093"
 SASL = ["kafka.sasl_mechanism=SCRAM-SHA-512", "kafka.sasl_username=svc", "kafka.sasl_password=pw-123"]
 
 
@@ -264,27 +265,34 @@ def test_kafka_defaults_to_plaintext_without_login():
     "overrides, fragment",
     [
         (
-            ["kafka.security_protocol=SASL_PLAINTEXT"],
+            [EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT"],
             "needs kafka.sasl_mechanism, kafka.sasl_username, kafka.sasl_password",
         ),
         (
-            ["kafka.security_protocol=SASL_PLAINTEXT", "kafka.sasl_mechanism=PLAIN", "kafka.sasl_username=u"],
+            [EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT", "kafka.sasl_mechanism=PLAIN", "kafka.sasl_username=u"],
             "needs kafka.sasl_password",
         ),
-        (["kafka.security_protocol=SASL_PLAINTEXT", "kafka.sasl_mechanism=GSSAPI"], "kafka.sasl_mechanism"),
-        (["kafka.security_protocol=TLS"], "kafka.security_protocol"),
+        ([EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT", "kafka.sasl_mechanism=GSSAPI"], "kafka.sasl_mechanism"),
+        ([EXTERNAL, "kafka.security_protocol=TLS"], "kafka.security_protocol"),
         (
             ["kafka.sasl_username=svc"],
             "kafka.sasl_username is set but kafka.security_protocol = PLAINTEXT sends no login",
         ),
-        (["kafka.security_protocol=SASL_PLAINTEXT", *SASL, "kafka.ssl_system_trust=true"], "uses no TLS"),
-        (["kafka.security_protocol=SSL"], "needs the CA that signed the brokers' certificates"),
+        ([EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT", *SASL, "kafka.ssl_system_trust=true"], "uses no TLS"),
         (
-            ["kafka.security_protocol=SASL_SSL", *SASL],
+            [EXTERNAL, "kafka.security_protocol=SSL"],
+            "needs the CA that signed the brokers' certificates",
+        ),
+        (
+            ["kafka.security_protocol=SSL"],
+            'the local broker `flywheel up` runs listens with PLAINTEXT: set kafka.local_listener = "sasl_ssl"',
+        ),
+        (
+            [EXTERNAL, "kafka.security_protocol=SASL_SSL", *SASL],
             "kafka.ssl_cafile to its PEM file, or kafka.ssl_system_trust = true",
         ),
         (
-            ["kafka.security_protocol=SSL", "kafka.ssl_cafile=/nonexistent/ca.pem"],
+            [EXTERNAL, "kafka.security_protocol=SSL", "kafka.ssl_cafile=/nonexistent/ca.pem"],
             "/nonexistent/ca.pem is not a readable file",
         ),
         (
@@ -316,11 +324,11 @@ def test_incomplete_kafka_security_is_one_clear_error(overrides, fragment):
 
 
 def test_kafka_tls_files_are_checked_when_loaded(tls_files):
-    ssl_ca = ["kafka.security_protocol=SSL", f"kafka.ssl_cafile={tls_files['ca']}"]
+    ssl_ca = [EXTERNAL, "kafka.security_protocol=SSL", f"kafka.ssl_cafile={tls_files['ca']}"]
     k = StackSettings.load(None, ssl_ca).kafka
     assert k.uses_tls and k.ssl_cafile == tls_files["ca"]
     with pytest.raises(UserError, match="holds no PEM certificate"):
-        StackSettings.load(None, ["kafka.security_protocol=SSL", f"kafka.ssl_cafile={tls_files['junk']}"])
+        StackSettings.load(None, [EXTERNAL, "kafka.security_protocol=SSL", f"kafka.ssl_cafile={tls_files['junk']}"])
     with pytest.raises(UserError, match="exclude each other"):
         StackSettings.load(None, [*ssl_ca, "kafka.ssl_system_trust=true"])
     with pytest.raises(UserError, match="kafka.ssl_keyfile needs kafka.ssl_certfile"):
@@ -345,6 +353,7 @@ def test_kafka_passwords_are_secret_in_the_dump_and_read_from_the_environment(tl
     s = StackSettings.load(
         None,
         [
+            EXTERNAL,
             "kafka.security_protocol=SASL_SSL",
             "kafka.sasl_mechanism=PLAIN",
             "kafka.sasl_username=API-KEY",
