@@ -25,6 +25,7 @@ from prometheus_client import Counter, Gauge
 
 from feedback import bus
 from feedback.core.config import KafkaSettings
+from feedback.core.errors import UserError
 from feedback.schemas import Message, encode, key_of
 
 log = logging.getLogger(__name__)
@@ -165,9 +166,9 @@ class BufferedProducer:
             self._producer.flush(timeout=self._kafka.request_timeout_ms / 1000)
             for f in futures:
                 f.get(timeout=0)
-        except bus.KafkaRefused as e:
-            # A wrong password or an untrusted certificate: no retry fixes it, but the records stay
-            # buffered (within the bounds) in case the cluster's side is what gets fixed.
+        except UserError as e:
+            # A refused password or certificate, or a CA file not there yet: no retry fixes it,
+            # but the records stay buffered (within the bounds) in case that side gets fixed.
             SEND_ERRORS.inc()
             if str(e) != self._last_refusal:
                 self._last_refusal = str(e)

@@ -290,3 +290,33 @@ def test_the_sink_command_says_so_in_one_line(secured):
     assert r.returncode != 0 and "Traceback" not in r.stderr + r.stdout, r.stderr
     assert lines == [lines[0]] and lines[0].startswith("flywheel: error: Kafka at 127.0.0.1:"), r.stderr
     assert "refused the SASL login for user flywheel-test" in lines[0] and "wrong-password" not in r.stderr + r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_the_buffered_producer_logs_a_refusal_once_and_keeps_its_records(secured, caplog):
+    """Serving and the learner send through BufferedProducer: a refusal must not end its thread."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    from feedback.producer import BufferedProducer
+    from feedback.schemas import FeedbackEvent
+
+    s, _ = secured
+    wrong = s.kafka.model_copy(update={"sasl_password": SecretStr("wrong-password")})
+    attempts = lambda: REGISTRY.get_sample_value("flywheel_producer_errors_total") or 0.0  # noqa: E731
+    before = attempts()
+    caplog.set_level(logging.ERROR, logger="feedback.producer")
+    p = BufferedProducer(wrong, retry_backoff_s=0.05)
+    try:
+        assert p.send(bus.EVENTS, FeedbackEvent(completion_id="c-refused", type="view"))
+        deadline = time.monotonic() + scaled(30)
+        while attempts() < before + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert attempts() >= before + 3, "the producer stopped retrying"
+        refusals = [r for r in caplog.records if "refused the SASL login for user flywheel-test" in r.getMessage()]
+        assert len(refusals) == 1  # once, not at every retry
+        assert p.buffered == 1 and p._thread.is_alive()
+    finally:
+        p.close(timeout_s=1)
