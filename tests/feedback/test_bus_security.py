@@ -4,6 +4,7 @@ SASL_SSL-only broker (the one `flywheel up` runs with `kafka.local_listener = "s
 from __future__ import annotations
 
 import datetime as dt
+import json
 import secrets
 import time
 import uuid
@@ -121,27 +122,28 @@ def test_an_unreachable_broker_is_not_a_refusal(error, in_login):
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    """`flywheel up` (ops.stack.up) with `kafka.local_listener = "sasl_ssl"`: certificates generated
-    into the test's own data folder, its own ports, a random password for the test's user."""
-    from ops import kafka_broker, stack
+    """`flywheel up` with `kafka.local_listener = "sasl_ssl"`, run as a user runs it: certificates
+    generated into the test's own data folder, its own ports, a random password for the test's
+    user in the environment. Yields the settings and what `up` printed."""
+    from ops import kafka_broker
 
     tmp = tmp_path_factory.mktemp("kafka-sasl-ssl")
-    s = make_settings(
-        tmp,
-        kafka={
-            "port": free_port(),
-            "controller_port": free_port(),
-            "local_listener": "sasl_ssl",
-            "sasl_mechanism": "SCRAM-SHA-512",
-            "sasl_username": "flywheel-test",
-            "sasl_password": secrets.token_urlsafe(16),
-            "start_timeout_s": scaled(90),
-        },
-    )
-    lines: list[str] = []
+    password = secrets.token_urlsafe(16)
+    kafka = {
+        "port": free_port(),
+        "controller_port": free_port(),
+        "local_listener": "sasl_ssl",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_username": "flywheel-test",
+        "start_timeout_s": scaled(90),
+    }
+    s = make_settings(tmp, kafka=kafka | {"sasl_password": password})
+    sets = [a for name, value in kafka.items() for a in ("--set", f"kafka.{name}={json.dumps(value)}")]
     try:
-        stack.up(s, lines.append)
-        yield s, lines
+        r = flywheel("up", *sets, env={"FLYWHEEL_KAFKA__SASL_PASSWORD": password}, tmp_path=tmp, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert password not in r.stdout + r.stderr  # the resolved config it prints masks it
+        yield s, r.stdout
     finally:
         kafka_broker.stop(s)
 
@@ -151,8 +153,9 @@ def secured(tmp_path_factory):
 def test_the_broker_listens_with_sasl_ssl_only(secured):
     from ops import kafka_broker
 
-    s, lines = secured
-    assert any("generated a CA and a broker certificate" in ln for ln in lines)
+    s, printed = secured
+    assert "generated a CA and a broker certificate for 127.0.0.1" in printed
+    assert "setting the SCRAM login of Kafka user flywheel-test" in printed
     config = kafka_broker.BrokerPaths.of(s).config.read_text()
     assert "PLAINTEXT://" not in config and f"SASL_SSL://127.0.0.1:{s.kafka.port}" in config
     assert "listener.name.controller.ssl.client.auth=required" in config
