@@ -1,17 +1,32 @@
 """Kafka plumbing shared by serving, the sink and the learner: topics, admin, clients.
 
 Every client here talks to whatever `kafka.bootstrap` names: the local broker that
-`flywheel up` runs, or an existing cluster.
+`flywheel up` runs, or an existing cluster, with the same security options (TLS, SASL).
+
+kafka-python retries a refused TLS handshake or SASL login until its bootstrap timeout and
+then says only "Unable to bootstrap". So before it makes a client on a secured cluster,
+`check_security` opens one connection with kafka-python's own connection code and turns a
+refusal into one UserError line at once; an unreachable broker is left to the client.
 """
 
 from __future__ import annotations
 
+import logging
+import ssl
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailedError,
+    TopicAlreadyExistsError,
+    UnsupportedSaslMechanismError,
+)
 
 from feedback.core.config import KafkaSettings, TopicSettings
 from feedback.core.errors import UserError
@@ -25,14 +40,145 @@ def topic_specs(k: KafkaSettings) -> dict[str, TopicSettings]:
     return {COMPLETIONS: k.completions, EVENTS: k.events, VERSIONS: k.versions}
 
 
+class _CheckIsQuiet(logging.Filter):
+    """Drops kafka-python's own log lines about `check_security`'s connection: its refusal is
+    raised as one line, and a CLI must not print three more before it. The check drives its
+    connection on the calling thread, so the thread says which lines are the check's."""
+
+    active = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.active, "on", False)
+
+
+_QUIET = _CheckIsQuiet()
+for _name in ("kafka.net.manager", "kafka.net.connection", "kafka.net.transport", "kafka.protocol.parser"):
+    logging.getLogger(_name).addFilter(_QUIET)
+
+
+class KafkaRefused(UserError):
+    """A broker answered but refused this client: its TLS handshake or its SASL login."""
+
+
+def security_options(k: KafkaSettings) -> dict[str, Any]:
+    """The security options every client gets, in kafka-python's names."""
+    opts: dict[str, Any] = {"security_protocol": k.security_protocol}
+    if k.uses_tls:
+        if k.ssl_cafile is None and not k.ssl_system_trust:
+            # KafkaSettings refuses this; only a hand-built local sasl_ssl section gets here.
+            raise UserError("kafka.ssl_cafile is unset: name the CA that signed the brokers' certificates")
+        if k.ssl_cafile is not None and not k.ssl_cafile.is_file():
+            raise UserError(
+                f"kafka.ssl_cafile {k.ssl_cafile} does not exist"
+                + ("; `flywheel up` writes it for the local sasl_ssl broker" if k.local_listener == "sasl_ssl" else "")
+            )
+        opts.update(
+            ssl_cafile=str(k.ssl_cafile) if k.ssl_cafile else None,  # None: the system's CA store
+            ssl_certfile=str(k.ssl_certfile) if k.ssl_certfile else None,
+            ssl_keyfile=str(k.ssl_keyfile) if k.ssl_keyfile else None,
+            ssl_password=k.ssl_key_password.get_secret_value() if k.ssl_key_password else None,
+            ssl_check_hostname=k.ssl_check_hostname,
+        )
+    if k.uses_sasl:
+        assert k.sasl_password is not None  # KafkaSettings requires it with SASL
+        opts.update(
+            sasl_mechanism=k.sasl_mechanism,
+            sasl_plain_username=k.sasl_username,
+            sasl_plain_password=k.sasl_password.get_secret_value(),
+        )
+    return opts
+
+
+def refusal(k: KafkaSettings, server: str, error: BaseException, *, in_login: bool = False) -> str | None:
+    """What a refused connection to `server` means for the user, in one line; None when the
+    error says only that the broker is unreachable (down, wrong port, still starting).
+    `in_login`: the broker had answered ApiVersions, so the SASL login was under way."""
+    check = "check kafka.sasl_username, kafka.sasl_password (FLYWHEEL_KAFKA__SASL_PASSWORD) and kafka.sasl_mechanism"
+    if isinstance(error, SaslAuthenticationFailedError):
+        reason = str(error).rpartition("SaslAuthenticationFailedError: ")[2] or "authentication failed"
+        return f"Kafka at {server} refused the SASL login for user {k.sasl_username} ({k.sasl_mechanism}): {reason}; {check}"
+    if in_login and k.uses_sasl and isinstance(error, KafkaConnectionError) and "Handshake failed" not in str(error):
+        # A broker closes the connection right after its "authentication failed" answer, and
+        # kafka-python sometimes reads the close before the answer: the login was refused all the same.
+        return (
+            f"Kafka at {server} refused the SASL login for user {k.sasl_username} ({k.sasl_mechanism}): "
+            f"it closed the connection during the login; {check}"
+        )
+    if isinstance(error, UnsupportedSaslMechanismError):
+        offered = str(error).partition("Enabled mechanisms: ")[2]
+        return (
+            f"Kafka at {server} does not offer the SASL mechanism {k.sasl_mechanism}"
+            + (f" (it offers {offered})" if offered else "")
+            + ": set kafka.sasl_mechanism to one it enables"
+        )
+    text = str(error)
+    if isinstance(error, KafkaConnectionError) and "Handshake failed: " in text:
+        reason = text.partition("Handshake failed: ")[2]
+        if "CERTIFICATE_VERIFY_FAILED" in reason and "match" in reason.lower():
+            hint = "the broker's certificate does not name the host dialed; connect by a name it holds"
+        elif "CERTIFICATE_VERIFY_FAILED" in reason:
+            trusted = f"kafka.ssl_cafile ({k.ssl_cafile})" if k.ssl_cafile else "the system's CA store"
+            hint = f"{trusted} did not sign the broker's certificate; set kafka.ssl_cafile to the CA that did"
+        else:
+            hint = "does the broker listen with TLS on this port, and accept this client?"
+        return f"Kafka at {server}: TLS handshake failed: {reason}; {hint}"
+    if isinstance(error, ssl.SSLError | FileNotFoundError | PermissionError | IsADirectoryError):
+        # Raised while kafka-python builds its TLS context from the files, before any network I/O
+        # (a handshake's own errors come wrapped in KafkaConnectionError, above).
+        return f"Kafka client TLS setup failed before connecting to {server}: {type(error).__name__}: {text}"
+    return None
+
+
+def check_security(k: KafkaSettings, timeout_s: float = 10.0) -> None:
+    """Raise KafkaRefused if the first bootstrap server that answers refuses the TLS handshake or
+    the SASL login; return if one accepts, or if none answers (the client then reports that)."""
+    if k.security_protocol == "PLAINTEXT":
+        return
+    # kafka-python's own connection code (pinned version; `kafka.net` exports both), so the check
+    # makes the same TLS context, handshake and login as the clients do.
+    from kafka.net import KafkaConnectionManager, NetworkSelector
+
+    opts = security_options(k) | {"bootstrap_servers": k.bootstrap, "client_id": "flywheel-check"}
+    timeout_ms = int(timeout_s * 1000)
+    net = NetworkSelector(**opts)
+    manager = KafkaConnectionManager(net, **opts)
+
+    async def first_answer() -> str | None:
+        for broker in manager.cluster.bootstrap_brokers():
+            conn = manager.get_connection(
+                broker.node_id, timeout_ms=timeout_ms, pop_on_close=False, refresh_metadata_on_err=False
+            )
+            try:
+                await manager.wait_for(conn.init_future, timeout_ms)
+                return None  # accepted
+            except Exception as e:
+                in_login = conn.broker_version_data is not None  # set once ApiVersions was answered
+                if why := refusal(k, f"{broker.host}:{broker.port}", e, in_login=in_login):
+                    return why
+        return None
+
+    _QUIET.active.on = True
+    try:
+        refused = manager.run(first_answer)
+    finally:
+        manager.close()
+        net.close()
+        _QUIET.active.on = False
+    if refused is not None:
+        raise KafkaRefused(refused)
+
+
 def admin(k: KafkaSettings, timeout_s: float | None = None) -> KafkaAdminClient:
-    """An admin client, or UserError naming the unreachable servers."""
+    """An admin client, or UserError naming the unreachable servers (or why they refused it)."""
+    timeout_s = timeout_s or k.request_timeout_ms / 1000
+    check_security(k, timeout_s)
     try:
         return KafkaAdminClient(
             bootstrap_servers=k.bootstrap,
             client_id="flywheel-admin",
             request_timeout_ms=k.request_timeout_ms,
-            bootstrap_timeout_ms=int((timeout_s or k.request_timeout_ms / 1000) * 1000),
+            bootstrap_timeout_ms=int(timeout_s * 1000),
+            **security_options(k),
         )
     except (KafkaError, OSError) as e:
         raise UserError(
@@ -52,6 +198,8 @@ def wait_until_ready(k: KafkaSettings, timeout_s: float, alive=lambda: None) -> 
                 return
             finally:
                 client.close()
+        except KafkaRefused:
+            raise  # waiting does not change a password or a certificate
         except (UserError, KafkaError, OSError):
             time.sleep(0.5)
     raise UserError(f"Kafka at {k.bootstrap} did not answer within {timeout_s:.0f}s; is it running and reachable?")
@@ -120,8 +268,11 @@ def describe_topics(k: KafkaSettings) -> list[TopicInfo]:
 
 
 def producer(k: KafkaSettings, **overrides) -> KafkaProducer:
-    """A durable producer: a send counts once every in-sync replica has it, and it retries."""
+    """A durable producer: a send counts once every in-sync replica has it, and it retries.
+    KafkaRefused if the cluster refuses its TLS handshake or login."""
+    check_security(k, k.request_timeout_ms / 1000)
     opts = dict(
+        **security_options(k),
         bootstrap_servers=k.bootstrap,
         client_id="flywheel",
         acks="all",
@@ -135,8 +286,11 @@ def producer(k: KafkaSettings, **overrides) -> KafkaProducer:
 
 
 def consumer(k: KafkaSettings, *topics: str, group_id: str, **overrides) -> KafkaConsumer:
-    """A consumer-group member that commits offsets only when told (after its own work is durable)."""
+    """A consumer-group member that commits offsets only when told (after its own work is durable).
+    KafkaRefused if the cluster refuses its TLS handshake or login."""
+    check_security(k, k.request_timeout_ms / 1000)
     opts = dict(
+        **security_options(k),
         bootstrap_servers=k.bootstrap,
         group_id=group_id,
         enable_auto_commit=False,

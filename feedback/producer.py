@@ -25,6 +25,7 @@ from prometheus_client import Counter, Gauge
 
 from feedback import bus
 from feedback.core.config import KafkaSettings
+from feedback.core.errors import UserError
 from feedback.schemas import Message, encode, key_of
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class BufferedProducer:
         self._closing = False
         self._producer = None
         self._last_drop_log = 0.0
+        self._last_refusal = ""  # logged once per distinct refusal, not at every retry
         self.delivered = 0
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="flywheel-producer", daemon=True)
@@ -164,6 +166,14 @@ class BufferedProducer:
             self._producer.flush(timeout=self._kafka.request_timeout_ms / 1000)
             for f in futures:
                 f.get(timeout=0)
+        except UserError as e:
+            # A refused password or certificate, or a CA file not there yet: no retry fixes it,
+            # but the records stay buffered (within the bounds) in case that side gets fixed.
+            SEND_ERRORS.inc()
+            if str(e) != self._last_refusal:
+                self._last_refusal = str(e)
+                log.error("%s; %d records stay buffered", e, len(self._buf))
+            return False
         except (KafkaError, OSError) as e:
             SEND_ERRORS.inc()
             log.info("Kafka delivery failed (%s); %d records stay buffered", type(e).__name__, len(self._buf))
@@ -174,6 +184,7 @@ class BufferedProducer:
                     pass
             self._producer = None
             return False
+        self._last_refusal = ""
         for p in batch:
             DELIVERED.labels(p.topic).inc()
         self.delivered += len(batch)

@@ -4,6 +4,13 @@ The broker is the real Apache Kafka server, resolved from Maven Central through 
 `pom.xml` beside this file and cached under `<cache_dir>/kafka/<version>/libs`. Its data
 (`<data_dir>/kafka`) outlives `down`/`up`, so nothing produced before `down` is lost.
 `down` stops only the process `up` recorded in `<data_dir>/run/kafka.pid`.
+
+With `kafka.local_listener = "sasl_ssl"` the client listener takes TLS and SCRAM logins only:
+`up` generates the certificates (ops/kafka_tls.py), gives the broker a login of its own (a random
+password kept in `<data_dir>/kafka/broker-login`, added at format time), and, once the broker
+answers, sets the SCRAM credential of `kafka.sasl_username` to `kafka.sasl_password` (so a
+changed password takes effect at the next `up`). The controller listener takes only clients
+with a certificate from that CA (mutual TLS): no port of the broker is open without a login.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -21,9 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from feedback.core.config import FlywheelSettings
+from pydantic import SecretStr
+
+from feedback.core.config import LOCAL_BROKER_USER, FlywheelSettings, KafkaSettings
 from feedback.core.errors import UserError
-from feedback.core.files import private_dir
+from feedback.core.files import open_private, private_dir
+from ops import kafka_tls
 
 POM = Path(__file__).with_name("kafka") / "pom.xml"
 
@@ -42,6 +53,8 @@ class BrokerPaths:
     config: Path  # server.properties written by `up`
     pid: Path
     log: Path
+    tls: Path  # [data] the sasl_ssl listener's certificates
+    login: Path  # [data] the sasl_ssl broker's own password (owner-only)
 
     @classmethod
     def of(cls, s: FlywheelSettings) -> BrokerPaths:
@@ -51,7 +64,13 @@ class BrokerPaths:
             config=s.data_dir / "kafka" / "server.properties",
             pid=s.run_dir / "kafka.pid",
             log=s.log_dir / "kafka.log",
+            tls=s.local_kafka_ca.parent,
+            login=s.data_dir / "kafka" / "broker-login",
         )
+
+    @property
+    def formatted(self) -> bool:
+        return (self.data / "logs" / "meta.properties").exists()
 
 
 # --- prerequisites ---------------------------------------------------------------------------
@@ -116,19 +135,19 @@ def fetch_classpath(libs: Path, progress: Callable[[str], None]) -> None:
 # --- configuration and storage ----------------------------------------------------------------
 
 
-def server_properties(s: FlywheelSettings, data: Path) -> str:
+def server_properties(s: FlywheelSettings, data: Path, secured: _Secured | None = None) -> str:
+    """The broker's configuration; `secured` (the sasl_ssl listener's files and the broker's own
+    password) turns the plaintext listeners into SASL_SSL and mutual-TLS ones."""
     k = s.kafka
+    listeners = _secured_listeners(k, secured) if secured else _plaintext_listeners(k)
     return "\n".join(
         [
             "# Written by `flywheel up`; edit flywheel.toml instead.",
             "process.roles=broker,controller",
             "node.id=1",
             f"controller.quorum.voters=1@{k.host}:{k.controller_port}",
-            f"listeners=PLAINTEXT://{k.host}:{k.port},CONTROLLER://{k.host}:{k.controller_port}",
-            f"advertised.listeners=PLAINTEXT://{k.host}:{k.port}",
             "controller.listener.names=CONTROLLER",
-            "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            *listeners,
             f"log.dirs={data / 'logs'}",
             # A single node: every internal topic has one replica.
             "offsets.topic.replication.factor=1",
@@ -142,6 +161,49 @@ def server_properties(s: FlywheelSettings, data: Path) -> str:
             "",
         ]
     )
+
+
+def _plaintext_listeners(k: KafkaSettings) -> list[str]:
+    return [
+        f"listeners=PLAINTEXT://{k.host}:{k.port},CONTROLLER://{k.host}:{k.controller_port}",
+        f"advertised.listeners=PLAINTEXT://{k.host}:{k.port}",
+        "inter.broker.listener.name=PLAINTEXT",
+        "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+    ]
+
+
+@dataclass(frozen=True)
+class _Secured:
+    tls: kafka_tls.BrokerTLS
+    broker_password: str  # the broker's own SCRAM login (token_urlsafe: no quoting needed)
+
+
+BROKER_MECHANISM = "SCRAM-SHA-512"  # the broker's own login
+
+
+def _secured_listeners(k: KafkaSettings, secured: _Secured) -> list[str]:
+    mechanisms = sorted({BROKER_MECHANISM, k.sasl_mechanism or BROKER_MECHANISM})
+    # Each enabled mechanism needs a JAAS entry on the listener; the username and password are
+    # the broker's own, used only when it connects to itself as a client.
+    login = (
+        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="{LOCAL_BROKER_USER}" password="{secured.broker_password}";'
+    )
+    return [
+        f"listeners=SASL_SSL://{k.host}:{k.port},CONTROLLER://{k.host}:{k.controller_port}",
+        f"advertised.listeners=SASL_SSL://{k.host}:{k.port}",
+        "inter.broker.listener.name=SASL_SSL",
+        "listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SSL",
+        f"sasl.enabled.mechanisms={','.join(mechanisms)}",
+        f"sasl.mechanism.inter.broker.protocol={BROKER_MECHANISM}",
+        *(f"listener.name.sasl_ssl.{m.lower()}.sasl.jaas.config={login}" for m in mechanisms),
+        "ssl.keystore.type=PEM",
+        f"ssl.keystore.location={secured.tls.keystore}",
+        "ssl.truststore.type=PEM",
+        f"ssl.truststore.location={secured.tls.ca}",
+        # Controller port: only the broker itself, with its certificate (no password to leak).
+        "listener.name.controller.ssl.client.auth=required",
+    ]
 
 
 def _log4j_config(log: Path) -> str:
@@ -177,12 +239,22 @@ def _java_cmd(java: str, paths: BrokerPaths, heap: str, main: str, *args: str) -
     ]
 
 
-def _format_storage(java: str, paths: BrokerPaths, heap: str) -> None:
-    if (paths.data / "logs" / "meta.properties").exists():
+def _format_storage(java: str, paths: BrokerPaths, heap: str, secured: _Secured | None) -> None:
+    if paths.formatted:
         return  # formatted by an earlier `up`; formatting again would refuse anyway
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-    cmd = _java_cmd(java, paths, "256m", "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(paths.config))
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    args = ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(paths.config)]
+    if secured:
+        args += ["--add-scram", f"{BROKER_MECHANISM}=[name={LOCAL_BROKER_USER},password={secured.broker_password}]"]
+    # The arguments go in an owner-only @argfile (the JDK launcher reads it), so the password is
+    # never on a command line, where any user of the machine could read it in /proc.
+    argfile = paths.data / "format.args"
+    with open_private(argfile) as f:
+        f.write("\n".join(f'"{a}"' for a in args).encode())
+    try:
+        out = subprocess.run(_java_cmd(java, paths, "256m", f"@{argfile}"), capture_output=True, text=True)
+    finally:
+        argfile.unlink(missing_ok=True)
     if out.returncode != 0:
         lines = [ln.strip() for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
         reason = next(
@@ -228,16 +300,18 @@ def start(s: FlywheelSettings, progress: Callable[[str], None]) -> int:
     fetch_classpath(paths.libs, progress)
     for folder in (paths.data, paths.pid.parent, paths.log.parent):  # in the data folder: owner-only
         private_dir(folder)
-    paths.config.write_text(server_properties(s, paths.data))
+    secured = _secure(s, paths, progress) if k.local_listener == "sasl_ssl" else None
+    with open_private(paths.config) as f:  # owner-only: with sasl_ssl it holds the broker's password
+        f.write(server_properties(s, paths.data, secured).encode())
     (paths.data / "log4j2.properties").write_text(_log4j_config(paths.log))
     progress("formatting Kafka storage")
     try:
-        _format_storage(java, paths, k.heap)
+        _format_storage(java, paths, k.heap, secured)
     except UserError:
         # Seen once in CI, right after the vLLM tests, with its cause cut off; formatting
         # an unformatted folder is idempotent, so one more try is safe (the second error stands).
         time.sleep(2)
-        _format_storage(java, paths, k.heap)
+        _format_storage(java, paths, k.heap, secured)
     progress(f"starting Kafka {kafka_version()} on {k.host}:{k.port}")
     with open(paths.log.with_suffix(".out"), "ab") as out:
         proc = subprocess.Popen(
@@ -249,6 +323,70 @@ def start(s: FlywheelSettings, progress: Callable[[str], None]) -> int:
         )
     paths.pid.write_text(f"{proc.pid}\n")
     return proc.pid
+
+
+def _secure(s: FlywheelSettings, paths: BrokerPaths, progress: Callable[[str], None]) -> _Secured:
+    """The sasl_ssl listener's certificates (made if missing or stale) and the broker's own password."""
+    if paths.formatted and not paths.login.exists():
+        raise UserError(
+            f'kafka.local_listener = "sasl_ssl", but the local broker\'s storage in {paths.data} was formatted '
+            f"without it, so the broker has no login of its own: use another data_dir, or remove "
+            f"{paths.data} (its topics are lost) and run `flywheel up` again"
+        )
+    tls, made = kafka_tls.ensure_broker_tls(paths.tls, s.kafka.host)
+    if made:
+        progress(f"generated a CA and a broker certificate for {s.kafka.host} in {paths.tls}")
+    if not paths.login.exists():
+        with open_private(paths.login) as f:
+            f.write(secrets.token_urlsafe(32).encode())
+    return _Secured(tls, paths.login.read_text().strip())
+
+
+def broker_login(s: FlywheelSettings) -> KafkaSettings:
+    """Kafka settings that log in as the local sasl_ssl broker's own user (its super user)."""
+    login = BrokerPaths.of(s).login
+    if not login.exists():  # `up` with sasl_ssl while a broker started without it still runs
+        raise UserError(
+            'kafka.local_listener = "sasl_ssl", but the running local broker was started without it: '
+            "run `flywheel down`, then `flywheel up`"
+        )
+    password = login.read_text().strip()
+    return s.kafka.model_copy(
+        update={
+            "sasl_username": LOCAL_BROKER_USER,
+            "sasl_password": SecretStr(password),
+            "sasl_mechanism": BROKER_MECHANISM,
+        }
+    )
+
+
+def set_client_login(s: FlywheelSettings, timeout_s: float) -> None:
+    """Give `kafka.sasl_username` a SCRAM credential with `kafka.sasl_password` on the local
+    sasl_ssl broker, and wait until that login is accepted (the broker applies it asynchronously)."""
+    from kafka.admin._users import UserScramCredentialUpsertion
+
+    from feedback import bus
+
+    k = s.kafka
+    assert k.sasl_password is not None and k.sasl_mechanism is not None  # KafkaSettings requires both
+    client = bus.admin(broker_login(s))
+    try:
+        errors = client.alter_user_scram_credentials(
+            [UserScramCredentialUpsertion(k.sasl_username, k.sasl_mechanism, k.sasl_password.get_secret_value())]
+        )
+    finally:
+        client.close()
+    if error := errors.get(k.sasl_username):
+        raise UserError(f"the local Kafka broker refused the SCRAM credential for {k.sasl_username}: {error}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            bus.check_security(k, timeout_s=min(timeout_s, 5.0))
+            return
+        except bus.KafkaRefused:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def wait_until_exited(pid: int, timeout_s: float) -> bool:

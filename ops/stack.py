@@ -36,6 +36,11 @@ def up(s: FlywheelSettings, progress: Callable[[str], None]) -> UpResult:
                 raise UserError(f"Kafka broker exited during start-up: {reason} (log: {paths.log})")
 
         progress(f"waiting for Kafka on {s.kafka.bootstrap}")
+        if s.kafka.local_listener == "sasl_ssl":
+            # Only the broker's own login exists until it sets the configured user's.
+            bus.wait_until_ready(kafka_broker.broker_login(s), s.kafka.start_timeout_s, alive)
+            progress(f"setting the SCRAM login of Kafka user {s.kafka.sasl_username}")
+            kafka_broker.set_client_login(s, s.kafka.start_timeout_s)
         bus.wait_until_ready(s.kafka, s.kafka.start_timeout_s, alive)
     else:
         progress(f"checking Kafka cluster at {s.kafka.bootstrap}")

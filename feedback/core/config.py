@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextvars
 import os
 import re
+import ssl
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Self, get_args
+from typing import Annotated, Any, Literal, Self, get_args
 
 import platformdirs
 from pydantic import (
@@ -66,6 +67,17 @@ def parse_duration(v: object) -> float:
 
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
 """A settings field in seconds that also accepts "3h", "90s", "1h30m"."""
+
+
+def _empty_is_none(v: object) -> object:
+    return None if v == "" else v
+
+
+OptionalPath = Annotated[Path | None, BeforeValidator(_empty_is_none)]
+"""A file setting where "" (an empty environment variable, say) means unset."""
+
+LOCAL_BROKER_USER = "flywheel-broker"
+"""The local sasl_ssl broker's own SCRAM user (its random password lives in its data folder)."""
 
 
 class Section(BaseModel):
@@ -116,11 +128,115 @@ class KafkaSettings(Section):
     versions: TopicSettings = TopicSettings(partitions=1, retention_ms=-1, cleanup_policy="compact")
     """Topic `flywheel.versions`: model-version announcements (key: version), compacted and kept forever."""
 
+    # --- security: every client Flywheel makes (feedback/bus.py) uses these ---------------------
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How clients reach the brokers: PLAINTEXT (no TLS, no login: the local broker's default),
+    SSL (TLS; with `ssl_certfile` also a client certificate: Strimzi's `tls` listeners), SASL_SSL
+    (TLS and a login: Confluent Cloud, MSK), SASL_PLAINTEXT (a login without TLS: the password
+    crosses the network readable, so only inside a trusted network). With `local_listener =
+    "sasl_ssl"` it is SASL_SSL (and may be left out)."""
+    ssl_cafile: OptionalPath = None
+    """PEM file of the CA(s) that signed the brokers' certificates. TLS needs it, or
+    `ssl_system_trust = true`. Unset with `local_listener = "sasl_ssl"`: the CA `flywheel up`
+    generated, `<data_dir>/kafka/tls/ca.pem`."""
+    ssl_system_trust: bool = False
+    """Trust the system's CA store instead of `ssl_cafile` (brokers with publicly signed
+    certificates: Confluent Cloud, MSK). Off by default, so that a TLS setting that names no CA
+    is an error rather than a silent choice."""
+    ssl_certfile: OptionalPath = None
+    """Client certificate (PEM), for brokers that require mutual TLS; the key is in it or in `ssl_keyfile`."""
+    ssl_keyfile: OptionalPath = None
+    """Private key (PEM) of `ssl_certfile`, when it is a file of its own."""
+    ssl_key_password: SecretStr | None = None
+    """Password of an encrypted `ssl_keyfile` (`FLYWHEEL_KAFKA__SSL_KEY_PASSWORD`)."""
+    ssl_check_hostname: bool = True
+    """Check that a broker's certificate names the host the client dialed. Turn off only for
+    brokers whose certificates lack their advertised names; the CA is checked either way."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL login mechanism: PLAIN (Confluent Cloud API keys; only over TLS), SCRAM-SHA-512 (MSK,
+    Strimzi `scram-sha-512`, the local broker) or SCRAM-SHA-256."""
+    sasl_username: str = ""
+    """SASL user (Confluent Cloud: the API key)."""
+    sasl_password: SecretStr | None = None
+    """SASL password (Confluent Cloud: the API secret). Set it in the environment
+    (`FLYWHEEL_KAFKA__SASL_PASSWORD`) or an owner-only config file, never in the repository."""
+    local_listener: Literal["plaintext", "sasl_ssl"] = "plaintext"
+    """The local broker's client listener. `sasl_ssl`: `flywheel up` generates a CA and a broker
+    certificate for `host`, listens with TLS and SCRAM logins only (the controller port with
+    mutual TLS), and sets the SCRAM credential of `sasl_username` / `sasl_password`;
+    clients then use SASL_SSL with that CA."""
+
     @model_validator(mode="after")
     def _distinct_ports(self) -> Self:
         if not self.bootstrap_servers and self.port == self.controller_port:
             raise ValueError("kafka.port and kafka.controller_port must differ")
         return self
+
+    @model_validator(mode="after")
+    def _security_complete(self) -> Self:
+        if self.local_listener == "sasl_ssl":
+            _check_local_sasl_ssl(self)
+        elif self.managed and self.security_protocol != "PLAINTEXT":
+            raise ValueError(
+                f"kafka.security_protocol = {self.security_protocol}, but the local broker `flywheel up` runs "
+                f'listens with PLAINTEXT: set kafka.local_listener = "sasl_ssl", or kafka.bootstrap_servers '
+                f"to the cluster that speaks {self.security_protocol}"
+            )
+        tls, sasl = self.uses_tls, self.uses_sasl
+        if sasl:
+            missing = [
+                f"kafka.{name}"
+                for name, value in (
+                    ("sasl_mechanism", self.sasl_mechanism),
+                    ("sasl_username", self.sasl_username),
+                    ("sasl_password", self.sasl_password and self.sasl_password.get_secret_value()),
+                )
+                if not value
+            ]
+            if missing:
+                raise ValueError(
+                    f"kafka.security_protocol = {self.security_protocol} needs {', '.join(missing)} "
+                    f"(the password from FLYWHEEL_KAFKA__SASL_PASSWORD or the config file)"
+                )
+        else:
+            stray = [n for n in ("sasl_mechanism", "sasl_username", "sasl_password") if getattr(self, n)]
+            if stray:
+                raise ValueError(
+                    f"kafka.{stray[0]} is set but kafka.security_protocol = {self.security_protocol} sends no login: "
+                    f"set security_protocol to SASL_SSL (or SASL_PLAINTEXT), or remove it"
+                )
+        tls_files = ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password")
+        if not tls:
+            stray = [n for n in (*tls_files, "ssl_system_trust") if getattr(self, n)]
+            if stray:
+                raise ValueError(
+                    f"kafka.{stray[0]} is set but kafka.security_protocol = {self.security_protocol} uses no TLS: "
+                    f"set security_protocol to SSL or SASL_SSL, or remove it"
+                )
+            return self
+        if self.ssl_cafile is not None and self.ssl_system_trust:
+            raise ValueError("kafka.ssl_cafile and kafka.ssl_system_trust = true exclude each other: trust one of them")
+        if self.ssl_cafile is None and not self.ssl_system_trust and self.local_listener != "sasl_ssl":
+            raise ValueError(
+                f"kafka.security_protocol = {self.security_protocol} needs the CA that signed the brokers' certificates: "
+                f"set kafka.ssl_cafile to its PEM file, or kafka.ssl_system_trust = true for publicly signed "
+                f"brokers (Confluent Cloud, MSK)"
+            )
+        if self.ssl_cafile is not None and (self.local_listener != "sasl_ssl" or self.ssl_cafile.exists()):
+            _check_ca_file(self.ssl_cafile)
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("kafka.ssl_keyfile needs kafka.ssl_certfile (the certificate the key belongs to)")
+        if self.ssl_certfile is not None:
+            _check_client_cert(self.ssl_certfile, self.ssl_keyfile, self.ssl_key_password)
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
 
     @property
     def managed(self) -> bool:
@@ -130,6 +246,54 @@ class KafkaSettings(Section):
     @property
     def bootstrap(self) -> str:
         return self.bootstrap_servers or f"{self.host}:{self.port}"
+
+
+def _check_local_sasl_ssl(k: KafkaSettings) -> None:
+    if k.bootstrap_servers:
+        raise ValueError(
+            "kafka.local_listener applies to the broker `flywheel up` runs; with kafka.bootstrap_servers "
+            "set, configure that cluster's kafka.security_protocol instead"
+        )
+    if k.security_protocol not in ("PLAINTEXT", "SASL_SSL"):  # PLAINTEXT: the default, left as it was
+        raise ValueError(
+            f'kafka.local_listener = "sasl_ssl" listens with SASL_SSL only, but kafka.security_protocol = '
+            f"{k.security_protocol}: set it to SASL_SSL or leave it out"
+        )
+    k.security_protocol = "SASL_SSL"
+    if k.sasl_mechanism == "PLAIN":
+        raise ValueError(
+            'the local sasl_ssl broker stores SCRAM credentials, not PLAIN passwords: set kafka.sasl_mechanism = "SCRAM-SHA-512"'
+        )
+    if k.sasl_username == LOCAL_BROKER_USER:
+        raise ValueError(f"kafka.sasl_username {LOCAL_BROKER_USER!r} is the local broker's own login: choose another")
+    if k.ssl_system_trust:
+        raise ValueError(
+            "the local sasl_ssl broker's certificate is signed by its own CA: remove kafka.ssl_system_trust"
+        )
+
+
+def _check_ca_file(path: Path) -> None:
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ValueError(f"kafka.ssl_cafile {path} is not a readable file")
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except ssl.SSLError as e:
+        raise ValueError(f"kafka.ssl_cafile {path} holds no PEM certificate ({e.reason or e})") from None
+
+
+def _check_client_cert(certfile: Path, keyfile: Path | None, password: SecretStr | None) -> None:
+    for name, path in (("ssl_certfile", certfile), ("ssl_keyfile", keyfile)):
+        if path is not None and (not path.is_file() or not os.access(path, os.R_OK)):
+            raise ValueError(f"kafka.{name} {path} is not a readable file")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+            str(certfile), str(keyfile) if keyfile else None, password.get_secret_value() if password else None
+        )
+    except ssl.SSLError as e:
+        raise ValueError(
+            f"kafka.ssl_certfile {certfile} with its key cannot be loaded ({e.reason or e}): a PEM certificate "
+            f"and the key that matches it, and kafka.ssl_key_password if the key is encrypted"
+        ) from None
 
 
 class DatabaseSettings(Section):
@@ -165,6 +329,14 @@ class FlywheelSettings(BaseSettings):
     kafka: KafkaSettings = KafkaSettings()
     database: DatabaseSettings = DatabaseSettings()
 
+    @model_validator(mode="after")
+    def _local_broker_ca(self) -> Self:
+        # The CA `flywheel up` generates for the local sasl_ssl broker lives in the data folder,
+        # which only this object knows; every process derives the same path.
+        if self.kafka.local_listener == "sasl_ssl" and self.kafka.ssl_cafile is None:
+            self.kafka.ssl_cafile = self.local_kafka_ca
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -198,6 +370,11 @@ class FlywheelSettings(BaseSettings):
     @property
     def database_url(self) -> str:
         return self.database.url or f"sqlite:///{self.data_dir / 'flywheel.db'}"
+
+    @property
+    def local_kafka_ca(self) -> Path:
+        """The CA certificate of the local sasl_ssl broker (written by `flywheel up`)."""
+        return self.data_dir / "kafka" / "tls" / "ca.pem"
 
     @property
     def run_dir(self) -> Path:

@@ -198,11 +198,27 @@ def sink_process(
         "sink.retention_days": 0,
         "sink.progress_interval_s": 5,
     }
+    overrides |= _client_security(settings.kafka)
     args = [a for k, v in overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    # Passwords through the environment: a command line is readable by every user of the machine.
+    for name in ("sasl_password", "ssl_key_password"):
+        if secret := getattr(settings.kafka, name):
+            env[f"FLYWHEEL_KAFKA__{name.upper()}"] = secret.get_secret_value()
     return subprocess.Popen(
         [sys.executable, "-m", "ops.cli", "sink", *args], stdout=log, stderr=subprocess.STDOUT, env=env
     )
+
+
+def _client_security(k) -> dict:
+    """The settings a client process needs to reach the same cluster as `k`, as `--set` overrides
+    (the local sasl_ssl broker is, to it, a cluster at `kafka.bootstrap_servers` with that CA)."""
+    names = ("security_protocol", "ssl_cafile", "ssl_system_trust", "ssl_certfile", "ssl_keyfile")
+    names += ("ssl_check_hostname", "sasl_mechanism", "sasl_username")
+    values = {name: getattr(k, name) for name in names}
+    return {
+        f"kafka.{name}": str(v) if not isinstance(v, bool) else v for name, v in values.items() if v not in (None, "")
+    }
 
 
 def _count(engine, prefix: str) -> int:

@@ -86,12 +86,12 @@ def family_settings(tmp_path, kafka_settings, folder, port: int):
 def start_sink_at_the_end(s, said: list[str]) -> tuple[threading.Event, threading.Thread]:
     """The sink of this family, in a thread, its group committed at the topics' current end first;
     its progress lines go to `said`."""
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
     from feedback import bus
     from feedback.sink.loop import run_sink
 
-    c = KafkaConsumer(bootstrap_servers=s.kafka.bootstrap, group_id=s.sink.group_id, enable_auto_commit=False)
+    c = bus.consumer(s.kafka, group_id=s.sink.group_id)
     parts = [TopicPartition(t, p) for t in (bus.COMPLETIONS, bus.EVENTS) for p in c.partitions_for_topic(t)]
     c.assign(parts)
     c.seek_to_end(*parts)
@@ -117,11 +117,11 @@ def wait_for(what: str, fn, timeout_s: float = 120, explain=lambda: ""):
 def pipeline_state(s, engine, said: list[str], sink: threading.Thread) -> str:
     """Where records stopped: the topics' ends against the sink group's commits, the rows in SQL,
     and what the sink said (a timeout's message)."""
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
     from feedback import bus
 
-    c = KafkaConsumer(bootstrap_servers=s.kafka.bootstrap, group_id=s.sink.group_id, enable_auto_commit=False)
+    c = bus.consumer(s.kafka, group_id=s.sink.group_id)
     try:
         parts = [TopicPartition(t, p) for t in (bus.COMPLETIONS, bus.EVENTS) for p in c.partitions_for_topic(t)]
         ends = c.end_offsets(parts)

@@ -217,3 +217,161 @@ def test_mask_secrets_in_any_message():
         "RuntimeError: cannot reach postgresql://u:***@h/d"
     )
     assert str(UserError("bad postgresql://u:s3cret@h/d")) == "bad postgresql://u:***@h/d"
+
+
+# --- Kafka security settings ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A CA, a client certificate and its key (plain and encrypted), made with ops.kafka_tls."""
+    import datetime as dt
+
+    from cryptography.hazmat.primitives import serialization
+
+    from ops import kafka_tls
+
+    folder = tmp_path_factory.mktemp("tls")
+    now = dt.datetime.now(dt.UTC)
+    ca = kafka_tls.make_ca("test CA", now=now)
+    client = kafka_tls.make_leaf(ca, ["client"], now=now)
+    encrypted = client.key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,  # the form Python's ssl decrypts
+        serialization.BestAvailableEncryption(b"key-pass"),
+    )
+    files = {
+        "ca": kafka_tls.pem_cert(ca.cert),
+        "cert": kafka_tls.pem_cert(client.cert),
+        "key": kafka_tls.pem_key(client.key),
+        "key_encrypted": encrypted,
+        "junk": b"not a certificate\n",
+    }
+    for name, data in files.items():
+        (folder / f"{name}.pem").write_bytes(data)
+    return {name: folder / f"{name}.pem" for name in files}
+
+
+EXTERNAL = "kafka.bootstrap_servers=kafka-1:9093"
+SASL = ["kafka.sasl_mechanism=SCRAM-SHA-512", "kafka.sasl_username=svc", "kafka.sasl_password=pw-123"]
+
+
+def test_kafka_defaults_to_plaintext_without_login():
+    k = StackSettings.load(None, []).kafka
+    assert (k.security_protocol, k.uses_tls, k.uses_sasl) == ("PLAINTEXT", False, False)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (
+            [EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT"],
+            "needs kafka.sasl_mechanism, kafka.sasl_username, kafka.sasl_password",
+        ),
+        (
+            [EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT", "kafka.sasl_mechanism=PLAIN", "kafka.sasl_username=u"],
+            "needs kafka.sasl_password",
+        ),
+        ([EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT", "kafka.sasl_mechanism=GSSAPI"], "kafka.sasl_mechanism"),
+        ([EXTERNAL, "kafka.security_protocol=TLS"], "kafka.security_protocol"),
+        (
+            ["kafka.sasl_username=svc"],
+            "kafka.sasl_username is set but kafka.security_protocol = PLAINTEXT sends no login",
+        ),
+        ([EXTERNAL, "kafka.security_protocol=SASL_PLAINTEXT", *SASL, "kafka.ssl_system_trust=true"], "uses no TLS"),
+        (
+            [EXTERNAL, "kafka.security_protocol=SSL"],
+            "needs the CA that signed the brokers' certificates",
+        ),
+        (
+            ["kafka.security_protocol=SSL"],
+            'the local broker `flywheel up` runs listens with PLAINTEXT: set kafka.local_listener = "sasl_ssl"',
+        ),
+        (
+            [EXTERNAL, "kafka.security_protocol=SASL_SSL", *SASL],
+            "kafka.ssl_cafile to its PEM file, or kafka.ssl_system_trust = true",
+        ),
+        (
+            [EXTERNAL, "kafka.security_protocol=SSL", "kafka.ssl_cafile=/nonexistent/ca.pem"],
+            "/nonexistent/ca.pem is not a readable file",
+        ),
+        (
+            ["kafka.local_listener=sasl_ssl", "kafka.bootstrap_servers=k:9092", *SASL],
+            "applies to the broker `flywheel up` runs",
+        ),
+        (
+            ["kafka.local_listener=sasl_ssl", *SASL[1:], "kafka.sasl_mechanism=PLAIN"],
+            "stores SCRAM credentials, not PLAIN",
+        ),
+        (["kafka.local_listener=sasl_ssl", "kafka.security_protocol=SSL", *SASL], "listens with SASL_SSL only"),
+        (
+            [
+                "kafka.local_listener=sasl_ssl",
+                "kafka.sasl_mechanism=SCRAM-SHA-512",
+                "kafka.sasl_username=flywheel-broker",
+                "kafka.sasl_password=x",
+            ],
+            "the local broker's own login",
+        ),
+        (["kafka.local_listener=sasl_ssl"], "needs kafka.sasl_mechanism, kafka.sasl_username, kafka.sasl_password"),
+    ],
+)
+def test_incomplete_kafka_security_is_one_clear_error(overrides, fragment):
+    with pytest.raises(UserError) as e:
+        StackSettings.load(None, overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert "pw-123" not in str(e.value)
+
+
+def test_kafka_tls_files_are_checked_when_loaded(tls_files):
+    ssl_ca = [EXTERNAL, "kafka.security_protocol=SSL", f"kafka.ssl_cafile={tls_files['ca']}"]
+    k = StackSettings.load(None, ssl_ca).kafka
+    assert k.uses_tls and k.ssl_cafile == tls_files["ca"]
+    with pytest.raises(UserError, match="holds no PEM certificate"):
+        StackSettings.load(None, [EXTERNAL, "kafka.security_protocol=SSL", f"kafka.ssl_cafile={tls_files['junk']}"])
+    with pytest.raises(UserError, match="exclude each other"):
+        StackSettings.load(None, [*ssl_ca, "kafka.ssl_system_trust=true"])
+    with pytest.raises(UserError, match="kafka.ssl_keyfile needs kafka.ssl_certfile"):
+        StackSettings.load(None, [*ssl_ca, f"kafka.ssl_keyfile={tls_files['key']}"])
+    mtls = [*ssl_ca, f"kafka.ssl_certfile={tls_files['cert']}"]
+    assert (
+        StackSettings.load(None, [*mtls, f"kafka.ssl_keyfile={tls_files['key']}"]).kafka.ssl_keyfile == tls_files["key"]
+    )
+    with pytest.raises(UserError, match="with its key cannot be loaded"):  # a certificate without its key
+        StackSettings.load(None, mtls)
+    encrypted = [*mtls, f"kafka.ssl_keyfile={tls_files['key_encrypted']}"]
+    k = StackSettings.load(None, [*encrypted, "kafka.ssl_key_password=key-pass"]).kafka
+    assert k.ssl_key_password.get_secret_value() == "key-pass"
+    with pytest.raises(UserError, match="kafka.ssl_key_password if the key is encrypted") as e:
+        StackSettings.load(None, [*encrypted, "kafka.ssl_key_password=wrong-pass"])
+    assert "wrong-pass" not in str(e.value)
+
+
+def test_kafka_passwords_are_secret_in_the_dump_and_read_from_the_environment(tls_files, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_KAFKA__SASL_PASSWORD", "env-s3cret")
+    monkeypatch.setenv("FLYWHEEL_KAFKA__SSL_KEY_PASSWORD", "key-pass")
+    s = StackSettings.load(
+        None,
+        [
+            EXTERNAL,
+            "kafka.security_protocol=SASL_SSL",
+            "kafka.sasl_mechanism=PLAIN",
+            "kafka.sasl_username=API-KEY",
+            "kafka.ssl_system_trust=true",
+            f"kafka.ssl_certfile={tls_files['cert']}",
+            f"kafka.ssl_keyfile={tls_files['key_encrypted']}",
+        ],
+    )
+    assert s.kafka.sasl_password.get_secret_value() == "env-s3cret"
+    dumped = repr(s.redacted()) + repr(s) + str(s.kafka)
+    assert "env-s3cret" not in dumped and "key-pass" not in dumped
+    assert s.redacted()["kafka"]["sasl_username"] == "API-KEY"
+
+
+def test_local_sasl_ssl_broker_implies_sasl_ssl_with_the_generated_ca(tmp_path):
+    s = StackSettings.load(None, [f"data_dir={tmp_path}", "kafka.local_listener=sasl_ssl", *SASL])
+    assert s.kafka.security_protocol == "SASL_SSL" and s.kafka.uses_tls and s.kafka.uses_sasl
+    assert s.kafka.ssl_cafile == tmp_path / "kafka" / "tls" / "ca.pem" == s.local_kafka_ca  # written by `up`
+    # A process handed the dumped settings (sink, serving) reads the same section back.
+    again = StackSettings(data_dir=tmp_path, kafka=s.kafka.model_dump())
+    assert again.kafka == s.kafka

@@ -147,7 +147,7 @@ def _sink_cli(settings, log) -> subprocess.Popen:
 
 def test_killed_sink_restarts_without_loss_or_duplicates(kafka_settings, tmp_path):
     """SIGKILL mid-stream (no graceful anything), restart, then SIGTERM: each event exactly once, offsets at the end."""
-    from kafka import KafkaAdminClient
+    from feedback import bus
 
     run = uuid.uuid4().hex[:6]
     url = f"sqlite:///{tmp_path / 'kill.db'}"
@@ -184,7 +184,7 @@ def test_killed_sink_restarts_without_loss_or_duplicates(kafka_settings, tmp_pat
         assert sorted(ids) == sorted(str(e.event_id) for e in events)  # all there, none twice
         assert count(engine, "completions") == len(comps)
 
-        admin = KafkaAdminClient(bootstrap_servers=kafka_settings.kafka.bootstrap)
+        admin = bus.admin(kafka_settings.kafka)
         try:
             committed = admin.list_group_offsets(settings.sink.group_id)[settings.sink.group_id]
         finally:

@@ -123,9 +123,9 @@ def test_poison_messages_become_dead_letters_and_ingestion_goes_on(kafka_setting
 
         # The sink committed past every poison record: a restart (or the group's next member)
         # resumes after them instead of replaying them.
-        from kafka import KafkaAdminClient
+        from feedback import bus
 
-        admin = KafkaAdminClient(bootstrap_servers=kafka_settings.kafka.bootstrap)
+        admin = bus.admin(kafka_settings.kafka)
         try:
             committed = admin.list_group_offsets(settings.sink.group_id)[settings.sink.group_id]
         finally:
