@@ -39,6 +39,11 @@ EMPTY = Counter("flywheel_empty_completions_total", "Completions with no suggest
 SUMMARIES = Counter("flywheel_summaries_total", "Self-summaries of prompt chunks", ["source"])
 SUMMARY_FALLBACKS = Counter("flywheel_summary_fallbacks_total", "Prompts truncated because self-summarization failed")
 TRUNCATED_TOKENS = Counter("flywheel_prompt_truncated_tokens_total", "Prompt tokens cut to fit the context budget")
+ROUTES = Counter(
+    "flywheel_routing_traces_total",
+    "Completion records by their routing trace (router replay): carried, absent (dense model, capture off or failed), too_long",
+    ["outcome"],
+)
 EVENTS = Counter("flywheel_events_total", "Feedback events accepted", ["type"])
 
 # Per served version (and pool). `version` is an integer that grows with every published version

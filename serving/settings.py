@@ -168,6 +168,11 @@ class ServeSettings(Section):
     """Longest summary the model may write for one chunk."""
     summary_cache_size: int = Field(default=4096, ge=0)
     """Summaries cached per replica (by chunk hash, with the version that wrote each)."""
+    max_routing_chars: int = Field(default=512 * 1024, ge=0, le=4_000_000)
+    """Longest routing trace (the experts vLLM chose per token, feedback.routing's text) a completion
+    record carries; a longer one is left out and counted (`flywheel_routing_traces_total`), so the
+    record stays within Kafka's message size (1 MB by default). About 0.5 KB a token for a 48-layer,
+    top-8 MoE when routes compress badly, about 6 bytes for Flywheel's `small`."""
     summary_reuse_versions: int = Field(default=2, ge=0)
     """A cached summary serves the version that wrote it and this many later ones, so a replica's
     cache stays warm across a hot swap (learner.prompts.SummaryCache). 0: each version writes its own."""

@@ -294,6 +294,17 @@ def _response(st: ApiState, r: GenerateResult, body, created: int, *, crlf: bool
     )
 
 
+def _routing(st: ApiState, r: GenerateResult) -> str | None:
+    """The record's routing trace, counted; one longer than `serve.max_routing_chars` is left out,
+    so a big model's record stays within Kafka's message size (the learner routes those tokens itself)."""
+    trace = r.samples[0].routing if r.samples else None
+    if trace is not None and len(trace) > st.cfg.max_routing_chars:
+        metrics.ROUTES.labels("too_long").inc()
+        return None
+    metrics.ROUTES.labels("carried" if trace is not None else "absent").inc()
+    return trace
+
+
 def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
     """Count the completion (its latency up to now: a stream records at its end) and hand its
     record to the producer (never blocks, never raises)."""
@@ -317,7 +328,7 @@ def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
         summary_ids=r.summary_ids,
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
-        routing=r.samples[0].routing if r.samples else None,
+        routing=_routing(st, r),
         pinned=meta.pinned,
     )
     st.producer.send(bus.COMPLETIONS, rec)

@@ -27,6 +27,7 @@ class FakeEngine:
     calls: list = field(default_factory=list)
     fail: bool = False
     first_token_s: float | None = None  # what the engine reports as its time to first token
+    routing: str | None = None  # the routing trace it reports with a finished request's first sample
 
     async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
         self.calls.append((prompt_ids, spec, request_id))
@@ -44,6 +45,7 @@ class FakeEngine:
                     text=self.tok.decode(ids[:k]),
                     finish_reason=("length" if k == spec.max_tokens else "stop") if done else None,
                     first_token_s=self.first_token_s,
+                    routing=self.routing if done and i == 0 else None,
                 )
                 for i in range(spec.n)
             ]

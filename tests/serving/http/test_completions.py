@@ -136,3 +136,18 @@ def test_tabby_next_edit_suggestion_is_refused_clearly(tok):
     r = client.post("/v1/completions", json={**TABBY_BODY, "mode": "next_edit_suggestion"})
     assert r.status_code == 400 and "next_edit_suggestion" in r.json()["error"]["message"]
     assert "not supported" in r.json()["error"]["message"] and not sink.sent and not engine.calls
+
+
+def test_the_record_carries_the_engines_routing_trace_unless_it_is_too_long(tok):
+    from feedback.routing import encode_routing
+    from serving import metrics
+
+    trace = encode_routing([[[0, 1]] * 5])
+    client, sink, engine = make_client(tok, FakeEngine(tok, routing=trace), max_routing_chars=len(trace))
+    before = metrics.ROUTES.labels("too_long")._value.get()
+    assert client.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 4}).status_code == 200
+    engine.routing = trace + "A" * 8  # one the record may not carry: left out, counted
+    assert client.post("/v1/completions", json={"prompt": "def g(", "max_tokens": 4}).status_code == 200
+    records = [m for t, m in sink.sent if t == bus.COMPLETIONS]
+    assert [r.routing for r in records] == [trace, None]
+    assert metrics.ROUTES.labels("too_long")._value.get() == before + 1
