@@ -31,8 +31,6 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-CONTEXT_CHARS = 1024
-"""Characters of text a completion record keeps on each side of the cursor."""
 MIN_ANCHOR = 24
 """Characters of the text before the old cursor the search starts with (doubled while ambiguous)."""
 
@@ -51,11 +49,6 @@ class Judgement:
     accepted_chars: int = 0
     select_kind: Literal["full", "line", "word"] | None = None
     not_judged: NotJudged | None = None
-
-
-def cursor_context(prefix: str, suffix: str | None) -> tuple[str, str]:
-    """The text a completion record keeps around the cursor: at most CONTEXT_CHARS of each side."""
-    return prefix[-CONTEXT_CHARS:], (suffix or "")[:CONTEXT_CHARS]
 
 
 def find_cursor(before: str, text: str) -> tuple[int | None, NotJudged | None]:

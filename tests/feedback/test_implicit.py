@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-from feedback.implicit import CONTEXT_CHARS, Judgement, cursor_context, find_cursor, judge_next, kept_prefix
+from feedback.implicit import Judgement, find_cursor, judge_next, kept_prefix
 
 BEFORE = "def area(r):\n    "
 AFTER = "\n\nprint(area(2))\n"
@@ -116,12 +114,3 @@ def test_kept_prefix_cuts_at_word_ends():
     assert kept_prefix("r", "return") == 0
     assert kept_prefix("x  ", "x  y") == 3  # trailing blanks belong to the whole suggestion
     assert kept_prefix("", "anything") == 0
-
-
-@pytest.mark.parametrize("n", [0, 5, CONTEXT_CHARS, CONTEXT_CHARS + 7])
-def test_cursor_context_is_bounded(n):
-    prefix, suffix = "p" * n, "s" * n
-    before, after = cursor_context(prefix, suffix)
-    assert before == prefix[-CONTEXT_CHARS:] and after == suffix[:CONTEXT_CHARS]
-    assert len(before) == len(after) == min(n, CONTEXT_CHARS)
-    assert cursor_context("abc", None) == ("abc", "")
