@@ -74,6 +74,7 @@ def check_ready(s) -> Path:
 
     try:
         tokens = s.serve.editor_tokens()
+        s.serve.editor_token_users()
     except ValueError as e:
         raise UserError(str(e)) from None
     if not tokens and not s.serve.allow_anonymous:
