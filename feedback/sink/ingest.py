@@ -367,37 +367,53 @@ def judge_pair(prev: Served, nxt: Served) -> Judgement | None:
     return judge_next(prev.suggestion, prev.before, prev.after, nxt.before, nxt.after)
 
 
-def read_served(conn: Connection, *, user_hashes: Iterable[str], since: datetime, until: datetime) -> list[Served]:
-    """The completions of `user_hashes` created in [since, until] with their cursor text: one
-    query per CHUNK users."""
-    c, ch = db.completions, db.completion_choices
+def read_served(
+    conn: Connection, *, user_hashes: Iterable[str], since: datetime, until: datetime, text: bool = True
+) -> list[Served]:
+    """The completions of `user_hashes` created in [since, until]: one query per CHUNK users.
+    With `text=False` only who, which file and when (`before`, `after`, `suggestion` are None):
+    a busy user has many completions in a window, and only a few of them are paired."""
+    c = db.completions
     out: list[Served] = []
-    query = select(
-        c.c.id,
-        c.c.completion_id,
-        c.c.user_hash,
-        c.c.filepath,
-        c.c.created_at,
-        c.c.before_cursor,
-        c.c.after_cursor,
-        ch.c.text,
-    ).select_from(c.outerjoin(ch, and_(ch.c.completion_id == c.c.completion_id, ch.c.choice_index == 0)))
     for part in _chunks(sorted(set(user_hashes))):
-        rows = conn.execute(query.where(c.c.user_hash.in_(part), c.c.created_at >= since, c.c.created_at <= until))
-        out += [
-            Served(
-                r.completion_id,
-                r.user_hash,
-                r.filepath,
-                as_utc(r.created_at),
-                r.id,
-                r.before_cursor,
-                r.after_cursor,
-                r.text,
-            )
-            for r in rows
-        ]
+        query = _served_query(text).where(c.c.user_hash.in_(part), c.c.created_at >= since, c.c.created_at <= until)
+        out += [_served(r, text) for r in conn.execute(query)]
     return out
+
+
+def with_text(conn: Connection, served: Sequence[Served]) -> dict[str, Served]:
+    """`served` by completion id, with their text: one query per CHUNK completions."""
+    c = db.completions
+    out: dict[str, Served] = {}
+    for part in _chunks(sorted({s.completion_id for s in served})):
+        out |= {
+            r.completion_id: _served(r, True)
+            for r in conn.execute(_served_query(True).where(c.c.completion_id.in_(part)))
+        }
+    return out
+
+
+def _served_query(text: bool):
+    c, ch = db.completions, db.completion_choices
+    columns = [c.c.id, c.c.completion_id, c.c.user_hash, c.c.filepath, c.c.created_at]
+    if not text:
+        return select(*columns)
+    return select(*columns, c.c.before_cursor, c.c.after_cursor, ch.c.text).select_from(
+        c.outerjoin(ch, and_(ch.c.completion_id == c.c.completion_id, ch.c.choice_index == 0))
+    )
+
+
+def _served(r, text: bool) -> Served:
+    return Served(
+        r.completion_id,
+        r.user_hash,
+        r.filepath,
+        as_utc(r.created_at),
+        r.id,
+        r.before_cursor if text else None,
+        r.after_cursor if text else None,
+        r.text if text else None,
+    )
 
 
 def inferred_row(prev: Served, nxt: Served, j: Judgement, now: datetime) -> dict[str, Any]:
@@ -424,8 +440,9 @@ def infer_feedback(
     """Judge the previous completion of each new record's user and file from the record's text
     (feedback/implicit.py) and store the outcomes as inferred events; how many were new.
 
-    One query per CHUNK users (the candidates, in SQL already: this batch's records were just
-    written) and one insert, whatever the batch's size. Choice 0 is judged: the one an editor shows."""
+    One query per CHUNK users for the candidates (in SQL already: this batch's records were just
+    written), one per CHUNK pairs for their text, and one insert, whatever the batch's size.
+    Choice 0 is judged: the one an editor shows."""
     records = [r for r in records if r.before_cursor is not None]
     if not records:
         return 0

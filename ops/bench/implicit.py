@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from pydantic import SecretStr
 from rich.console import Console
 from rich.table import Table
 
@@ -109,6 +110,8 @@ def run_bench(s: BenchImplicitSettings, console: Console, *, model_dir: Path | N
     from ops.simulate import run_sessions
     from serving import app
 
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        raise UserError(f"--model-dir {model_dir} holds no Hugging Face model (config.json): export one first")
     t0 = time.time()
     folder = private_dir(s.data_dir / "bench" / "implicit" / time.strftime("%Y%m%d-%H%M%S", time.localtime(t0)))
     kafka = s.kafka.model_copy(update={"bootstrap_servers": "", "port": _free_port(), "controller_port": _free_port()})
@@ -122,7 +125,7 @@ def run_bench(s: BenchImplicitSettings, console: Console, *, model_dir: Path | N
                 update={
                     "port": _free_port(),
                     "canary_replicas": 0,
-                    "auth_tokens": [token],
+                    "auth_tokens": [SecretStr(token)],
                     # Several editors share one token: no per-token limit in the way.
                     "limits": s.serve.limits.model_copy(update={"completions": "", "events": ""}),
                 }
@@ -140,8 +143,6 @@ def run_bench(s: BenchImplicitSettings, console: Console, *, model_dir: Path | N
         if model_dir is None:
             base = ensure_base_model(r, console)
             model_dir = base if (base / "config.json").is_file() else base / "hf"
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"--model-dir {model_dir} holds no Hugging Face model (config.json)")
         corpus = load_training_corpus(pretrain_section(r))
 
         console.rule("2/4 sink and serving")

@@ -55,7 +55,7 @@ def test_a_small_run_measures_agreement_on_its_own_stack(tmp_path):
     s = BenchImplicitSettings(
         data_dir=base.data_dir,
         cache_dir=base.cache_dir,
-        pretrain={"corpus": str(make_corpus(tmp_path / "corpus")), "heldout_fraction": 0.5},
+        pretrain={"corpus": str(make_corpus(tmp_path / "corpus")), "heldout_fraction": 0.4},
         serve={"ray_num_cpus": 2, "context_budget": 256, "summary_chunk_tokens": 64, "engine": {"max_model_len": 512}},
         simulate={"requests": 16, "walk_sites": 4, "users": 2, "rate": 20.0, "edit_delay_s": 0.0, "max_tokens": 8},
     )
@@ -68,3 +68,12 @@ def test_a_small_run_measures_agreement_on_its_own_stack(tmp_path):
     # Each walk's last request has no next one; every other shown suggestion was judged or has a reason.
     assert r["not_judged"]["no_next_request"] >= 1
     assert judged + sum(r["not_judged"].values()) >= r["run"]["shown"]
+
+
+def test_a_model_dir_without_a_model_is_refused_in_one_line(tmp_path):
+    from tests.helpers import flywheel
+
+    r = flywheel("bench", "implicit", "--model-dir", str(tmp_path / "nothing"), tmp_path=tmp_path)
+    assert r.returncode != 0
+    assert "holds no Hugging Face model" in r.stderr + r.stdout and "Traceback" not in r.stderr
+    assert not (tmp_path / "data" / "bench").exists()  # refused before starting anything
