@@ -94,11 +94,11 @@ def not_judged(engine, *, window_s: float) -> Counter:
 
 
 def _all_users(conn) -> list[str]:
-    from sqlalchemy import distinct, select
+    from sqlalchemy import select
 
     from feedback import db
 
-    return list(conn.execute(select(distinct(db.completions.c.user_hash))).scalars())
+    return list(conn.execute(select(db.completions.c.user_hash).distinct()).scalars())
 
 
 def run_bench(s: BenchImplicitSettings, console: Console, *, model_dir: Path | None, out: str | None) -> dict:
