@@ -66,11 +66,11 @@ def agreement(pairs: list[tuple[str, str]]) -> dict:
     return out
 
 
-def not_judged(engine, *, window_s: float) -> Counter:
-    """Why shown suggestions got no inferred outcome: the judge's reason for each pair it declined,
-    and `no_next_request` for a completion no later request of its user and file followed in the
-    window. Empty suggestions (never shown) are left out. Recomputed from SQL with the sink's own
-    pairing and judge."""
+def not_judged(engine, *, window_s: float) -> dict[str, dict[str, int]]:
+    """Why shown suggestions got no inferred outcome, by the explicit outcome of each: the judge's
+    reason for each pair it declined, and `no_next_request` for a completion no later request of
+    its user and file followed in the window. Empty suggestions (never shown) are left out.
+    Recomputed from SQL with the sink's own pairing and judge."""
     from datetime import UTC, datetime
 
     from feedback.sink import ingest
@@ -82,15 +82,47 @@ def not_judged(engine, *, window_s: float) -> Counter:
             since=datetime(2000, 1, 1, tzinfo=UTC),
             until=datetime(2100, 1, 1, tzinfo=UTC),
         )
+        explicit = explicit_outcomes(conn)
     pairs = ingest.previous_pairs(served, {s.completion_id for s in served}, window_s)
     judged_prev = {prev.completion_id for prev, _ in pairs}
-    reasons: Counter = Counter()
+    reasons: dict[str, Counter] = {}
+
+    def add(why: str, completion_id: str) -> None:
+        reasons.setdefault(why, Counter())[explicit.get(completion_id, "no explicit event")] += 1
+
     for prev, nxt in pairs:
         j = ingest.judge_pair(prev, nxt)
         if j is not None and j.not_judged is not None and j.not_judged != "blank":
-            reasons[j.not_judged] += 1
-    reasons["no_next_request"] = sum(1 for s in served if s.suggestion and s.completion_id not in judged_prev)
-    return reasons
+            add(j.not_judged, prev.completion_id)
+    for s in served:
+        if s.suggestion and s.suggestion.strip() and s.completion_id not in judged_prev:
+            add("no_next_request", s.completion_id)
+    return {why: dict(c) for why, c in sorted(reasons.items(), key=lambda kv: -sum(kv[1].values()))}
+
+
+def explicit_outcomes(conn) -> dict[str, str]:
+    """Choice 0's outcome by its explicit events, as v_inferred_agreement names them: a full select
+    is `full`, another select or an edit `partial`, a dismiss or a view alone `none`."""
+    from sqlalchemy import select
+
+    from feedback import db
+
+    ev = db.events.c
+    rank = {"full": 2, "partial": 1, "none": 0}
+    out: dict[str, str] = {}
+    rows = conn.execute(
+        select(ev.completion_id, ev.type, ev.select_kind).where(ev.source == db.EXPLICIT, ev.choice_index == 0)
+    )
+    for r in rows:
+        if r.type == "select" and r.select_kind == "full":
+            o = "full"
+        elif r.type in ("select", "edit"):
+            o = "partial"
+        else:
+            o = "none"
+        if rank[o] >= rank.get(out.get(r.completion_id, "none"), 0):
+            out[r.completion_id] = o
+    return out
 
 
 def _all_users(conn) -> list[str]:
@@ -179,7 +211,7 @@ def run_bench(s: BenchImplicitSettings, console: Console, *, model_dir: Path | N
         with engine.connect() as conn:
             rows = conn.exec_driver_sql("SELECT explicit_outcome, inferred_outcome FROM v_inferred_agreement").all()
         result = agreement([(e, i) for e, i in rows])
-        result["not_judged"] = dict(not_judged(engine, window_s=r.sink.feedback_window_s).most_common())
+        result["not_judged"] = not_judged(engine, window_s=r.sink.feedback_window_s)
         result["run"] = {
             "requests": stats.requests,
             "walks": len(walks),
@@ -267,5 +299,8 @@ def print_result(result: dict, console: Console) -> None:
     overall = "-" if ov["rate"] is None else f"{ov['rate']:.1%} ({ov['low']:.1%} .. {ov['high']:.1%})"
     t.add_row("all", str(ov["n"]), overall, "", "")
     console.print(t)
-    reasons = ", ".join(f"{n} {why}" for why, n in result["not_judged"].items()) or "none"
-    console.print(f"shown suggestions not judged by the inference: {reasons}")
+    reasons = "; ".join(
+        f"{sum(by.values())} {why} ({', '.join(f'{n} {LABELS.get(o, o)}' for o, n in sorted(by.items()))})"
+        for why, by in result["not_judged"].items()
+    )
+    console.print(f"shown suggestions not judged by the inference (by explicit outcome): {reasons or 'none'}")
