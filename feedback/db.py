@@ -63,6 +63,10 @@ TS = DateTime(timezone=True)
 # Auto-incrementing surrogate keys: BIGINT on PostgreSQL, INTEGER (the rowid) on SQLite.
 Id = BigInteger().with_variant(Integer(), "sqlite")
 
+# `events.source`: an editor sent the event, or the sink inferred it from the user's next request
+# in the same file. Where a choice has explicit events, its inferred ones are ignored (reward, arms).
+EXPLICIT, INFERRED = "explicit", "inferred"
+
 completions = Table(
     "completions",
     metadata,
@@ -87,6 +91,18 @@ completions = Table(
         server_default=false(),
         comment="served for a request that pinned its version (model: name@vN); kept out of rollout arms and training",
     ),
+    Column(
+        "before_cursor",
+        Text,
+        comment="the file's text before the cursor (at most 1024 characters); dropped after retention_days",
+    ),
+    Column(
+        "after_cursor",
+        Text,
+        comment="the file's text after the cursor (at most 1024 characters); dropped after retention_days",
+    ),
+    # The sink's implicit feedback finds a user's previous completion in the same file by it.
+    Index(None, "user_hash", "created_at"),
 )
 
 # A choice the engine did not finish ('abort'; 'error' should an engine report it): an error of
@@ -124,6 +140,13 @@ events = Table(
     Column("elapsed_ms", Integer),
     Column("created_at", TS, nullable=False, index=True),
     Column("ingested_at", TS, nullable=False, server_default=func.now()),
+    Column(
+        "source",
+        String(16),
+        nullable=False,
+        server_default=EXPLICIT,
+        comment="explicit: sent by the editor | inferred: read by the sink from the next request (feedback/implicit.py)",
+    ),
 )
 
 rewards = Table(

@@ -2,8 +2,11 @@
 
 Each class states its invariants in its docstring and enforces them in validation, so a
 message that exists at all is well-formed. On Kafka they travel as JSON (`encode` and
-`decode`), keyed so that one completion's record and events stay in order on one partition:
-completions and events by `completion_id`, versions by `version`.
+`decode`), keyed: completion records by `user_hash` and `filepath`, so that one partition, and
+so one sink, sees a user's requests in a file in order (the sink infers feedback from each
+request about the one before it: feedback/implicit.py); events by `completion_id`, so that one
+completion's events stay in order; versions by `version`. An event may still overtake its
+completion (they travel on different topics): the sink holds it until the record arrives.
 
 Every integer is bounded by the SQL column that stores it (`NonNegInt32` for INTEGER columns,
 `NonNegInt64` for BIGINT; feedback/db.py) and every timestamp by a sane window (`Timestamp`), on
@@ -40,6 +43,16 @@ NonNegInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """A size stored in a BIGINT column: 0 <= value < 2**63."""
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 """A vocabulary id (token, expert): stored inside JSON, read back by the learner as int32/int64."""
+
+
+CURSOR_CONTEXT_CHARS = 1024
+"""Characters of the file a completion record keeps on each side of the cursor (`before_cursor`,
+`after_cursor`): what the next request in the same file is compared with."""
+
+
+def cursor_context(prefix: str, suffix: str | None) -> tuple[str, str]:
+    """The text a completion record keeps around the cursor: at most CURSOR_CONTEXT_CHARS of each side."""
+    return prefix[-CURSOR_CONTEXT_CHARS:], (suffix or "")[:CURSOR_CONTEXT_CHARS]
 
 
 def _sane_time(value: datetime) -> datetime:
@@ -113,6 +126,11 @@ class CompletionRecord(Message):
     latency_ms: float = Field(ge=0)
     prompt_text: str | None = None
     """Subject to the retention setting (see `completion_text`)."""
+    before_cursor: str | None = Field(default=None, max_length=CURSOR_CONTEXT_CHARS)
+    """The end of the file's text before the cursor, as the editor sent it (`cursor_context`); None
+    when not recorded. Subject to the retention setting."""
+    after_cursor: str | None = Field(default=None, max_length=CURSOR_CONTEXT_CHARS)
+    """The start of the file's text after the cursor (see `before_cursor`)."""
     routing: Annotated[str, AfterValidator(check_routing)] | None = None
     pinned: bool = False
     """Served for a request that named its version (`model: flywheel@vN`) instead of being routed:
@@ -215,7 +233,10 @@ def decode(cls: type[M], payload: bytes | None) -> M:
 
 def key_of(msg: Message) -> bytes:
     """The Kafka key of each message type (see the module docstring)."""
-    if isinstance(msg, (CompletionRecord, FeedbackEvent)):
+    if isinstance(msg, CompletionRecord):
+        # NUL cannot occur in a hex user hash: (user, file) pairs never collide.
+        return f"{msg.user_hash}\x00{msg.filepath or ''}".encode("utf-8", "surrogatepass")
+    if isinstance(msg, FeedbackEvent):
         return msg.completion_id.encode()
     if isinstance(msg, ModelVersion):
         return str(msg.version).encode()

@@ -53,18 +53,55 @@ def cursor_sites(files: Sequence[SourceFile], n: int, rng: random.Random, *, min
         attempts += 1
         f = rng.choice(candidates)
         lines = f.text.splitlines(keepends=True)
-        i = rng.randrange(1, len(lines))
-        line = lines[i]
-        body = line.strip()
-        if len(body) < min_chars + 4 or body.startswith("#"):
-            continue
-        indent = len(line) - len(line.lstrip())
-        cut = indent + rng.randint(min_chars // 2, max(min_chars // 2, len(body) // 2))
-        prefix = "".join(lines[:i]) + line[:cut]
-        truth = line[cut:].rstrip("\n")
-        suffix = "\n" + "".join(lines[i + 1 :])
-        sites.append(Site(f.path, f.language, prefix, suffix, truth))
+        site = _site(f, lines, rng.randrange(1, len(lines)), rng, min_chars)
+        if site is not None:
+            sites.append(site)
     return sites
+
+
+def file_walks(
+    files: Sequence[SourceFile], n: int, rng: random.Random, *, per_file: int = 8, max_gap: int = 3, min_chars: int = 4
+) -> list[list[Site]]:
+    """Walks down files, n sites in all: each walk is one file's cursor positions in order, 1 to
+    `max_gap` lines apart (more where blank or comment lines lie between), up to `per_file` of them,
+    as an editor moves down a file it writes.
+
+    The simulated user completes each line before moving on (it keeps what it accepted and types
+    the rest of the line, or types the line itself after a dismiss), so each site's prefix holds
+    every earlier line whole: the next request carries what became of the previous suggestion."""
+    walks: list[list[Site]] = []
+    candidates = [f for f in files if f.text.count("\n") > 5]
+    total, attempts = 0, 0
+    while total < n and candidates and attempts < n * 50:
+        attempts += 1
+        f = rng.choice(candidates)
+        lines = f.text.splitlines(keepends=True)
+        i, walk = rng.randrange(1, len(lines)), []
+        while i < len(lines) and len(walk) < min(per_file, n - total):
+            site = _site(f, lines, i, rng, min_chars)
+            if site is not None:
+                walk.append(site)
+                i += rng.randint(1, max_gap)
+            else:
+                i += 1
+        if walk:
+            walks.append(walk)
+            total += len(walk)
+    return walks
+
+
+def _site(f: SourceFile, lines: list[str], i: int, rng: random.Random, min_chars: int) -> Site | None:
+    """The cursor inside line i (None for a trivial or comment line)."""
+    line = lines[i]
+    body = line.strip()
+    if len(body) < min_chars + 4 or body.startswith("#"):
+        return None
+    indent = len(line) - len(line.lstrip())
+    cut = indent + rng.randint(min_chars // 2, max(min_chars // 2, len(body) // 2))
+    prefix = "".join(lines[:i]) + line[:cut]
+    truth = line[cut:].rstrip("\n")
+    suffix = "\n" + "".join(lines[i + 1 :])
+    return Site(f.path, f.language, prefix, suffix, truth)
 
 
 def judge(suggestion: str, truth: str) -> Verdict:

@@ -12,6 +12,13 @@ served, the `event_id` it chose for each event (sent again, with the same id, af
 got no answer, a 429 or a 5xx), and the HTTP status or why there was none. `flywheel soak`
 compares that client-side view with what reached SQL.
 
+Same-file sessions (`simulate.same_file`): each simulated editor walks down one file
+(`learner.judge.file_walks`), asking at successive cursors a few lines apart, one request after
+the other, and completes each line before moving on, so the next request's prefix carries what
+became of the previous suggestion: what the sink's implicit feedback reads (feedback/implicit.py).
+With `simulate.explicit_events` off the editors send no events at all, as Continue, llama.vscode
+and Ollama clients do.
+
 The user's judgement and the events it sends for it (`learner.judge.judge` and `editor_events`)
 are pure: the learner's held-out replay uses the same ones; this module only puts them on the wire.
 """
@@ -55,6 +62,13 @@ class SimulateSection(Section):
     event_retries: int = Field(default=2, ge=0, le=10)
     """How many times an event is sent again after a call that got no answer, a 429 or a 5xx; it keeps
     its `event_id`, so the server stores it once however many copies arrive."""
+    same_file: bool = False
+    """Each editor walks down one file, requesting at successive cursors in order (see the module
+    docstring); `requests` counts the completions of all walks together."""
+    walk_sites: int = Field(default=8, ge=2)
+    """Requests per walk down a file (same_file)."""
+    explicit_events: bool = True
+    """Send view, select, dismiss and edit events. False: send none, as editors without an events API do."""
     seed: int = 0
     corpus: str | None = None
     """Folder of source files whose held-out split is replayed. Empty: the standard library."""
@@ -165,6 +179,7 @@ async def run_sessions(
     deadline: float | None = None,
     stop: Callable[[], bool] | None = None,
     requests: int | None = None,
+    walks: Sequence[Sequence[Site]] | None = None,
 ) -> SimStats:
     """Replay `sites` as `cfg.users` editors at about `cfg.rate` requests/s in all, over the real HTTP API.
 
@@ -175,11 +190,16 @@ async def run_sessions(
 
     `requests`: how many completions to ask for, going round `sites` (default: one per site);
     0 means no limit, until `deadline` or `stop`. `deadline` (time.monotonic()) or `stop()`
-    returning True: start no request after it; the planned ones left are counted as skipped."""
+    returning True: start no request after it; the planned ones left are counted as skipped.
+
+    `walks` (same-file sessions) replaces `sites`: each walk is one editor's sites in one file,
+    requested in order, each after the previous one's answer and events; `requests` then counts
+    walks (default: each once), and `cfg.users` walks run at once."""
     import httpx
 
     users, rate, edit_delay_s, timeout_s = cfg.users, cfg.rate, cfg.edit_delay_s, cfg.timeout_s
-    total = len(sites) if requests is None else requests
+    units = [[site] for site in sites] if walks is None else [list(w) for w in walks if w]
+    total = len(units) if requests is None else requests
     stats = SimStats()
     rng = random.Random(cfg.seed)
     pending: set[asyncio.Task] = set()  # requests in flight and edits still to send
@@ -257,12 +277,21 @@ async def run_sessions(
                     stats.accepted_chars += e.accepted_chars
                     per["accepted"] += 1
                     per["accepted_chars"] += e.accepted_chars
+                if not cfg.explicit_events:
+                    continue
                 body, query = event_body(e, cid, elapsed_ms)
                 if e.type == "edit":  # the kept text is known a little after the accept
                     spawn(later_edit(body))
                 else:
                     await event(body, query)
             progress(stats)
+
+        async def unit(sites_in_order: list[Site], user: str) -> None:
+            for site in sites_in_order:
+                if time_is_up():
+                    stats.skipped += 1
+                    continue
+                await one(site, user)
 
         def spawn(coro) -> asyncio.Task:
             task = asyncio.create_task(coro)
@@ -281,11 +310,11 @@ async def run_sessions(
             await sem.acquire()
             if time_is_up():
                 sem.release()
-                stats.skipped += total - i if total else 0
+                stats.skipped += sum(len(units[j % len(units)]) for j in range(i, total)) if total else 0
                 break
-            spawn(one(sites[i % len(sites)], f"sim-user-{i % max(1, users * 4)}")).add_done_callback(
-                lambda _: sem.release()
-            )
+            # A walk is one user in one file; single sites share a few users between them.
+            user = f"sim-user-{i % max(1, users * 4)}" if walks is None else f"sim-walk-{i}"
+            spawn(unit(units[i % len(units)], user)).add_done_callback(lambda _: sem.release())
         while pending:
             await asyncio.gather(*pending)
     return stats

@@ -279,6 +279,7 @@ class Ingress:
             routing=RoutingState(),
             producer=self.producer,
             editor_tokens=cfg.editor_tokens(),
+            token_users=cfg.editor_token_users(),
             decode=tok.decode,
             ops_tokens=cfg.ops_token_set(),
             database_url=settings.database_url,  # the ops routes' database (app.state.database_url)

@@ -7,6 +7,11 @@ a token or a user name can be checked against guesses offline. Bound to the toke
 its own, so it cannot spend another user's share of a rollout's evidence (ops/rollout/arms.py)
 or of the learner's samples.
 
+A token named in `serve.auth_tokens_file` (`token, user`) belongs to that user: then the hash is
+the HMAC of the user's name (`named_user_hash`), the same for each of their tokens, and the
+request's `user` field is not read. Canary buckets and per-user limits then follow the person,
+without any client sending a user field.
+
 A user's bucket (0 <= b < 100) comes from their hash, so it never changes while the key and
 token stay; the canary pool with traffic share w serves the buckets below w
 (serving/http/routing.py, RoutingState.pick). Raising a canary's share from 5 to 25 keeps the
@@ -25,6 +30,19 @@ def user_hash(key: bytes, *, token: str, user: str | None) -> str:
     # NUL cannot occur in a bearer token, so (token, user) pairs never collide.
     msg = token.encode("utf-8", "surrogatepass") + b"\x00" + (user or "").encode("utf-8", "surrogatepass")
     return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def named_user_hash(key: bytes, user: str) -> str:
+    """The hash of a user the tokens file names, whichever of their tokens they send."""
+    # Under a key of its own, derived from the server key: no (token, user) message can give it.
+    named_key = hmac.new(key, b"flywheel named users", hashlib.sha256).digest()
+    return hmac.new(named_key, user.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+
+
+def caller_hash(key: bytes, *, token: str, user: str | None, token_users: dict[str, str]) -> str:
+    """`named_user_hash` for a named token, else `user_hash` of the token and `user`."""
+    name = token_users.get(token)
+    return named_user_hash(key, name) if name is not None else user_hash(key, token=token, user=user)
 
 
 def bucket(uhash: str) -> float:

@@ -134,7 +134,10 @@ class ServeSettings(Section):
     auth_tokens: list[SecretStr] = []
     """Bearer tokens editor clients may send. Prefer `auth_tokens_file` or FLYWHEEL_SERVE__AUTH_TOKENS."""
     auth_tokens_file: Path | None = None
-    """A file with one editor token per line (blank lines and `#` comments ignored)."""
+    """A file with one editor token per line (blank lines and `#` comments ignored), or `token, user`
+    to name the user a token belongs to: a named user's `user_hash` is the HMAC of the name, the same
+    whichever of their tokens they send, so their canary bucket and rate limits follow them (and
+    the `user` field of a request does not change it). A token names at most one user."""
     allow_anonymous: bool = False
     """Serve without tokens (local development only; refused unless set explicitly)."""
     ops_tokens: list[SecretStr] = []
@@ -225,6 +228,13 @@ class ServeSettings(Section):
     def editor_tokens(self) -> set[str]:
         return _tokens(self.auth_tokens, self.auth_tokens_file, "serve.auth_tokens_file")
 
+    def editor_token_users(self) -> dict[str, str]:
+        """The user each named editor token belongs to (`token, user` lines of auth_tokens_file)."""
+        if self.auth_tokens_file is None:
+            return {}
+        lines = _token_lines(self.auth_tokens_file, "serve.auth_tokens_file", named=True)
+        return {token: user for token, user in lines if user is not None}
+
     def ops_token_set(self) -> set[str]:
         return _tokens(self.ops_tokens, self.ops_tokens_file, "serve.ops_tokens_file")
 
@@ -232,12 +242,40 @@ class ServeSettings(Section):
 def _tokens(inline: list[SecretStr], file: Path | None, what: str) -> set[str]:
     tokens = {t.get_secret_value() for t in inline if t.get_secret_value()}
     if file is not None:
-        try:
-            lines = file.read_text().splitlines()
-        except OSError as e:
-            raise ValueError(f"cannot read {what} {file}: {e.strerror}") from None
-        tokens |= {ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")}
+        tokens |= {token for token, _ in _token_lines(file, what, named=what == "serve.auth_tokens_file")}
     return tokens
+
+
+def _token_lines(file: Path, what: str, *, named: bool) -> list[tuple[str, str | None]]:
+    """(token, user or None) per line of a tokens file; blank lines and `#` comments skipped. A
+    malformed line is a ValueError naming its number, never its content (it holds a token)."""
+    try:
+        lines = file.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {file}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {file} is not UTF-8 text") from None
+    out: list[tuple[str, str | None]] = []
+    owner: dict[str, str | None] = {}
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        if "," not in text:
+            token, user = text, None
+        else:
+            fields = [f.strip() for f in text.split(",")]
+            expected = "`token, user`" if named else "one token, no commas"
+            if not named or len(fields) != 2 or not fields[0] or not fields[1]:
+                raise ValueError(f"{what} {file}: line {number} is malformed: expected `token` or {expected}")
+            token, user = fields
+        if any(ch.isspace() for ch in token):
+            raise ValueError(f"{what} {file}: line {number} is malformed: a token holds no spaces")
+        if token in owner and owner[token] != user:
+            raise ValueError(f"{what} {file}: line {number} gives a token listed before another user")
+        owner[token] = user
+        out.append((token, user))
+    return out
 
 
 _PROCESS_KEY = secrets.token_bytes(32)

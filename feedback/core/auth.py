@@ -16,8 +16,8 @@ for a session cookie (ops/dashboard/routes.py); `DashboardLogin` holds its setti
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, HTTPException, Request
@@ -33,6 +33,14 @@ class Tokens:
     ops: frozenset[str] = frozenset()
     allow_anonymous: bool = False
     """With no editor token configured, let editor routes through (local development only)."""
+    users: Mapping[str, str] = field(default_factory=dict)
+    """The user a named editor token belongs to (`token, user` in serve.auth_tokens_file)."""
+
+    def holder(self, token: str) -> tuple[str, str]:
+        """Who sends `token`, as a rate limit counts them: ("user", name) for a named token, so
+        that all of one user's tokens share a limit, else ("token", token)."""
+        name = self.users.get(token)
+        return ("user", name) if name is not None else ("token", token)
 
 
 class DashboardLogin(Section):

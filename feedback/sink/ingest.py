@@ -7,6 +7,11 @@ That, with offsets committed only after the database commit, makes the rows exac
 
 - Completions go to `completions` and `completion_choices`, and their reward is queued in
   `reward_due` for when the feedback window closes.
+- Each new completion record is compared with the previous completion of the same user and
+  file inside the feedback window (`infer_feedback`, feedback/implicit.py): whether its
+  suggestion was kept becomes an event with `source = 'inferred'`, whose id is derived from the
+  judged completion's id, so a replayed or redelivered record adds nothing. Where a choice has
+  explicit events, its reward ignores the inferred one, whichever arrived first.
 - An event whose completion is known goes to `events`. Otherwise it waits in
   `pending_events` (an event may overtake its completion record: they travel on different
   topics) until its completion arrives, or the grace period ends and it becomes a dead letter.
@@ -23,17 +28,19 @@ so that tests control time. Timestamps are stored in UTC (SQLite keeps no time z
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import Table, delete, select
+from sqlalchemy import Table, and_, delete, select
 from sqlalchemy.engine import Connection
 
 from feedback import db
 from feedback.core.clock import as_utc
 from feedback.core.errors import first_line
+from feedback.implicit import Judgement, judge_next
 from feedback.reward import ChoiceFeedback, Event, RewardWeights, reward
 from feedback.schemas import CompletionRecord, FeedbackEvent, MalformedMessage, decode, encode
 
@@ -81,10 +88,12 @@ class Counts:
     promoted: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
     rewards: int = 0
+    inferred: int = 0
 
     def add(self, other: Counts) -> Counts:
         self.completions += other.completions
         self.events += other.events
+        self.inferred += other.inferred
         self.held += other.held
         self.promoted += other.promoted
         self.rewards += other.rewards
@@ -125,6 +134,8 @@ def completion_rows(rec: CompletionRecord, now: datetime) -> tuple[dict[str, Any
         filepath=_storable(rec.filepath),
         prompt_token_ids=rec.prompt_token_ids,
         prompt_text=_storable(rec.prompt_text),
+        before_cursor=_storable(rec.before_cursor),
+        after_cursor=_storable(rec.after_cursor),
         summary_ids=rec.summary_ids,
         n_choices=len(rec.choices),
         latency_ms=rec.latency_ms,
@@ -162,6 +173,7 @@ def event_row(ev: FeedbackEvent, now: datetime) -> dict[str, Any]:
         elapsed_ms=ev.elapsed_ms,
         created_at=as_utc(ev.created_at),
         ingested_at=now,
+        source=db.EXPLICIT,
     )
 
 
@@ -246,6 +258,9 @@ def write_batch(
     counts = Counts()
     new_ids = _write_completions(conn, batch.completions, now=now, feedback_window_s=feedback_window_s)
     counts.completions = len(new_ids)
+    fresh = set(new_ids)
+    new_records = {rec.completion_id: rec for rec, _ in batch.completions if rec.completion_id in fresh}
+    counts.inferred = infer_feedback(conn, list(new_records.values()), now=now, feedback_window_s=feedback_window_s)
 
     known = {rec.completion_id for rec, _ in batch.completions}
     known |= existing(conn, db.completions.c.completion_id, {ev.completion_id for ev, _ in batch.events} - known)
@@ -301,6 +316,147 @@ def _requeue_rewarded(conn: Connection, completion_ids: Iterable[str], *, now: d
     """A new event for a completion already rewarded (the sink lagged behind the window): recompute."""
     rewarded = existing(conn, db.rewards.c.completion_id, completion_ids)
     insert_new(conn, db.reward_due, [dict(completion_id=cid, due_at=now) for cid in sorted(rewarded)])
+
+
+# --- implicit feedback -------------------------------------------------------------------------
+
+INFERRED_EVENT_NAMESPACE = uuid.UUID("6f1c1f0e-3b8a-4c55-9a59-2d1f7f5f0a17")
+"""uuid5 namespace of inferred events: one id per judged completion, on every sink and replay."""
+
+
+def inferred_event_id(completion_id: str) -> str:
+    return str(uuid.uuid5(INFERRED_EVENT_NAMESPACE, completion_id))
+
+
+@dataclass(frozen=True)
+class Served:
+    """A completion as the implicit judge reads it: who, which file, when, the text around its
+    cursor and what choice 0 suggested (None once retention dropped it)."""
+
+    completion_id: str
+    user_hash: str
+    filepath: str | None
+    created_at: datetime
+    id: int
+    before: str | None
+    after: str | None
+    suggestion: str | None
+
+
+def previous_pairs(served: Sequence[Served], new_ids: set[str], window_s: float) -> list[tuple[Served, Served]]:
+    """(previous, next) for each completion in `new_ids`: the latest earlier completion of the same
+    user and file (by created_at, then arrival) at most `window_s` before it. Pure."""
+    by_file: dict[tuple[str, str | None], list[Served]] = {}
+    for s in served:
+        by_file.setdefault((s.user_hash, s.filepath), []).append(s)
+    pairs = []
+    for group in by_file.values():
+        group.sort(key=lambda s: (s.created_at, s.id))
+        for prev, nxt in zip(group, group[1:]):
+            if nxt.completion_id in new_ids and (nxt.created_at - prev.created_at).total_seconds() <= window_s:
+                pairs.append((prev, nxt))
+    return pairs
+
+
+def judge_pair(prev: Served, nxt: Served) -> Judgement | None:
+    """The judgement of `prev`'s suggestion from `nxt`'s text; None when either lacks its text."""
+    if prev.suggestion is None or prev.before is None or prev.after is None:
+        return None
+    if nxt.before is None or nxt.after is None:
+        return None
+    return judge_next(prev.suggestion, prev.before, prev.after, nxt.before, nxt.after)
+
+
+def read_served(
+    conn: Connection, *, user_hashes: Iterable[str], since: datetime, until: datetime, text: bool = True
+) -> list[Served]:
+    """The completions of `user_hashes` created in [since, until]: one query per CHUNK users.
+    With `text=False` only who, which file and when (`before`, `after`, `suggestion` are None):
+    a busy user has many completions in a window, and only a few of them are paired."""
+    c = db.completions
+    out: list[Served] = []
+    for part in _chunks(sorted(set(user_hashes))):
+        query = _served_query(text).where(c.c.user_hash.in_(part), c.c.created_at >= since, c.c.created_at <= until)
+        out += [_served(r, text) for r in conn.execute(query)]
+    return out
+
+
+def with_text(conn: Connection, served: Sequence[Served]) -> dict[str, Served]:
+    """`served` by completion id, with their text: one query per CHUNK completions."""
+    c = db.completions
+    out: dict[str, Served] = {}
+    for part in _chunks(sorted({s.completion_id for s in served})):
+        out |= {
+            r.completion_id: _served(r, True)
+            for r in conn.execute(_served_query(True).where(c.c.completion_id.in_(part)))
+        }
+    return out
+
+
+def _served_query(text: bool):
+    c, ch = db.completions, db.completion_choices
+    columns = [c.c.id, c.c.completion_id, c.c.user_hash, c.c.filepath, c.c.created_at]
+    if not text:
+        return select(*columns)
+    return select(*columns, c.c.before_cursor, c.c.after_cursor, ch.c.text).select_from(
+        c.outerjoin(ch, and_(ch.c.completion_id == c.c.completion_id, ch.c.choice_index == 0))
+    )
+
+
+def _served(r, text: bool) -> Served:
+    return Served(
+        r.completion_id,
+        r.user_hash,
+        r.filepath,
+        as_utc(r.created_at),
+        r.id,
+        r.before_cursor if text else None,
+        r.after_cursor if text else None,
+        r.text if text else None,
+    )
+
+
+def inferred_row(prev: Served, nxt: Served, j: Judgement, now: datetime) -> dict[str, Any]:
+    """The `events` row of a judgement: a select (its kind and characters) or, not kept, a dismiss."""
+    return dict(
+        event_id=inferred_event_id(prev.completion_id),
+        completion_id=prev.completion_id,
+        choice_index=0,
+        type="select" if j.outcome in ("full", "partial") else "dismiss",
+        select_kind=j.select_kind,
+        accepted_chars=j.accepted_chars if j.outcome in ("full", "partial") else None,
+        kept_text=None,
+        view_id=None,
+        elapsed_ms=min(int((nxt.created_at - prev.created_at).total_seconds() * 1000), 2**31 - 1),
+        created_at=nxt.created_at,
+        ingested_at=now,
+        source=db.INFERRED,
+    )
+
+
+def infer_feedback(
+    conn: Connection, records: Sequence[CompletionRecord], *, now: datetime, feedback_window_s: float
+) -> int:
+    """Judge the previous completion of each new record's user and file from the record's text
+    (feedback/implicit.py) and store the outcomes as inferred events; how many were new.
+
+    One query per CHUNK users for the candidates (in SQL already: this batch's records were just
+    written), one per CHUNK pairs for their text, and one insert, whatever the batch's size.
+    Choice 0 is judged: the one an editor shows."""
+    records = [r for r in records if r.before_cursor is not None]
+    if not records:
+        return 0
+    window = timedelta(seconds=feedback_window_s)
+    times = [as_utc(r.created_at) for r in records]
+    served = read_served(conn, user_hashes={r.user_hash for r in records}, since=min(times) - window, until=max(times))
+    rows = []
+    for prev, nxt in previous_pairs(served, {r.completion_id for r in records}, feedback_window_s):
+        j = judge_pair(prev, nxt)
+        if j is not None and j.outcome is not None:
+            rows.append(inferred_row(prev, nxt, j, now))
+    inserted = insert_new(conn, db.events, rows, returning=db.events.c.completion_id)
+    _requeue_rewarded(conn, inserted, now=now)
+    return len(inserted)
 
 
 # --- sweeps: pending events, rewards -----------------------------------------------------------
@@ -427,7 +583,8 @@ def compute_due_rewards(
             ch_t.c.completion_id.in_(due)
         )
     ).all()
-    events: dict[tuple[str, int], list[Event]] = {}
+    # Per choice and source; an explicit event wins: the inferred ones count only without any.
+    events: dict[tuple[str, int, str], list[Event]] = {}
     for e in conn.execute(
         select(
             ev_t.c.completion_id,
@@ -437,18 +594,22 @@ def compute_due_rewards(
             ev_t.c.accepted_chars,
             ev_t.c.kept_text,
             ev_t.c.created_at,
+            ev_t.c.source,
         ).where(ev_t.c.completion_id.in_(due))
     ):
         comp = comps.get(e.completion_id)
         if comp is not None and as_utc(e.created_at) <= as_utc(comp.created_at) + window:
-            events.setdefault((e.completion_id, e.choice_index), []).append(
+            events.setdefault((e.completion_id, e.choice_index, e.source), []).append(
                 Event(e.type, e.select_kind, e.accepted_chars, e.kept_text, as_utc(e.created_at))
             )
     rows = []
     for ch in choices:
-        value, parts = reward(
-            ChoiceFeedback(ch.n_chars, ch.text, events.get((ch.completion_id, ch.choice_index), ())), weights
-        )
+        key = (ch.completion_id, ch.choice_index)
+        explicit = events.get((*key, db.EXPLICIT), ())
+        inferred = () if explicit else events.get((*key, db.INFERRED), ())
+        value, parts = reward(ChoiceFeedback(ch.n_chars, ch.text, explicit or inferred), weights)
+        if inferred:
+            parts = {**parts, "source": db.INFERRED}
         rows.append(
             dict(
                 completion_id=ch.completion_id,

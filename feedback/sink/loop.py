@@ -7,6 +7,10 @@ between the two commits replays the batch, which the unique keys absorb: at-leas
 delivery plus idempotent writes gives exactly-once rows. Several sinks in one group split
 the partitions between them.
 
+Each batch also infers feedback for the completions that came before its records in the same
+user's file (feedback/implicit.py; `ingest.infer_feedback`): events with source `inferred`,
+counted apart (`flywheel_sink_rows_total{table="inferred_events"}`).
+
 Between batches it sweeps: held events whose completion arrived are promoted, those past
 the grace period become dead letters, rewards whose feedback window closed are computed,
 and text older than `retention_days` is dropped. SIGTERM or SIGINT finishes the batch in
@@ -471,6 +475,7 @@ def _record(stats: SinkStats, counts: Counts) -> None:
         ("events", counts.events),
         ("pending_events", counts.held),
         ("rewards", counts.rewards),
+        ("inferred_events", counts.inferred),
     ]:
         if n:
             ROWS.labels(table).inc(n)
@@ -496,7 +501,11 @@ def _lag(consumer) -> int | None:
 def _summary(s: SinkStats) -> str:
     c = s.counts
     dead = ", ".join(f"{k} {v}" for k, v in sorted(c.dead_letters.items())) or "none"
-    return f"{c.completions} completions, {c.events + c.promoted} events, {c.rewards} rewards, dead letters {s.dead_letters} ({dead})"
+    inferred = f" (and {c.inferred} inferred)" if c.inferred else ""
+    return (
+        f"{c.completions} completions, {c.events + c.promoted} events{inferred}, {c.rewards} rewards, "
+        f"dead letters {s.dead_letters} ({dead})"
+    )
 
 
 def _progress_line(now: SinkStats, before: SinkStats, dt: float) -> str:

@@ -1,7 +1,8 @@
 """Retention: the privacy control over the text users typed and were shown.
 
 After `sink.retention_days` days these become NULL:
-  - `completions.prompt_text` (the code around the cursor),
+  - `completions.prompt_text` (the code around the cursor), and `before_cursor` and `after_cursor`
+    (the file's text on each side of it, which implicit feedback reads),
   - `completion_choices.text` (the suggestion),
   - `events.kept_text` (what the user kept after an edit),
   - `dead_letters.payload` (a raw message may hold any of the above).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.engine import Connection
 
 from feedback import db
@@ -38,6 +39,11 @@ def apply_retention(conn: Connection, *, now: datetime, retention_days: int) -> 
     return {
         "completions.prompt_text": conn.execute(
             update(c).where(c.c.created_at < cutoff, c.c.prompt_text.is_not(None)).values(prompt_text=None)
+        ).rowcount,
+        "completions.cursor_text": conn.execute(
+            update(c)
+            .where(c.c.created_at < cutoff, or_(c.c.before_cursor.is_not(None), c.c.after_cursor.is_not(None)))
+            .values(before_cursor=None, after_cursor=None)
         ).rowcount,
         "completion_choices.text": conn.execute(
             update(ch).where(ch.c.completion_id.in_(old), ch.c.text.is_not(None)).values(text=None)

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "query",
         help="run a read-only SQL query (tables and the v_* analyst views)",
         description="Run one read-only SQL statement and print the result. Writes and DDL are refused. "
-        "Views: v_daily_acceptance, v_version_rewards, v_latency, v_suggestion_rate, v_choice_feedback.",
+        "Views: v_daily_acceptance, v_version_rewards, v_latency, v_suggestion_rate, v_choice_feedback; "
+        "implicit feedback apart: v_choice_feedback_inferred, v_daily_acceptance_inferred, v_inferred_agreement.",
     )
     q.add_argument("sql", help='e.g. "SELECT * FROM v_daily_acceptance ORDER BY day DESC"')
     q.add_argument("--format", choices=["table", "csv", "json"], default="table", help="output format (default: table)")

@@ -148,7 +148,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import random
 
     from learner.corpus import load_corpus
-    from learner.judge import cursor_sites
+    from learner.judge import cursor_sites, file_walks
     from ops.simulate import SimulateSettings, run_sessions
     from serving.settings import ServingSettings
 
@@ -166,7 +166,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         corpus = load_corpus(sim.corpus)
     except ValueError as e:
         raise UserError(str(e)) from None
-    sites = cursor_sites(corpus.heldout, sim.requests, random.Random(sim.seed))
+    rng = random.Random(sim.seed)
+    walks = file_walks(corpus.heldout, sim.requests, rng, per_file=sim.walk_sites) if sim.same_file else None
+    sites = [] if walks is not None else cursor_sites(corpus.heldout, sim.requests, rng)
     update, status = progress_line()
     with status:
         stats = asyncio.run(
@@ -175,6 +177,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 token,
                 sites,
                 sim,
+                walks=walks,
                 progress=lambda st: update(
                     f"{st.requests} requests, {st.shown} shown, {st.accepted} accepted, failed: {st.failure_line()}"
                 ),

@@ -47,6 +47,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_serve)
 
+    im = bench_subcommands(sub).add_parser(
+        "implicit",
+        help="implicit feedback: how often the outcome inferred from the next request agrees with explicit events",
+        description="On a stack of its own (Kafka, SQLite, the sink, Ray Serve with vLLM), simulated editors walk "
+        "down held-out files sending explicit events; per outcome (kept fully, partly, not), how often the sink's "
+        "inferred outcome agrees, with Wilson 95%% intervals, and why the rest were not judged.",
+    )
+    im.add_argument("--requests", type=int, help="completions in all (simulate.requests)")
+    im.add_argument("--model-dir", type=Path, help="a Hugging Face model folder to serve (default: the cached base)")
+    im.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(im)
+    im.set_defaults(fn=cmd_bench_implicit)
+
     lc = bench_subcommands(sub).add_parser(
         "longctx",
         help="long context: full context vs truncation vs self-summary on held-out files",
@@ -74,6 +87,7 @@ def check_ready(s) -> Path:
 
     try:
         tokens = s.serve.editor_tokens()
+        s.serve.editor_token_users()
     except ValueError as e:
         raise UserError(str(e)) from None
     if not tokens and not s.serve.allow_anonymous:
@@ -285,6 +299,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     console.print(f"throughput ratio Flywheel / bare vLLM: {r['throughput_ratio']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def cmd_bench_implicit(args: argparse.Namespace) -> int:
+    from ops.bench.implicit import BenchImplicitSettings, run_bench
+
+    overrides = list(args.overrides) + ([f"simulate.requests={args.requests}"] if args.requests else [])
+    s = BenchImplicitSettings.load(args.config, overrides)
+    print_config(s, "flywheel bench implicit")
+    run_bench(s, console, model_dir=args.model_dir, out=args.out)
     return 0
 
 

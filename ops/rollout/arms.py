@@ -2,7 +2,9 @@
 
 The definitions match the analyst views (`v_choice_feedback`, `v_version_rewards`,
 `v_latency`): a choice is shown when it has any event, accepted on a `select` or `edit`, an
-error when the engine aborted it.
+error when the engine aborted it. Events the sink inferred from the next request
+(`events.source = 'inferred'`, feedback/implicit.py) count for a choice only when it has no
+explicit event: the editor's own word wins, whichever arrived first.
 
 Evidence one client cannot forge. An editor token can post any number of events for the
 completions it was served, so two rules keep a single client from deciding a rollout:
@@ -62,6 +64,10 @@ def read_arm(
     log_var = sum((x - log_mean) ** 2 for x in logs) / (len(logs) - 1) if len(logs) > 1 else (0.0 if logs else None)
 
     # Choices with their feedback; each user's first `cap` choices, and first `cap` shown ones.
+    explicit = ev.c.source == db.EXPLICIT
+    n_explicit = func.sum(case((explicit, 1), else_=0))
+    accepted_by = func.max(case((and_(explicit, ev.c.type.in_(ACCEPT_EVENTS)), 1), else_=0))
+    accepted_inferred = func.max(case((and_(~explicit, ev.c.type.in_(ACCEPT_EVENTS)), 1), else_=0))
     per_choice = (
         select(
             c.c.user_hash,
@@ -70,7 +76,7 @@ def read_arm(
             ch.c.choice_index,
             ch.c.finish_reason,
             case((func.count(ev.c.id) > 0, 1), else_=0).label("shown"),
-            func.max(case((ev.c.type.in_(ACCEPT_EVENTS), 1), else_=0)).label("accepted"),
+            case((n_explicit > 0, accepted_by), else_=func.coalesce(accepted_inferred, 0)).label("accepted"),
         )
         .select_from(
             c.join(ch, ch.c.completion_id == c.c.completion_id).outerjoin(

@@ -2,7 +2,10 @@
 every completion route shares (serving/http/llamacpp.py, serving/http/ollama.py).
 
 Every served completion is recorded to `flywheel.completions`, tagged with the version that
-produced it, through a buffered producer that never holds up a request. The pool comes from
+produced it, through a buffered producer that never holds up a request. The record keeps the
+file's text either side of the cursor (bounded, `cursor_context`): the sink reads from the next
+request in the same file whether this suggestion was kept (feedback/implicit.py), for clients
+that send no events. The pool comes from
 the routing state (serving/http/routing.py), or from a pinned `model: name@vN`.
 
 Clients that render the model's FIM template themselves (Continue) send it as a plain `prompt`;
@@ -26,14 +29,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import Discriminator, Tag
 
 from feedback import bus
-from feedback.schemas import CompletionChoice, CompletionRecord
+from feedback.schemas import CompletionChoice, CompletionRecord, cursor_context
 from learner.formats import parse_rendered_fim
 from learner.languages import editor_stops, language
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
-from serving.routing import user_hash
 from serving.schemas import (
     Choice,
     CompletionResponse,
@@ -71,7 +73,7 @@ async def completions(body: CompletionBody, st: StateDep, token: CompletionsToke
     started = time.perf_counter()
     shape = "tabby" if isinstance(body, TabbyCompletionRequest) else "openai"
     completion_id = new_completion_id()
-    uhash = user_hash(st.cfg.user_hash_key(), token=token, user=body.user)
+    uhash = st.caller_hash(token, body.user)
     if isinstance(body, TabbyCompletionRequest):
         gen, crlf = _tabby_request(st, body, completion_id), is_crlf(body.segments.prefix, body.segments.suffix)
         filepath, lang = body.segments.filepath, body.language
@@ -80,7 +82,16 @@ async def completions(body: CompletionBody, st: StateDep, token: CompletionsToke
         filepath, lang = gen.path, None
     pool, replica = pick(st, getattr(body, "model", None), uhash)
     created = int(time.time())
-    meta = RecordMeta(uhash, shape, pool, started, lang, filepath, is_pinned(getattr(body, "model", None)))
+    meta = RecordMeta(
+        uhash,
+        shape,
+        pool,
+        started,
+        lang,
+        filepath,
+        is_pinned(getattr(body, "model", None)),
+        cursor_context(gen.prefix, gen.suffix),
+    )
     if isinstance(body, OpenAICompletionRequest) and body.stream:
         return StreamingResponse(_sse(st, replica, gen, meta, created), media_type="text/event-stream")
     r = await complete(st, meta, replica, gen)
@@ -102,6 +113,7 @@ class RecordMeta:
     language: str | None = None
     filepath: str | None = None
     pinned: bool = False
+    cursor: tuple[str, str] | None = None  # the file's text either side of the cursor (feedback.schemas.cursor_context)
 
 
 def new_completion_id() -> str:
@@ -329,6 +341,8 @@ def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
         latency_ms=r.latency_ms,
         prompt_text=st.decode(r.prompt_token_ids, skip_special_tokens=False),
         routing=_routing(st, r),
+        before_cursor=meta.cursor[0] if meta.cursor is not None else None,
+        after_cursor=meta.cursor[1] if meta.cursor is not None else None,
         pinned=meta.pinned,
     )
     st.producer.send(bus.COMPLETIONS, rec)

@@ -7,9 +7,10 @@ feedback.core.auth, which reads `app.state.tokens`; route groups that are not se
 `app.state.dashboard` (serve.limits, serve.dashboard). On the serving app these follow its
 ApiState (`AppState`), so changing the ApiState's tokens takes effect on the next request.
 
-`CompletionsToken` and `EventsToken` are the editor token check plus that token's rate limit
+`CompletionsToken` and `EventsToken` are the editor token check plus its holder's rate limit
 (serve.limits.completions, .events): 429 with Retry-After beyond it, counted in this ingress
-replica's memory.
+replica's memory. A token the tokens file names (`token, user`) shares its limit with that
+user's other tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from feedback.core.auth import DashboardLogin, EditorToken, Tokens
 from feedback.core.web import HttpLimits, http_limits, rate_limiter
 from serving.http.routing import RoutingState
 from serving.replica import GenerateRequest, GenerateResult
+from serving.routing import caller_hash
 from serving.settings import ServeSettings
 
 
@@ -55,6 +57,12 @@ class ApiState:
     ops_tokens: set[str] = field(default_factory=set)
     database_url: str | None = None
     prompt_format: dict = field(default_factory=dict)  # learner.formats.ModelFormat.describe() of the served model
+    token_users: dict[str, str] = field(default_factory=dict)  # named editor tokens: token -> user
+
+    def caller_hash(self, token: str, user: str | None) -> str:
+        """The caller's `user_hash` (serving/routing.py): of the user a named token belongs to, else
+        of the token and the request's `user`."""
+        return caller_hash(self.cfg.user_hash_key(), token=token, user=user, token_users=self.token_users)
 
     @property
     def tokens(self) -> Tokens:
@@ -63,6 +71,7 @@ class ApiState:
             editor=frozenset(self.editor_tokens),
             ops=frozenset(self.ops_tokens),
             allow_anonymous=self.cfg.allow_anonymous,
+            users=dict(self.token_users),
         )
 
     @property
@@ -101,10 +110,18 @@ def api_state(request: Request) -> ApiState:
 StateDep = Annotated[ApiState, Depends(api_state)]
 
 
+def _holder(request: Request, token: str) -> tuple[str, str]:
+    t = getattr(request.app.state, "tokens", None)
+    return t.holder(token) if t is not None else ("token", token)
+
+
 def completions_quota(request: Request, token: EditorToken) -> str:
     """The editor token, within its completion rate limit (429 beyond it)."""
     rate_limiter(request.app.state).hit(
-        http_limits(request.app.state).completions, "completions", token, what="completion requests for this token"
+        http_limits(request.app.state).completions,
+        "completions",
+        *_holder(request, token),
+        what="completion requests for this token",
     )
     return token
 
@@ -112,7 +129,7 @@ def completions_quota(request: Request, token: EditorToken) -> str:
 def events_quota(request: Request, token: EditorToken) -> str:
     """The editor token, within its event rate limit (429 beyond it)."""
     rate_limiter(request.app.state).hit(
-        http_limits(request.app.state).events, "events", token, what="events for this token"
+        http_limits(request.app.state).events, "events", *_holder(request, token), what="events for this token"
     )
     return token
 

@@ -80,7 +80,7 @@ async def events_batch(body: EventBatchRequest, st: StateDep, token: EditorToken
         # 429 (nothing recorded) when the token has no room left at all; otherwise the first
         # events that fit are recorded and the rest answered rate_limited.
         granted = rate_limiter(request.app.state).take(
-            limits.events, "events", token, want=len(valid), what="events for this token"
+            limits.events, "events", *st.tokens.holder(token), want=len(valid), what="events for this token"
         )
         _record(st, valid[:granted])
         for result, _ in valid[granted:]:
@@ -88,7 +88,7 @@ async def events_batch(body: EventBatchRequest, st: StateDep, token: EditorToken
     counts = Counter(r.status for r in results)
     waits = [RETRY_FULL_BUFFER_S] if counts["unavailable"] else []
     if counts["rate_limited"]:
-        waits.append(rate_limiter(request.app.state).retry_after(limits.events, "events", token))
+        waits.append(rate_limiter(request.app.state).retry_after(limits.events, "events", *st.tokens.holder(token)))
     if waits:  # the longer wait, so that a resend of everything left over can succeed
         response.headers["Retry-After"] = str(max(waits))
     if results and not counts["accepted"]:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
+from feedback.schemas import cursor_context
 from serving.engine import SamplingSpec
 from serving.http.completions import (
     RecordMeta,
@@ -40,7 +41,6 @@ from serving.http.completions import (
 )
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
-from serving.routing import user_hash
 from serving.schemas import InfillRequest
 
 router = APIRouter()
@@ -69,9 +69,11 @@ async def infill(body: InfillRequest, st: StateDep, token: CompletionsToken):
         stop=tuple(body.stop),
     )
     gen = GenerateRequest(new_completion_id(), prefix, suffix, None, spec, context=context)
-    uhash = user_hash(st.cfg.user_hash_key(), token=token, user=None)
+    uhash = st.caller_hash(token, None)
     pool, replica = pick(st, body.model, uhash)
-    meta = RecordMeta(uhash, "llamacpp", pool, started, pinned=is_pinned(body.model))
+    meta = RecordMeta(
+        uhash, "llamacpp", pool, started, pinned=is_pinned(body.model), cursor=cursor_context(prefix, suffix)
+    )
     if body.stream:
         return StreamingResponse(_events(st, replica, gen, body, meta, crlf), media_type="text/event-stream")
     if body.t_max_predict_ms:

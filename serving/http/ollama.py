@@ -24,6 +24,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import StreamingResponse
 
 from feedback.core.auth import EditorToken
+from feedback.schemas import cursor_context
 from learner.formats import FIM_TEMPLATES, FimTemplate
 from serving.engine import SamplingSpec
 from serving.http.completions import (
@@ -41,7 +42,6 @@ from serving.http.completions import (
 )
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
-from serving.routing import user_hash
 from serving.schemas import OllamaGenerateRequest, OllamaShowRequest
 
 OLLAMA_VERSION = "0.6.0"
@@ -74,9 +74,11 @@ async def generate(body: OllamaGenerateRequest, st: StateDep, token: Completions
         stop=tuple(stops),
     )
     gen = GenerateRequest(new_completion_id(), prefix, suffix, path, spec, repo=repo, context=context)
-    uhash = user_hash(st.cfg.user_hash_key(), token=token, user=None)
+    uhash = st.caller_hash(token, None)
     pool, replica = pick(st, pinned, uhash)
-    meta = RecordMeta(uhash, "ollama", pool, started, filepath=path, pinned=is_pinned(pinned))
+    meta = RecordMeta(
+        uhash, "ollama", pool, started, filepath=path, pinned=is_pinned(pinned), cursor=cursor_context(prefix, suffix)
+    )
     if body.stream:
         return StreamingResponse(_lines(st, replica, gen, body.model, meta), media_type="application/x-ndjson")
     r = await complete(st, meta, replica, gen)

@@ -245,6 +245,15 @@ def test_analyst_role_reads_but_cannot_write(postgres_url):
     try:
         got = run_query(as_analyst, "SELECT SUM(shown) FROM v_daily_acceptance", role="flywheel_analyst")
         assert got.rows == [(5,)]
+        # The views of implicit feedback (migration 0005), and the recreated ones, are readable too.
+        for view in (
+            "v_choice_feedback",
+            "v_choice_feedback_inferred",
+            "v_daily_acceptance_inferred",
+            "v_inferred_agreement",
+        ):
+            got = run_query(as_analyst, f"SELECT COUNT(*) FROM {view}", role="flywheel_analyst")
+            assert len(got.rows) == 1, view
         analyst = create_engine(as_analyst)
         for sql in (
             "INSERT INTO rewards (completion_id, choice_index, model_version, reward, components) VALUES ('z', 0, 1, 1.0, '{}')",

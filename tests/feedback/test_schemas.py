@@ -7,6 +7,7 @@ from sqlalchemy import BigInteger, Integer
 
 from feedback import db
 from feedback.schemas import (
+    CURSOR_CONTEXT_CHARS,
     INT32_MAX,
     INT64_MAX,
     CompletionChoice,
@@ -14,6 +15,7 @@ from feedback.schemas import (
     FeedbackEvent,
     MalformedMessage,
     ModelVersion,
+    cursor_context,
     decode,
     encode,
     key_of,
@@ -35,7 +37,10 @@ def record(**kw) -> CompletionRecord:
 def test_round_trip_and_keys():
     r = record()
     assert decode(CompletionRecord, encode(r)) == r
-    assert key_of(r) == b"c-1"
+    # A user's requests in one file share a key (one partition: the sink sees them in order).
+    assert key_of(r) == b"u\x00" and key_of(record(filepath="a.py")) == b"u\x00a.py"
+    assert key_of(record(completion_id="c-2", filepath="a.py")) == key_of(record(filepath="a.py"))
+    assert key_of(record(user_hash="v", filepath="a.py")) != key_of(record(filepath="a.py"))
     e = FeedbackEvent(completion_id="c-1", type="view")
     assert decode(FeedbackEvent, encode(e)) == e and key_of(e) == b"c-1"
     v = ModelVersion(version=4, parent=3, kind="delta", uri="file:///w/4", sha256="a" * 64)
@@ -171,3 +176,18 @@ def test_a_record_with_a_malformed_routing_trace_is_refused_where_it_enters():
     for bad in ("[[[0, 1]]]", "1,1,2:not base64!", "1,1,2:" + encode_routing([[[0, 1, 2]]]).split(":")[1]):
         with pytest.raises(ValidationError, match="routing"):
             record(routing=bad)
+
+
+@pytest.mark.parametrize("n", [0, 5, CURSOR_CONTEXT_CHARS, CURSOR_CONTEXT_CHARS + 7])
+def test_cursor_context_is_bounded(n):
+    prefix, suffix = "p" * (n - 1) + "P", "S" + "s" * (n - 1)
+    before, after = cursor_context(prefix[:n], suffix[:n])
+    assert len(before) == len(after) == min(n, CURSOR_CONTEXT_CHARS)
+    assert prefix[:n].endswith(before) and suffix[:n].startswith(after)
+    assert cursor_context("abc", None) == ("abc", "")
+    record(before_cursor=before, after_cursor=after)  # the record holds what cursor_context keeps
+
+
+def test_cursor_context_over_the_bound_is_refused():
+    with pytest.raises(ValidationError, match="before_cursor"):
+        record(before_cursor="x" * (CURSOR_CONTEXT_CHARS + 1))

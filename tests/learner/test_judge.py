@@ -58,3 +58,23 @@ def test_cursor_sites_split_a_real_line():
 def test_editor_events_report_the_verdict(suggestion, truth, events):
     got = editor_events(judge(suggestion, truth))
     assert [(e.type, e.select_kind, e.accepted_chars, e.kept_text) for e in got] == events
+
+
+def test_file_walks_go_down_one_file_and_each_prefix_holds_the_previous_line_whole():
+    import random
+
+    from learner.corpus import SourceFile
+    from learner.judge import file_walks
+
+    text = "".join(f"value_{i} = compute_something({i}, {i + 1})\n" for i in range(60))
+    files = [SourceFile("a.py", text), SourceFile("b.py", text.replace("value", "other"))]
+    walks = file_walks(files, 20, random.Random(3), per_file=6, max_gap=3)
+    assert sum(len(w) for w in walks) == 20 and all(len(w) <= 6 for w in walks)
+    for walk in walks:
+        assert len({s.path for s in walk}) == 1
+        for prev, nxt in zip(walk, walk[1:]):
+            # The user finished the previous line (kept or typed), then moved 1 to 3 lines down.
+            assert nxt.prefix.startswith(prev.prefix + prev.truth + "\n")
+            lines_between = nxt.prefix[len(prev.prefix + prev.truth) :].count("\n")
+            assert 1 <= lines_between <= 3
+    assert file_walks([], 5, random.Random(0)) == []

@@ -201,3 +201,85 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
         __import__("uuid").UUID(i) for i in per_event
     }
     assert all(c.started <= c.ended for c in stats.calls) and stats.events == 12
+
+
+def test_same_file_walks_request_in_order_and_can_send_no_events(tmp_path):
+    """Each simulated editor walks down one file: its requests come one after another, under one
+    user, and each prefix holds the previous line whole, so the next request says what became of
+    the previous suggestion (the sink's implicit feedback reads it). Without explicit events the
+    editors send none, as Continue or llama.vscode do."""
+    import asyncio
+    import random
+    import threading
+    import time
+
+    import uvicorn
+
+    from feedback.implicit import judge_next
+    from feedback.pools import STABLE
+    from learner.corpus import SourceFile
+    from learner.formats import own_format
+    from learner.judge import file_walks
+    from learner.tokenizer import train_tokenizer
+    from ops.simulate import SimulateSection, run_sessions
+    from serving.http.app import build_app
+    from serving.http.deps import ApiState
+    from serving.http.routing import RoutingState
+    from serving.replica import CompletionService
+    from serving.settings import ServeSettings
+    from tests.helpers import free_port
+    from tests.serving.conftest import FakeEngine, ListSink, LocalPool
+
+    tok = train_tokenizer([CODE * 20], vocab_size=300)
+    cfg = ServeSettings(auth_tokens=["t"])
+    producer = ListSink()
+    app = build_app()
+    app.state.api = ApiState(
+        cfg=cfg,
+        replicas={
+            STABLE: LocalPool(
+                CompletionService(FakeEngine(tok, text="result"), tok, own_format(tok, 2048), cfg, version=0)
+            )
+        },
+        routing=RoutingState(serving={STABLE: 0}),
+        producer=producer,
+        editor_tokens={"t"},
+        decode=tok.decode,
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + scaled(30)
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    text = "".join(f"result_{i} = os.path.join(part_{i}, name)\n" for i in range(40))
+    walks = file_walks([SourceFile("w.py", text), SourceFile("v.py", text)], 12, random.Random(1), per_file=4)
+    try:
+        stats = asyncio.run(
+            run_sessions(
+                f"http://127.0.0.1:{port}",
+                "t",
+                [],
+                SimulateSection(users=2, rate=100.0, timeout_s=scaled(10.0), explicit_events=False),
+                walks=walks,
+            )
+        )
+    finally:
+        server.should_exit = True
+        thread.join(timeout=scaled(10))
+    records = [m for _, m in producer.sent]
+    assert stats.requests == len(records) == 12 and stats.events == 0 and stats.skipped == 0
+    assert all(not hasattr(m, "event_id") for m in records)  # no events at all
+    by_user: dict[str, list] = {}
+    for m in records:
+        by_user.setdefault(m.user_hash, []).append(m)
+    assert sorted(len(v) for v in by_user.values()) == sorted(len(w) for w in walks)
+    for walk_records in by_user.values():
+        assert len({m.filepath for m in walk_records}) == 1
+        for prev, nxt in zip(walk_records, walk_records[1:]):
+            assert prev.created_at <= nxt.created_at
+            # The suggestion "result" never continues these lines: judged, and not kept.
+            j = judge_next("result", prev.before_cursor, prev.after_cursor, nxt.before_cursor, nxt.after_cursor)
+            assert j.outcome == "none", j

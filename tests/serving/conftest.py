@@ -94,6 +94,7 @@ def make_client(tok, engine=None, routers=(), **cfg_overrides):
         producer=sink,
         editor_tokens=cfg.editor_tokens(),
         decode=tok.decode,
+        token_users=cfg.editor_token_users(),
     )
     client = TestClient(app, raise_server_exceptions=False)
     client.headers["Authorization"] = f"Bearer {TOKEN}"

@@ -85,9 +85,10 @@ def _records(s, ids: set[str], timeout_ms=30_000) -> dict[str, CompletionRecord]
         s.kafka, bus.COMPLETIONS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(timeout_ms))
     )
     got = {}
-    for m in c:
-        if m.key.decode() in ids:
-            got[m.key.decode()] = CompletionRecord.model_validate_json(m.value)
+    for m in c:  # keyed by user and file (feedback.schemas.key_of): find them by their id
+        rec = CompletionRecord.model_validate_json(m.value)
+        if rec.completion_id in ids:
+            got[rec.completion_id] = rec
         if len(got) == len(ids):
             break
     c.close()

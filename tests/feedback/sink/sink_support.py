@@ -115,6 +115,7 @@ def completion(
     language: str = "python",
     latency_ms: float = 10.0,
     created_at=None,
+    **fields,
 ) -> CompletionRecord:
     tokens = [7] * max(1, len(text) // 2) if text else []
     return CompletionRecord(
@@ -127,6 +128,7 @@ def completion(
         latency_ms=latency_ms,
         prompt_text="def f():\n",
         created_at=created_at or datetime.now(UTC),
+        **fields,
     )
 
 

@@ -396,3 +396,178 @@ def test_only_an_unavailable_database_is_retried():
     ]
     assert [database_unavailable(e) for e in retried] == [True] * len(retried)
     assert [database_unavailable(e) for e in refused] == [False] * len(refused)
+
+
+# --- implicit feedback: the next request in the same user's file says what became of a suggestion ---
+
+BEFORE, AFTER = "def area(r):\n    ", "\n\nprint(area(2))\n"
+
+
+def served(cid: str, at, before: str, text: str = "return 3.14 * r * r", *, user="u", path="a.py", after=AFTER):
+    rec = completion(cid, text, created_at=at, before_cursor=before, after_cursor=after)
+    return rec.model_copy(update={"user_hash": user, "filepath": path})
+
+
+def kept_then_next(first="c1", second="c2", gap_s: float = 5.0, **kw):
+    """A suggestion, then the next request with the cursor after it: kept fully."""
+    return served(first, T0, BEFORE, **kw), served(
+        second, T0 + timedelta(seconds=gap_s), BEFORE + "return 3.14 * r * r\n    ", "x", **kw
+    )
+
+
+def events_of(engine) -> list:
+    with engine.connect() as conn:
+        return conn.execute(select(db.events).order_by(db.events.c.completion_id, db.events.c.source)).all()
+
+
+def test_the_next_request_in_the_same_file_infers_a_kept_suggestion(engine):
+    o = Offsets()
+    a, b = kept_then_next()
+    assert write(engine, completions=[o(a), o(b)]).inferred == 1
+    (ev,) = events_of(engine)
+    assert (ev.completion_id, ev.source, ev.type, ev.select_kind, ev.accepted_chars) == (
+        "c1",
+        "inferred",
+        "select",
+        "full",
+        len("return 3.14 * r * r"),
+    )
+    assert ev.event_id == ingest.inferred_event_id("c1") and ev.elapsed_ms == 5000
+    sweep(engine, T0 + timedelta(seconds=WINDOW + 10))
+    with engine.connect() as conn:
+        r = conn.execute(select(db.rewards).where(db.rewards.c.completion_id == "c1")).one()
+    assert (r.reward, r.outcome, r.components["source"]) == (0.75, "select", "inferred")
+
+
+def test_partly_kept_and_not_kept(engine):
+    o = Offsets()
+    recs = [
+        served("p1", T0, BEFORE, "return math.pi * r"),
+        served("p2", T0 + timedelta(seconds=1), BEFORE + "return math.tau", "x"),
+        served("n1", T0, BEFORE, "pass", path="b.py"),
+        served("n2", T0 + timedelta(seconds=1), BEFORE + "return 0", "x", path="b.py"),
+    ]
+    assert write(engine, completions=[o(r) for r in recs]).inferred == 2
+    got = {e.completion_id: (e.type, e.select_kind, e.accepted_chars) for e in events_of(engine)}
+    assert got == {"p1": ("select", "word", len("return math.")), "n1": ("dismiss", None, None)}
+
+
+def test_inference_is_idempotent_across_replays_and_batches(engine):
+    o = Offsets()
+    a, b = kept_then_next()
+    write(engine, completions=[o(a)])  # the previous completion came in an earlier batch
+    assert write(engine, completions=[o(b)]).inferred == 1
+    assert write(engine, completions=[o(a), o(b)]).inferred == 0  # the whole batch replayed
+    # Another sink member (or a replay after a crash) judging the same pair writes the same id.
+    with engine.begin() as conn:
+        assert ingest.infer_feedback(conn, [b], now=T0, feedback_window_s=WINDOW) == 0
+    assert count(engine, "events") == 1
+
+
+def test_only_the_same_user_and_file_within_the_window_is_judged(engine):
+    o = Offsets()
+    pairs = [
+        kept_then_next("late1", "late2", gap_s=WINDOW + 1, path="late.py"),
+        (
+            served("u1", T0, BEFORE, path="u.py"),
+            served("u2", T0 + timedelta(seconds=1), BEFORE + "return 3.14 * r * r", user="v", path="u.py"),
+        ),
+        (
+            served("f1", T0, BEFORE, path="f.py"),
+            served("f2", T0 + timedelta(seconds=1), BEFORE + "return 3.14 * r * r", path="z"),
+        ),
+    ]
+    assert write(engine, completions=[o(r) for pair in pairs for r in pair]).inferred == 0
+    # Without a file path, a user's requests are one file (llama.vscode sends none).
+    a, b = kept_then_next("n1", "n2", path=None)
+    assert write(engine, completions=[o(a), o(b)]).inferred == 1
+    # Each completion is judged by the next one only: a third request judges the second.
+    c = served("n3", T0 + timedelta(seconds=9), BEFORE + "return 3.14 * r * r\n    x = 1", "y", path=None)
+    c = c.model_copy(update={"before_cursor": BEFORE + "return 3.14 * r * r\n    x", "after_cursor": AFTER})
+    assert write(engine, completions=[o(c)]).inferred == 1
+    assert {e.completion_id for e in events_of(engine)} == {"n1", "n2"}
+
+
+def test_an_explicit_event_wins_whichever_arrives_first(engine):
+    o = Offsets()
+    a, b = kept_then_next("e1", "e2")
+    dismiss = FeedbackEvent(completion_id="e1", type="dismiss", created_at=T0 + timedelta(seconds=1))
+    write(engine, completions=[o(a), o(b)])  # inferred first: kept fully
+    write(engine, events=[o(dismiss)])  # then the editor's own word
+    c, d = kept_then_next("x1", "x2", path="other.py")
+    write(engine, events=[o(FeedbackEvent(completion_id="x1", type="view", created_at=T0))])  # held: explicit first
+    write(engine, completions=[o(c), o(d)])
+    sweep(engine, T0 + timedelta(seconds=WINDOW + 10))
+    with engine.connect() as conn:
+        rewards = {r.completion_id: r for r in conn.execute(select(db.rewards))}
+    assert (rewards["e1"].outcome, rewards["e1"].reward) == ("dismiss", -0.25)
+    assert (rewards["x1"].outcome, rewards["x1"].reward) == ("ignored", -0.25)
+    assert "source" not in rewards["e1"].components and "source" not in rewards["x1"].components
+    assert sorted((e.completion_id, e.source) for e in events_of(engine)) == [
+        ("e1", "explicit"),
+        ("e1", "inferred"),
+        ("x1", "explicit"),
+        ("x1", "inferred"),
+    ]
+
+
+def test_analyst_views_keep_explicit_and_inferred_apart(engine):
+    o = Offsets()
+    a, b = kept_then_next("v1", "v2")
+    write(engine, completions=[o(a), o(b)], events=[o(e) for e in events_for("v1", "view", "select")])
+    c, d = kept_then_next("w1", "w2", path="w.py")
+    write(engine, completions=[o(c), o(d)], events=[o(e) for e in events_for("w1", "view", "dismiss")])
+    with engine.connect() as conn:
+
+        def rows(sql):
+            return {r[0]: tuple(r[1:]) for r in conn.exec_driver_sql(sql)}
+
+        explicit = rows("SELECT completion_id, shown, accepted FROM v_choice_feedback")
+        inferred = rows("SELECT completion_id, shown, accepted FROM v_choice_feedback_inferred")
+        agreement = rows(
+            "SELECT completion_id, explicit_outcome, inferred_outcome, agree, inferred_accepted_chars "
+            "FROM v_inferred_agreement"
+        )
+        daily = conn.exec_driver_sql("SELECT SUM(shown), SUM(accepted) FROM v_daily_acceptance_inferred").one()
+    assert explicit["v1"] == (1, 1) and explicit["w1"] == (1, 0) and explicit["v2"] == (0, 0)
+    assert inferred["v1"] == (1, 1) and inferred["w1"] == (1, 1) and inferred["v2"] == (0, 0)
+    n = len("return 3.14 * r * r")
+    assert agreement == {"v1": ("full", "full", 1, n), "w1": ("none", "full", 0, n)}
+    assert tuple(daily) == (2, 2)
+
+
+def test_inference_takes_a_fixed_number_of_queries_per_batch(engine):
+    from sqlalchemy import event
+
+    def statements(n_users: int) -> int:
+        recs = []
+        for u in range(n_users):
+            a, b = kept_then_next(f"q{n_users}-{u}-a", f"q{n_users}-{u}-b", user=f"user{n_users}-{u}")
+            recs += [a, b]
+        seen = []
+        listener = lambda *args: seen.append(args[2])  # noqa: E731
+        with engine.begin() as conn:
+            ingest.write_batch(
+                conn,
+                Batch(completions=[(r, Origin("c", 0, i, None, None)) for i, r in enumerate(recs)]),
+                now=T0,
+                feedback_window_s=WINDOW,
+            )
+            event.listen(conn, "before_cursor_execute", listener)
+            assert ingest.infer_feedback(conn, recs, now=T0, feedback_window_s=WINDOW) == 0  # written above
+            event.remove(conn, "before_cursor_execute", listener)
+        return len(seen)
+
+    assert statements(3) == statements(60) <= 4  # candidates, their text, the insert, the reward queue
+
+
+def test_cursor_text_with_nul_is_stored_spelled_out_and_judged(engine):
+    o = Offsets()
+    a = served("z1", T0, "s = '\x00'\n", "t = 1")
+    b = served("z2", T0 + timedelta(seconds=1), "s = '\x00'\nt = 1\n", "u")
+    assert write(engine, completions=[o(a), o(b)]).inferred == 1
+    with engine.connect() as conn:
+        assert (
+            conn.execute(select(db.completions.c.before_cursor).where(db.completions.c.completion_id == "z1")).scalar()
+            == "s = '\\x00'\n"
+        )

@@ -23,7 +23,7 @@ def load(url: str) -> None:
     db.upgrade(engine)
     old, new = NOW - timedelta(days=40), NOW - timedelta(days=1)
     comps = [
-        (completion(cid, created_at=at), Origin("c", 0, i, None, None))
+        (completion(cid, created_at=at, before_cursor="x = ", after_cursor="\n"), Origin("c", 0, i, None, None))
         for i, (cid, at) in enumerate([("old", old), ("new", new)])
     ]
     evs = [
@@ -50,6 +50,14 @@ def snapshot(engine) -> dict:
             "prompt_text": dict(
                 conn.execute(select(db.completions.c.completion_id, db.completions.c.prompt_text)).all()
             ),
+            "cursor": {
+                r[0]: (r[1], r[2])
+                for r in conn.execute(
+                    select(
+                        db.completions.c.completion_id, db.completions.c.before_cursor, db.completions.c.after_cursor
+                    )
+                )
+            },
             "prompt_token_ids": dict(
                 conn.execute(select(db.completions.c.completion_id, db.completions.c.prompt_token_ids)).all()
             ),
@@ -82,12 +90,14 @@ def test_retention_nulls_old_text_and_keeps_token_ids(backend, request, tmp_path
         dropped = retention.apply_retention(conn, now=NOW, retention_days=30)
     assert dropped == {
         "completions.prompt_text": 1,
+        "completions.cursor_text": 1,
         "completion_choices.text": 1,
         "events.kept_text": 1,
         "dead_letters.payload": 1,
     }
     after = snapshot(engine)
     assert after["prompt_text"] == {"old": None, "new": "def f():\n"}
+    assert after["cursor"] == {"old": (None, None), "new": ("x = ", "\n")}
     assert after["text"] == {"old": None, "new": "hello world"}
     assert after["kept_text"] == {"old": None, "new": "kept"}
     assert after["payload"] == [None, b"secret"]
@@ -105,7 +115,7 @@ def test_the_sink_step_reports_what_it_dropped(tmp_path):
     lines = []
     _retention(engine, 30, lines.append)
     assert lines == [
-        "sink: retention dropped text older than 30 days: 1 completions.prompt_text, 1 completion_choices.text, 1 events.kept_text, 1 dead_letters.payload"
+        "sink: retention dropped text older than 30 days: 1 completions.prompt_text, 1 completions.cursor_text, 1 completion_choices.text, 1 events.kept_text, 1 dead_letters.payload"
     ]
     engine.dispose()
 

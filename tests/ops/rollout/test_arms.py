@@ -81,3 +81,49 @@ def test_each_user_contributes_at_most_max_per_user_samples_their_earliest(engin
     assert counts == (120, 120, 120, 20, 120)
     assert (capped.capped_shown, capped.capped_rewards) == (70, 70)
     assert capped.reward_mean == pytest.approx((20 * 0.75 - 80 * 0.25 - 20 * 0.25) / 120)
+
+
+def test_an_inferred_event_counts_only_where_no_explicit_one_exists(engine):
+    """Implicit feedback (events.source = 'inferred') fills in for clients that send no events; the
+    editor's own events win where both exist."""
+    rows, events = [], []
+    for i, (explicit, inferred) in enumerate(
+        [(None, "select"), (None, "dismiss"), ("dismiss", "select"), ("select", "dismiss"), ("view", None)]
+    ):
+        cid = f"inf-{i}"
+        rows.append(
+            dict(
+                completion_id=cid,
+                model_version=CANDIDATE,
+                user_hash=f"u{i}",
+                prompt_token_ids=[1],
+                summary_ids=[],
+                n_choices=1,
+                latency_ms=10.0,
+                created_at=T0 + timedelta(seconds=i),
+            )
+        )
+        for source, kind in (("explicit", explicit), ("inferred", inferred)):
+            if kind is not None:
+                events.append(
+                    dict(
+                        event_id=f"{cid}-{source}",
+                        completion_id=cid,
+                        choice_index=0,
+                        type=kind,
+                        created_at=T0 + timedelta(seconds=i),
+                        source=source,
+                    )
+                )
+    choices = [
+        dict(completion_id=r["completion_id"], choice_index=0, token_ids=[5], logprobs=[-0.1], n_chars=3) for r in rows
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(db.completions), rows)
+        conn.execute(insert(db.completion_choices), choices)
+        conn.execute(insert(db.events), events)
+    with engine.connect() as conn:
+        arm = read_arm(conn, version=CANDIDATE, since=T0, until=T0 + timedelta(minutes=1))
+    # Accepted: inf-0 (inferred alone) and inf-3 (explicit select beats an inferred dismiss);
+    # not inf-2, whose explicit dismiss beats the inferred select.
+    assert (arm.choices, arm.shown, arm.accepted) == (5, 5, 2)

@@ -151,3 +151,30 @@ def test_the_record_carries_the_engines_routing_trace_unless_it_is_too_long(tok)
     records = [m for t, m in sink.sent if t == bus.COMPLETIONS]
     assert [r.routing for r in records] == [trace, None]
     assert metrics.ROUTES.labels("too_long")._value.get() == before + 1
+
+
+def test_every_completion_route_records_the_text_either_side_of_the_cursor(tok):
+    """What the sink's implicit feedback compares with the next request: bounded on both sides."""
+    from feedback.schemas import CURSOR_CONTEXT_CHARS
+
+    client, sink, _ = make_client(tok)
+    long_prefix = "x = 1\n" * 400 + CONTINUE_PREFIX  # longer than the bound
+    body = CONTINUE_BODY | {
+        "stream": False,
+        "prompt": f"<|fim_prefix|>{long_prefix}<|fim_suffix|>{CONTINUE_SUFFIX}<|fim_middle|>",
+    }
+    assert client.post("/v1/completions", json=body).status_code == 200
+    tabby = {"language": "python", "segments": {"prefix": "a\r\nb = ", "suffix": "\r\nc\r\n", "filepath": "m.py"}}
+    assert client.post("/v1/completions", json=tabby).status_code == 200
+    infill = {"input_prefix": "def f():\n", "prompt": "    return ", "input_suffix": "\n\nf()\n", "n_predict": 4}
+    assert client.post("/infill", json=infill).status_code == 200
+    ollama = {"model": "flywheel", "prompt": "y = ", "suffix": "\nz = 2\n", "stream": False}
+    assert client.post("/api/generate", json=ollama).status_code == 200
+    cursors = [(rec.before_cursor, rec.after_cursor) for topic, rec in sink.sent if topic == bus.COMPLETIONS]
+    assert cursors == [
+        (long_prefix[-CURSOR_CONTEXT_CHARS:], CONTINUE_SUFFIX),
+        ("a\nb = ", "\nc\n"),  # line endings as the prompt is built: one newline
+        ("def f():\n    return ", "\n\nf()\n"),
+        ("y = ", "\nz = 2\n"),
+    ]
+    assert [rec.filepath for _, rec in sink.sent] == [None, "m.py", None, None]
