@@ -253,7 +253,7 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     store = S.open_store(tmp_path, full_every=10)
     for v in range(3):
         store.publish(ckpts[v], parent=v - 1 if v else None)
-    f = tmp_path / "v000002" / "delta.zst"
+    (f,) = (tmp_path / "v000002").glob("*/delta.zst")
     f.write_bytes(f.read_bytes()[:-7] + b"garbage")
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
     service = make_service(tok, engine)
@@ -269,6 +269,8 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
         and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
     )
     assert "v1 -> v2" in swapper.last_swap_error and swapper.status()["failures"] == 1
+    assert f"{f.parent.name}/delta.zst" in swapper.last_swap_error and swapper.status()["corrupt_objects"] == 1
+    assert REGISTRY.get_sample_value("flywheel_store_corrupt_objects_total", {"pool": "canary"}) >= 1
     assert REGISTRY.get_sample_value("flywheel_swaps_total", failed) == before + 1
     assert REGISTRY.get_sample_value("flywheel_swaps_total", {"pool": "canary", "outcome": "ok"}) >= 1
     assert (await service.complete(request(1))).model_version == 1  # and it keeps serving
@@ -402,7 +404,7 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     store = S.open_store(tmp_path / "store")
     for v, c in enumerate((v0, v1, v2, v3)):
         store.publish(c, parent=v - 1 if v else None)
-    f = tmp_path / "store" / "v000003" / "delta.zst"
+    (f,) = (tmp_path / "store" / "v000003").glob("*/delta.zst")
     f.write_bytes(f.read_bytes()[:-1] + b"\x00")  # v3 arrives corrupt
     folder = export_hf(
         model_from(S.to_hf_tensors(v0), args), args, tok, tmp_path / "hf", weight_fn=fp4_dequantized("nvfp4")

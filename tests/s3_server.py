@@ -1,0 +1,150 @@
+"""A real S3 server for the object-store tests: SeaweedFS, built from its Go module.
+
+`seaweedfs_binary` builds `weed` once with the Go toolchain (CI machines have Go) into the user's
+cache, `<cache_dir>/seaweedfs/<version>/weed`; later sessions reuse it. `go install module@version`
+refuses this module (its go.mod has replace directives), so the module is downloaded at the
+pinned version and built as the main module. The build is CPU-bound: about 640 s of CPU time
+(measured: 550 s user + 90 s system), so a few minutes on 2 idle cores, once per machine.
+
+`start` runs `weed server -s3` (master, volume server, filer and S3 gateway in one process) on
+free ports of 127.0.0.1 with a throwaway data folder and one access key, and waits until the S3
+gateway answers; it takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.helpers import free_port, scaled
+
+SEAWEEDFS = "github.com/seaweedfs/seaweedfs"
+SEAWEEDFS_VERSION = "v0.0.0-20261109003541-7506e5f91cd6"
+
+
+def seaweedfs_binary(cache_dir: Path, progress: Callable[[str], None] = print) -> Path:
+    """`weed` at the pinned version, built into `cache_dir` the first time (a few minutes)."""
+    out = cache_dir / "seaweedfs" / SEAWEEDFS_VERSION / "weed"
+    if out.is_file():
+        return out
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("the object-store tests build SeaweedFS with Go: install Go 1.24 or newer")
+    progress(f"building SeaweedFS {SEAWEEDFS_VERSION} with {go} (once; a few minutes) into {out}")
+    t0 = time.monotonic()
+    found = subprocess.run(
+        [go, "mod", "download", "-json", f"{SEAWEEDFS}@{SEAWEEDFS_VERSION}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=cache_dir,
+    )
+    source = json.loads(found.stdout)["Dir"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name("weed.partial")
+    subprocess.run(
+        [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "./weed"],
+        cwd=source,
+        check=True,
+    )
+    partial.rename(out)  # whole, or not there
+    progress(f"built SeaweedFS in {time.monotonic() - t0:.0f} s")
+    return out
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    bucket: str
+    proc: subprocess.Popen
+    log: Path
+    start_s: float
+
+    def storage_options(self) -> dict:
+        """s3fs's keyword arguments for this server (what `store.s3` settings turn into)."""
+        return {"endpoint_url": self.endpoint, "key": self.access_key, "secret": self.secret_key}
+
+    def stop(self) -> None:
+        """Stop the server (its data folder is thrown away, so it need not shut down gracefully)."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=scaled(5))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start(binary: Path, folder: Path) -> S3Server:
+    """`weed server -s3` on free ports with one identity and a fresh bucket; waits until it answers."""
+    import s3fs
+
+    key, secret = "flywheel-test", uuid.uuid4().hex
+    config = folder / "s3.json"
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "flywheel",
+                        "credentials": [{"accessKey": key, "secretKey": secret}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
+    (folder / "data").mkdir()
+    port = {
+        name: free_port()
+        for name in ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc", "debug")
+    }
+    args = [
+        str(binary),
+        "server",
+        f"-dir={folder / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-filer",
+        "-s3",
+        f"-s3.config={config}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=8",
+        "-volume.preStopSeconds=0",  # stop at once: nothing here needs a graceful hand-over
+        f"-debug.port={port['debug']}",
+        *(
+            f"-{name}.port{'.grpc' if grpc else ''}={port[name + ('.grpc' if grpc else '')]}"
+            for name in ("master", "volume", "filer", "s3")
+            for grpc in (False, True)
+        ),
+    ]
+    log = folder / "weed.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=folder)
+    server = S3Server(f"http://127.0.0.1:{port['s3']}", key, secret, f"flywheel-{uuid.uuid4().hex[:8]}", proc, log, 0.0)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **server.storage_options())
+    deadline = time.monotonic() + scaled(120)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SeaweedFS exited with {proc.returncode}; its log: {log}\n{log.read_text()[-3000:]}")
+        try:
+            fs.mkdir(server.bucket)
+            fs.pipe_file(f"{server.bucket}/.ready", b"1")
+            break
+        except Exception as e:  # not up yet: connection refused, or the filer not ready
+            if time.monotonic() >= deadline:
+                server.stop()
+                raise RuntimeError(f"SeaweedFS did not answer within {scaled(120):.0f} s ({e}); its log: {log}") from e
+            time.sleep(0.25)
+    server.start_s = time.monotonic() - t0
+    return server
