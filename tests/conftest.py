@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -81,12 +80,10 @@ def kafka_settings(tmp_path_factory) -> FlywheelSettings:
 def s3_server(tmp_path_factory):
     """A real S3 server (SeaweedFS, tests/s3_server.py) on free ports for the whole session, with a
     fresh bucket; built into the user's cache the first time (a few minutes)."""
-    from feedback.core.config import StackSettings
     from tests import s3_server
 
-    cache = StackSettings(**({"cache_dir": c} if (c := os.environ.get("FLYWHEEL_CACHE_DIR")) else {})).cache_dir
     t0 = time.monotonic()
-    binary = s3_server.seaweedfs_binary(Path(cache).expanduser(), progress=print)
+    binary = s3_server.seaweedfs_binary(s3_server.cache_dir(), progress=print)
     built = time.monotonic() - t0
     server = s3_server.start(binary, tmp_path_factory.mktemp("seaweedfs"))
     print(

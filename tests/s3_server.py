@@ -9,28 +9,38 @@ pinned version and built as the main module. The build is CPU-bound: about 640 s
 `start` runs `weed server -s3` (master, volume server, filer and S3 gateway in one process) on
 free ports of 127.0.0.1 with a throwaway data folder and one access key, and waits until the S3
 gateway answers; it takes a few seconds.
+
+`python -m tests.s3_server` builds it ahead of the tests with progress (`make test` does, so the
+build never counts against a test's timeout); it needs only the standard library and Go.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import free_port, scaled
-
 SEAWEEDFS = "github.com/seaweedfs/seaweedfs"
 SEAWEEDFS_VERSION = "v0.0.0-20261109003541-7506e5f91cd6"
 
 
-def seaweedfs_binary(cache_dir: Path, progress: Callable[[str], None] = print) -> Path:
-    """`weed` at the pinned version, built into `cache_dir` the first time (a few minutes)."""
-    out = cache_dir / "seaweedfs" / SEAWEEDFS_VERSION / "weed"
+def cache_dir() -> Path:
+    """Flywheel's download cache, as the settings resolve it: FLYWHEEL_CACHE_DIR, else the XDG cache."""
+    if explicit := os.environ.get("FLYWHEEL_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "flywheel"
+
+
+def seaweedfs_binary(cache: Path, progress: Callable[[str], None] = print) -> Path:
+    """`weed` at the pinned version, built into `cache` the first time (a few minutes)."""
+    out = cache / "seaweedfs" / SEAWEEDFS_VERSION / "weed"
     if out.is_file():
         return out
     go = shutil.which("go")
@@ -38,21 +48,32 @@ def seaweedfs_binary(cache_dir: Path, progress: Callable[[str], None] = print) -
         raise RuntimeError("the object-store tests build SeaweedFS with Go: install Go 1.24 or newer")
     progress(f"building SeaweedFS {SEAWEEDFS_VERSION} with {go} (once; a few minutes) into {out}")
     t0 = time.monotonic()
-    found = subprocess.run(
+    out.parent.mkdir(parents=True, exist_ok=True)
+    found = subprocess.run(  # outside any Go module: the cache folder
         [go, "mod", "download", "-json", f"{SEAWEEDFS}@{SEAWEEDFS_VERSION}"],
         capture_output=True,
         text=True,
-        check=True,
-        cwd=cache_dir,
+        cwd=out.parent,
     )
+    if found.returncode != 0:
+        raise RuntimeError(f"go mod download {SEAWEEDFS}@{SEAWEEDFS_VERSION} failed: {found.stderr.strip()[-2000:]}")
     source = json.loads(found.stdout)["Dir"]
-    out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name("weed.partial")
-    subprocess.run(
-        [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "./weed"],
+    build = subprocess.Popen(
+        [go, "build", "-v", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "./weed"],
         cwd=source,
-        check=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    assert build.stdout is not None
+    tail: list[str] = []
+    for built, line in enumerate(build.stdout, 1):  # -v names each package as it is compiled
+        tail = (tail + [line.rstrip()])[-20:]
+        if built % 250 == 0:
+            progress(f"building SeaweedFS: {built} packages, {time.monotonic() - t0:.0f} s")
+    if build.wait() != 0:
+        raise RuntimeError("building SeaweedFS failed:\n" + "\n".join(tail))
     partial.rename(out)  # whole, or not there
     progress(f"built SeaweedFS in {time.monotonic() - t0:.0f} s")
     return out
@@ -74,6 +95,8 @@ class S3Server:
 
     def stop(self) -> None:
         """Stop the server (its data folder is thrown away, so it need not shut down gracefully)."""
+        from tests.helpers import scaled
+
         self.proc.terminate()
         try:
             self.proc.wait(timeout=scaled(5))
@@ -85,6 +108,8 @@ class S3Server:
 def start(binary: Path, folder: Path) -> S3Server:
     """`weed server -s3` on free ports with one identity and a fresh bucket; waits until it answers."""
     import s3fs
+
+    from tests.helpers import free_port, scaled
 
     key, secret = "flywheel-test", uuid.uuid4().hex
     config = folder / "s3.json"
@@ -148,3 +173,8 @@ def start(binary: Path, folder: Path) -> S3Server:
             time.sleep(0.25)
     server.start_s = time.monotonic() - t0
     return server
+
+
+if __name__ == "__main__":
+    path = seaweedfs_binary(cache_dir(), progress=lambda msg: print(msg, flush=True))
+    print(f"SeaweedFS for the object-store tests: {path}", file=sys.stderr)
