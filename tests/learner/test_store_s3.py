@@ -214,3 +214,19 @@ def test_the_connection_comes_from_settings_or_the_aws_environment(s3_server, s3
         S.settings_store(wrong).versions()
     with pytest.raises(Exception, match="store.uri 'ftp://x/y': the scheme must be one of file, s3, gs, gcs"):
         StackSettings.load(None, ["store.uri=ftp://x/y"])
+
+
+def test_where_a_server_ignores_if_none_match_the_commit_checks_and_reads_back(s3_server, s3_uri, chain):  # noqa: F811
+    """The fallback for servers found not to honour If-None-Match (here forced on a server that
+    does): a STABLE that exists is never overwritten, and a publish that finds it taken fails."""
+    ckpts, _, _ = chain
+    first = s3_store(s3_server, s3_uri)
+    first._conditional = False
+    first.publish(ckpts[0], parent=None)
+    second = s3_store(s3_server, s3_uri)
+    second._conditional = False
+    sha = first.model_version(0).sha256
+    with pytest.raises(FileExistsError):
+        second._create(f"{second.root}/v000000/STABLE", b"another commit\n")
+    assert s3_store(s3_server, s3_uri).model_version(0).sha256 == sha  # untouched
+    assert second.publish(ckpts[1], parent=0).version == 1 and second.unfinished() == {}
