@@ -45,7 +45,9 @@ def seaweedfs_binary(cache: Path, progress: Callable[[str], None] = print) -> Pa
         return out
     go = shutil.which("go")
     if go is None:
-        raise RuntimeError("the object-store tests build SeaweedFS with Go: install Go 1.24 or newer")
+        raise RuntimeError(
+            "the object-store tests build SeaweedFS with Go: install Go 1.26 or newer (SeaweedFS's go.mod asks for 1.26.6)"
+        )
     progress(f"building SeaweedFS {SEAWEEDFS_VERSION} with {go} (once; a few minutes) into {out}")
     t0 = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,5 +178,8 @@ def start(binary: Path, folder: Path) -> S3Server:
 
 
 if __name__ == "__main__":
-    path = seaweedfs_binary(cache_dir(), progress=lambda msg: print(msg, flush=True))
+    try:
+        path = seaweedfs_binary(cache_dir(), progress=lambda msg: print(msg, flush=True))
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
     print(f"SeaweedFS for the object-store tests: {path}", file=sys.stderr)
