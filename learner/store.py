@@ -53,7 +53,7 @@ Where an S3-compatible server ignores `If-None-Match` (a probe on the first comm
 and a warning says so), the commit is a check, a PUT and a read-back: two publishers racing
 for one version within one round trip could then both believe they won. The store still holds
 exactly one whole version (the last writer's STABLE names its own manifest and payloads,
-checked by sha256), never a mix. AWS S3, SeaweedFS (the tests' server) and recent MinIO honour
+checked by sha256), never a mix. AWS S3 (documented) and SeaweedFS (checked by the tests) honour
 the header; gcsfs's `mode="create"` is not checked here.
 """
 
