@@ -40,7 +40,10 @@ $(STAMP): pyproject.toml
 # and the engines compute in float32, so both instruction sets and both dtypes are checked.
 AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 
+# The object-store tests run a real S3 server, SeaweedFS, built with Go once into the cache
+# (tests/s3_server.py): built here, with progress, so the build never counts against a test.
 test: install lint
+	$(BIN)/python -m tests.s3_server
 	$(BIN)/pytest -m "not soak"
 	$(AVX2_ONLY) $(BIN)/pytest -m numerics
 

@@ -1,19 +1,27 @@
 """The weight store: published model versions as full snapshots and XOR deltas, STABLE last.
 
 The learner publishes, serving replicas read; both use this module and learner.delta, so
-there is one codec. A store lives at a URI; `file://` (or a plain path) is the local
-implementation, and `Store` names the few primitives an object store would implement.
+there is one codec. A store lives at a URI: `file://` (or a plain path), `s3://bucket/prefix`
+(s3fs) or `gs://bucket/prefix` (gcsfs, an optional extra). Every scheme goes through one code
+path over fsspec; the local filesystem only adds owner-only modes, fsync and an flock.
 
-One folder per version:
+One folder per version; inside it one folder per publish attempt (a random id), so no two
+publishers ever write the same object:
 
     v000007/
-        manifest.json       see `FORMAT` below; per-tensor sha256 of the whole checkpoint
-        delta.zst           learner.delta's wire form against `parent` (every version with a parent)
-        full.safetensors    the packed checkpoint (kind "full": no parent, a changed layout, or every
-                            `full_every` versions), in the packed artifact's layout (learner.export):
-                            FP4 targets as compressed-tensors {module}.weight_packed / .weight_scale /
-                            .weight_global_scale, every other tensor bf16 under its checkpoint name
-        STABLE              written last; holds the manifest's sha256
+        STABLE                  the commit, written last and only if absent: "<sha256 of the
+                                manifest> <attempt>/manifest.json"
+        <attempt>/manifest.json see `FORMAT` below: every payload's name, sha256 and size, and the
+                                per-tensor sha256 of the whole checkpoint
+        <attempt>/delta.zst     learner.delta's wire form against `parent` (every version with a parent)
+        <attempt>/full.safetensors  the packed checkpoint (kind "full": no parent, a changed layout, or
+                                every `full_every` versions), in the packed artifact's layout
+                                (learner.export): FP4 targets as compressed-tensors
+                                {module}.weight_packed / .weight_scale / .weight_global_scale, every
+                                other tensor bf16 under its checkpoint name
+
+Stores written before attempts existed (format 1: manifest.json and the payloads beside STABLE,
+which holds the sha256 alone) still open and read; new versions are written as above.
 
 A full version keeps its delta too, so a replica one version behind always fetches a delta;
 the full snapshots only bound how far back a cold reader must go (`materialize`, `plan`).
@@ -25,19 +33,28 @@ version the learner starts from). It is written once, before version 0, and read
 (`export_version` writes a folder vLLM loads) and the learner, so both serve and train the
 model the store holds, never an unrelated folder.
 
-Publishing writes every file into a temporary folder, fsyncs them, renames the folder into
-place, then writes STABLE (temp file, fsync, rename). Readers list only versions with
-STABLE, so a crash at any point leaves nothing half-written visible; the next publish of
-that number replaces the leftover folder. Any number of processes read.
+Publishing writes the payloads, then the manifest, then creates STABLE only if it does not
+exist: on S3 a PUT with `If-None-Match: *`, on a local disk a hard link (each local file is
+written whole and fsynced first). Readers list only versions with STABLE, check the manifest
+against STABLE's sha256 and every payload against the manifest before use, so a crash at any
+point leaves nothing half-written visible, and the next publish of that number (another
+attempt folder) goes through. Cleanup removes what crashed publishes left.
 
-Writers take the store's publish lock (`_exclusive`: an flock on `.publish.lock` in the local
-store's folder) for a whole publish and for cleanup, and decide the version number under it.
-Two learners pointed at one store by mistake therefore never write the same version: without
-an explicit number each takes the next free one; with one (v0, a recovered version), the
-second finds it taken and gets a StoreError, having touched nothing. The lock is released by
-the kernel when its holder dies, so a crashed publisher never blocks the next, and the
-unmarked folder it left is a leftover only the lock holder may replace. Cleanup under the same
-lock never mistakes a publish in progress for a leftover.
+Two learners pointed at one store by mistake never both get a version: the conditional create
+of STABLE lets exactly one publisher commit it; the other gets a StoreError and removes only
+its own attempt folder. Without an explicit number each takes the next free one; with one (v0,
+a recovered version), the second finds it taken. A local store also has a publish lock
+(`_exclusive_lock`: an flock on `.publish.lock`, released by the kernel when its holder dies)
+held for a whole publish and for cleanup, so there publishers queue and cleanup removes
+leftovers at once. An object store has no lock: cleanup leaves uncommitted objects younger
+than `debris_age_s` alone (they may be a publish in progress).
+
+Where an S3-compatible server ignores `If-None-Match` (a probe on the first commit finds out,
+and a warning says so), the commit is a check, a PUT and a read-back: two publishers racing
+for one version within one round trip could then both believe they won. The store still holds
+exactly one whole version (the last writer's STABLE names its own manifest and payloads,
+checked by sha256), never a mix. AWS S3 (documented) and SeaweedFS (checked by the tests) honour
+the header; gcsfs's `mode="create"` is not checked here.
 """
 
 from __future__ import annotations
@@ -55,7 +72,6 @@ import socket
 import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -64,9 +80,12 @@ from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 import torch
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from feedback.core.errors import first_line
 from feedback.core.files import PRIVATE_DIR, PRIVATE_FILE, open_private, private_dir
 from feedback.schemas import ModelVersion
 from learner import delta as codec
@@ -77,17 +96,24 @@ log = logging.getLogger(__name__)
 MANIFEST, STABLE, DELTA_FILE, FULL_FILE = "manifest.json", "STABLE", "delta.zst", "full.safetensors"
 MODEL_DIR, BASE_FILE, EXPORT_MARKER = "model", "base.json", "FLYWHEEL_VERSION"
 LOCK_FILE = ".publish.lock"
-FORMAT = "flywheel-weight-store/1"
+FORMAT = "flywheel-weight-store/2"
 DESCRIPTION = (
-    "One folder per version. manifest.json: version, parent, kind (full|delta), base_version (the parent the "
-    "delta applies to), created_at, fp4_format, digest (sha256 of the sorted name\\tsha256 lines), chain_length "
-    "(deltas since the last full snapshot), tensors {name: {sha256 (learner.delta.tensor_sha256), kind fp4|dense, "
-    "shape, dtype, nbytes}}, full_size_bytes (raw tensor bytes), files {delta|full: {name, sha256, size}}. "
-    "delta.zst: learner.delta wire form (XOR of packed bytes per changed tensor, changed-element mask + byte "
-    "planes, zstd). full.safetensors: compressed-tensors nvfp4/mxfp4-pack-quantized layout for FP4 targets, "
-    "bf16 for the rest. STABLE, written last, holds the sha256 of manifest.json."
+    "One folder per version, one folder per publish attempt inside it (<attempt>/). manifest.json: version, "
+    "parent, kind (full|delta), base_version (the parent the delta applies to), created_at, fp4_format, "
+    "digest (sha256 of the sorted name\\tsha256 lines), chain_length (deltas since the last full snapshot), "
+    "tensors {name: {sha256 (learner.delta.tensor_sha256), kind fp4|dense, shape, dtype, nbytes}}, "
+    "full_size_bytes (raw tensor bytes), files {delta|full: {name (relative to the version's folder), sha256, "
+    "size}}. delta.zst: learner.delta wire form (XOR of packed bytes per changed tensor, changed-element mask + "
+    "byte planes, zstd). full.safetensors: compressed-tensors nvfp4/mxfp4-pack-quantized layout for FP4 targets, "
+    "bf16 for the rest. STABLE, created last and only if absent, holds the manifest's sha256 and name."
 )
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_STABLE_KEY = re.compile(r"^v(\d{6,})/STABLE$")
+_SAFE_NAME = re.compile(r"^(?:[0-9a-f]{12}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file, or a file in an attempt's folder
+
+
+def _vdir(version: int) -> str:
+    return f"v{version:06d}"
 
 
 # --- the packed checkpoint (pure) ----------------------------------------------------------------
@@ -187,57 +213,390 @@ class Producer(Protocol):
     def send(self, topic: str, msg) -> object: ...
 
 
+# --- where the bytes live: fsspec ----------------------------------------------------------------
+
+
+class _LocalFiles(LocalFileSystem):
+    """fsspec's local filesystem as the store needs it: folders and files owner-only
+    (feedback.core.files), every file written whole (temp file, fsync, rename, its folders
+    fsynced), and `pipe_file(mode="create")` atomic: a hard link, which fails when the name
+    exists (fsspec's own looks for the file first and then writes, which two writers can both pass)."""
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs) -> None:
+        path = Path(self._strip_protocol(path))
+        missing, p = [], path.parent
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        private_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            _write_synced(tmp, value)
+            if mode == "create":
+                os.link(tmp, path)  # FileExistsError when another writer has the name
+            else:
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        for folder in dict.fromkeys([path.parent, *(m.parent for m in missing)]):
+            _fsync_dir(folder)
+
+    def rm_file(self, path) -> None:
+        path = Path(self._strip_protocol(path))
+        path.unlink()
+        _fsync_dir(path.parent)
+
+
+def _filesystem(uri: str | Path, options: Mapping[str, object]) -> tuple[AbstractFileSystem, str, str]:
+    """(filesystem, root path in it, protocol) of a store URI: `file://` or a plain path, `s3://`
+    (s3fs; `options` are its keyword arguments), `gs://` (gcsfs, an optional extra)."""
+    s = str(uri)
+    scheme = urlparse(s).scheme if "://" in s else ""
+    if scheme in ("", "file"):
+        path = unquote(urlparse(s).path) if scheme else s
+        return _LocalFiles(), private_dir(Path(path).expanduser().absolute()).as_posix(), "file"
+    if scheme == "s3":
+        import s3fs
+
+        # No listing cache: a reader polls for new versions, and a cached listing would hide them.
+        fs = s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True, **options)
+    elif scheme in ("gs", "gcs"):
+        try:
+            import gcsfs
+        except ImportError:
+            raise ValueError(
+                f"weight store URI {s!r}: gs:// stores need gcsfs (pip install 'flywheel-rl[gcs]')"
+            ) from None
+        fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
+    else:
+        raise ValueError(f"weight store URI {s!r}: the scheme must be file://, s3:// or gs:// (or a local path)")
+    root = fs._strip_protocol(s).rstrip("/")
+    if not root:
+        raise ValueError(f"weight store URI {s!r} names no bucket")
+    return fs, root, scheme
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an error is the server's 412 to a conditional write. s3fs turns it into a
+    FileExistsError only when the server names the If-None-Match condition, as AWS does;
+    SeaweedFS does not, and s3fs makes that an OSError(EINVAL) caused by the client error."""
+    response = getattr(e.__cause__, "response", None) or {}
+    return (
+        response.get("Error", {}).get("Code") == "PreconditionFailed"
+        or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+    )
+
+
+def _mtime(info: Mapping) -> float:
+    """An object's last change (seconds since the epoch) from an fsspec listing; now if unknown."""
+    if "mtime" in info:
+        return float(info["mtime"])
+    when = info.get("LastModified") or info.get("updated")
+    if isinstance(when, datetime):
+        return when.timestamp()
+    if isinstance(when, str):
+        return datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+    return time.time()
+
+
+class _PayloadCache:
+    """A reader's own copies of the payloads it fetched from an object store, named by their
+    sha256 and checked again on every use; beyond `max_bytes`, the least recently used leave."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder = folder
+        self.max_bytes = max_bytes
+
+    def get(self, sha256: str) -> bytes | None:
+        path = self.folder / sha256
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if hashlib.sha256(data).hexdigest() != sha256:
+            log.warning("the cached payload %s is damaged; fetching it from the store again", path)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)
+        return data
+
+    def put(self, sha256: str, data: bytes) -> None:
+        private_dir(self.folder)
+        tmp = self.folder / f".{sha256}.tmp-{uuid.uuid4().hex[:8]}"
+        with open_private(tmp) as f:
+            f.write(data)
+        os.replace(tmp, self.folder / sha256)
+        entries = []
+        for p in self.folder.iterdir():
+            if not p.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):  # another replica's eviction
+                    st = p.stat()
+                    entries.append((st.st_mtime, st.st_size, p))
+        total = 0
+        for _, size, p in sorted(entries, key=lambda e: e[0], reverse=True):
+            total += size
+            if total > self.max_bytes:
+                p.unlink(missing_ok=True)
+
+
 # --- the store --------------------------------------------------------------------------------
 
 
-class Store(ABC):
-    """A weight store. Subclasses implement the storage primitives (the `_`-methods); the
-    publishing protocol, planning, verification and retention live here, once."""
+class Store:
+    """A weight store at a URI: the publishing protocol, planning, verification and retention,
+    over an fsspec filesystem, one code path for every scheme (see the module docstring)."""
 
     def __init__(
-        self, *, full_every: int = 8, zstd_level: int = 3, zstd_threads: int = -1, lock_timeout_s: float = 600.0
+        self,
+        uri: str | Path,
+        *,
+        storage_options: Mapping[str, object] | None = None,
+        cache_dir: str | Path | None = None,
+        cache_max_bytes: int = 4 * 2**30,
+        debris_age_s: float = 3600.0,
+        full_every: int = 8,
+        zstd_level: int = 3,
+        zstd_threads: int = -1,
+        lock_timeout_s: float = 600.0,
     ):
-        """`lock_timeout_s`: how long a publish or cleanup waits for another writer's (see the
-        module docstring) before it gives up with a StoreError."""
+        """`storage_options`: the filesystem's keyword arguments (s3fs: endpoint_url, key, secret,
+        client_kwargs). `cache_dir`: where a reader keeps the payloads it fetched from an object
+        store (`_PayloadCache`; a local store is read in place). `debris_age_s`: on an object store,
+        the age after which cleanup removes a publish that never committed. `lock_timeout_s`: how
+        long a publish or cleanup on a local store waits for another writer's lock before it gives
+        up with a StoreError."""
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1, got {full_every}")
+        self.fs, self.root, self.protocol = _filesystem(uri, storage_options or {})
+        self.local = self.protocol == "file"
         self.full_every = full_every
         self.zstd_level = zstd_level
         self.zstd_threads = zstd_threads
         self.lock_timeout_s = lock_timeout_s
+        self.debris_age_s = debris_age_s
+        self.cache = (
+            _PayloadCache(Path(cache_dir), cache_max_bytes) if cache_dir is not None and not self.local else None
+        )
+        self.corrupt = 0  # objects refused because their sha256 did not match
+        self._conditional: bool | None = True if self.local else None  # probed on an object store's first commit
         self._manifests: dict[int, tuple[dict, str]] = {}  # versions are immutable once STABLE
+        self._markers: dict[int, tuple[str, str]] = {}
         self._cache: _Materialized | None = None
         self._lock = threading.RLock()
         self._writing = 0  # depth of this object's hold on the publish lock
 
-    # storage primitives --------------------------------------------------------------------
-    @abstractmethod
+    # where things are ----------------------------------------------------------------------------
     def uri(self, version: int | None = None) -> str:
         """The store's URI, or one version's."""
+        path = self.root if version is None else self._path(_vdir(version))
+        return Path(path).as_uri() if self.local else f"{self.protocol}://{path}"
 
-    @abstractmethod
+    def _path(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def _objects(self, under: str = "") -> dict[str, dict]:
+        """Every object under the root (or its folder `under`): {path relative to the root: info}."""
+        try:
+            found = self.fs.find(self._path(under) if under else self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except PermissionError as e:
+            raise StoreError(
+                f"the weight store {self.uri()} refused access ({first_line(e)}): check the store.s3 "
+                "credentials or the AWS environment"
+            ) from None
+        prefix = self.root + "/"
+        return {p[len(prefix) :]: info for p, info in found.items() if p.startswith(prefix)}
+
+    # the storage primitives --------------------------------------------------------------------
     def _stable(self) -> list[int]:
         """Versions whose STABLE marker exists, ascending."""
+        return sorted(int(m.group(1)) for rel in self._objects() if (m := _STABLE_KEY.match(rel)))
 
-    @abstractmethod
-    def _read(self, version: int, name: str) -> bytes: ...
+    def _read(self, version: int, name: str) -> bytes:
+        if not _SAFE_NAME.match(name):
+            raise codec.DeltaError(f"version {version}: {name!r} is not a file name of this store's layout")
+        try:
+            return self.fs.cat_file(self._path(_vdir(version), name))
+        except FileNotFoundError:
+            raise StoreError(f"version {version}: {name} is missing from {self.uri(version)}") from None
 
-    @abstractmethod
-    def _write_version(self, version: int, files: Mapping[str, bytes], marker: bytes) -> None:
-        """Make `files` visible as `version`, atomically, then write STABLE = `marker` last."""
+    def _marker(self, version: int) -> tuple[str, str]:
+        """(the manifest's sha256, its name) from the version's STABLE. Format 1's STABLE holds the
+        sha256 alone, of `manifest.json` beside it; format 2's names the publish's own manifest."""
+        if version not in self._markers:
+            fields = self._read(version, STABLE).decode(errors="replace").split()
+            if not fields or len(fields) > 2:
+                raise codec.DeltaError(f"version {version}: its STABLE marker is not 'sha256 [manifest]' (corrupt)")
+            self._markers[version] = (fields[0], fields[1] if len(fields) == 2 else MANIFEST)
+        return self._markers[version]
 
-    @abstractmethod
+    def _create(self, path: str, data: bytes) -> None:
+        """Write the object `path` only if it does not exist (FileExistsError otherwise). On S3
+        this is a PUT with If-None-Match: *; on a server that ignores that header (found by a
+        probe on the first commit) it is a check, a PUT and a read-back, which two writers
+        racing within one round trip can both pass (the module docstring says what holds then)."""
+        if self._conditional is None:
+            self._conditional = self._probe_conditional()
+        if self._conditional:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except OSError as e:
+                if _precondition_failed(e):
+                    raise FileExistsError(path) from e
+                raise
+            return
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+        if self.fs.cat_file(path) != data:
+            raise FileExistsError(path)  # another writer's landed after ours
+
+    def _probe_conditional(self) -> bool:
+        """Whether the server refuses a second create of one object (honours If-None-Match)."""
+        probe = self._path(f".probe-{uuid.uuid4().hex[:12]}")
+        try:
+            try:
+                self.fs.pipe_file(probe, b"1", mode="create")
+            except PermissionError:
+                raise
+            except (OSError, NotImplementedError) as e:  # the server refuses the header itself
+                log.warning("the weight store %s refused a conditional write (%s)", self.uri(), e)
+                return False
+            try:
+                self.fs.pipe_file(probe, b"2", mode="create")
+            except OSError as e:
+                if isinstance(e, FileExistsError) or _precondition_failed(e):
+                    return True
+                raise
+        finally:
+            with contextlib.suppress(OSError):
+                self.fs.rm_file(probe)
+        log.warning(
+            "the weight store %s does not honour If-None-Match: two publishers racing for one version "
+            "within one round trip could both believe they won (the store holds one whole version)",
+            self.uri(),
+        )
+        return False
+
+    def _write_version(self, version: int, attempt: str, files: Mapping[str, bytes], marker: bytes) -> None:
+        """Write this publish's `files` (under its own `attempt` folder), then create STABLE =
+        `marker` only if no other publisher has (StoreError then, and only this publish's own
+        objects are removed)."""
+        folder = self._path(_vdir(version))
+        try:
+            for name, data in files.items():
+                self.fs.pipe_file(f"{folder}/{name}", data)
+            self._create(f"{folder}/{STABLE}", marker)
+        except FileExistsError:
+            self._remove(f"{_vdir(version)}/{attempt}")
+            raise StoreError(
+                f"version {version} is already in the store {self.uri()}: another publisher wrote it "
+                "(is a second learner using this store?); this publish removed only its own objects"
+            ) from None
+        except Exception:
+            self._remove(f"{_vdir(version)}/{attempt}")
+            raise
+
+    def _remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(rel), recursive=True)
+
     def _delete(self, version: int) -> None:
         """Remove STABLE first (readers stop seeing the version), then the rest."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(_vdir(version), STABLE))
+        self._remove(_vdir(version))
+        self._manifests.pop(version, None)
+        self._markers.pop(version, None)
+
+    def unfinished(self) -> dict[str, float]:
+        """What publishes that never committed left (or are writing now): {folder or file relative
+        to the root: seconds since its newest object changed}."""
+        objects = self._objects()
+        newest: dict[str, float] = {}
+        for rel, info in objects.items():
+            parts = rel.split("/")
+            top = parts[0]
+            if top.startswith(".tmp-v"):  # format 1's temporary folder
+                key = top
+            elif not _VERSION_DIR.match(top) or parts[1:] == [STABLE]:
+                continue
+            elif parts[-1].startswith("."):  # a temporary file the local filesystem left
+                key = rel
+            elif len(parts) == 2:  # format 1's file beside STABLE
+                key = rel
+                if self._committed_here(objects, top, ""):
+                    continue
+            else:  # an attempt's folder
+                key = "/".join(parts[:2])
+                if self._committed_here(objects, top, parts[1]):
+                    continue
+            newest[key] = max(newest.get(key, 0.0), _mtime(info))
+        now = time.time()
+        return {key: max(0.0, now - t) for key, t in sorted(newest.items())}
+
+    def _committed_here(self, objects: Mapping[str, dict], vdir: str, attempt: str) -> bool:
+        """Whether version folder `vdir` is committed by `attempt` ("": format 1's files beside STABLE)."""
+        if f"{vdir}/{STABLE}" not in objects:
+            return False
+        manifest = self._marker(int(vdir[1:]))[1]
+        return manifest.startswith(attempt + "/") if attempt else "/" not in manifest
 
     def _remove_debris(self) -> list[str]:
-        """Remove what crashed publishes left (temporary and unmarked folders)."""
-        return []
+        """Remove what crashed publishes left: everything uncommitted on a local store (the
+        caller holds its lock, so no publish is writing), on an object store what is older than
+        `debris_age_s` (a younger one may be a publish in progress)."""
+        gone = [key for key, age in self.unfinished().items() if self.local or age >= self.debris_age_s]
+        for key in gone:
+            self._remove(key)
+        return gone
 
-    @abstractmethod
-    def _exclusive_lock(self) -> contextlib.AbstractContextManager:
-        """Hold the store's publish lock for the block, across processes and hosts that share the
-        store; released even if the holder dies. StoreError after `lock_timeout_s`."""
+    @contextlib.contextmanager
+    def _exclusive_lock(self) -> Iterator[None]:
+        """Hold the store's publish lock for the block. A local store has one: an flock on
+        `.publish.lock`, across the processes of its machine, released by the kernel when its
+        holder dies. An object store has none: the conditional create of STABLE decides which
+        publisher gets a version, and cleanup leaves young uncommitted objects alone."""
+        if not self.local:
+            yield
+            return
+        fd = os.open(Path(self.root) / LOCK_FILE, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                        raise StoreError(
+                            f"the weight store {self.uri()} is being written by another process ({holder}) "
+                            f"for over {self.lock_timeout_s:g} s; is a second learner using it?"
+                        ) from None
+                    time.sleep(0.05)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def publishing(self) -> str | None:
+        """Who holds a local store's publish lock right now (its "pid N on host" line), or None when
+        nobody does (always None on an object store, which has no lock). A probe, for tools that
+        watch the store: it takes the lock for an instant when it is free."""
+        if not self.local:
+            return None
+        fd = os.open(Path(self.root) / LOCK_FILE, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            return None
+        finally:
+            os.close(fd)  # releases the lock if this probe took it
 
     @contextlib.contextmanager
     def _writer(self) -> Iterator[None]:
@@ -257,13 +616,21 @@ class Store(ABC):
                 finally:
                     self._writing = 0
 
-    @abstractmethod
     def _write_model(self, files: Mapping[str, bytes]) -> None:
-        """Make `files` visible as the model files, atomically (replacing any)."""
+        # Each file lands whole; base.json goes last, so model files without it are an import
+        # that did not finish.
+        for name in sorted(files, key=lambda n: n == BASE_FILE):
+            self.fs.pipe_file(self._path(MODEL_DIR, name), files[name])
 
-    @abstractmethod
     def _read_model(self) -> dict[str, bytes]:
-        """The model files, {} when there are none."""
+        names = sorted(
+            rel.split("/", 1)[1]
+            for rel in self._objects(MODEL_DIR)
+            if rel.count("/") == 1 and not rel.split("/", 1)[1].startswith(".")
+        )
+        if BASE_FILE not in names:
+            return {}
+        return {name: self.fs.cat_file(self._path(MODEL_DIR, name)) for name in names}
 
     # the model files ---------------------------------------------------------------------------
     def write_model_files(self, files: Mapping[str, bytes]) -> None:
@@ -310,22 +677,33 @@ class Store(ABC):
         if version not in self._manifests:
             if version not in self._stable():
                 raise StoreError(f"version {version} is not in the store {self.uri()} (stable: {self._stable()[-5:]})")
-            raw, marker = self._read(version, MANIFEST), self._read(version, STABLE).decode().strip()
+            marker, name = self._marker(version)
+            raw = self._read(version, name)
             sha = hashlib.sha256(raw).hexdigest()
             if sha != marker:
+                self.corrupt += 1
                 raise codec.DeltaError(
-                    f"version {version}: manifest.json sha256 {sha[:12]} is not the STABLE marker's {marker[:12]} (corrupt)"
+                    f"version {version}: {self.uri(version)}/{name} sha256 {sha[:12]} is not the STABLE marker's "
+                    f"{marker[:12]} (corrupt object)"
                 )
             self._manifests[version] = (json.loads(raw), sha)
         return self._manifests[version]
 
     def _payload(self, version: int, kind: str) -> bytes:
+        """A payload of `version`, checked against its manifest's sha256: from this reader's cache
+        when it holds it, else fetched (and then kept)."""
         info = self.manifest(version)["files"][kind]
+        if self.cache is not None and (data := self.cache.get(info["sha256"])) is not None:
+            return data
         data = self._read(version, info["name"])
         if hashlib.sha256(data).hexdigest() != info["sha256"]:
+            self.corrupt += 1
             raise codec.DeltaError(
-                f"version {version}: {info['name']} does not match the sha256 in its manifest (corrupt file)"
+                f"version {version}: {self.uri(version)}/{info['name']} does not match the sha256 in its manifest "
+                "(corrupt object)"
             )
+        if self.cache is not None:
+            self.cache.put(info["sha256"], data)
         return data
 
     def plan(self, target: int, have: int | None = None) -> Plan:
@@ -422,9 +800,14 @@ class Store(ABC):
         DeltaError if anything is corrupt, StoreError if it is missing or unreachable."""
         with self._lock:
             self._manifests.pop(version, None)
-            for kind in self.manifest(version)["files"]:
-                self._payload(version, kind)
-            self.fetch(self.plan(version))
+            self._markers.pop(version, None)
+            cache, self.cache = self.cache, None  # read storage itself, not this reader's copies
+            try:
+                for kind in self.manifest(version)["files"]:
+                    self._payload(version, kind)
+                self.fetch(self.plan(version))
+            finally:
+                self.cache = cache
 
     def hashes(self, version: int) -> dict[str, str]:
         return {n: t["sha256"] for n, t in self.manifest(version)["tensors"].items()}
@@ -452,6 +835,7 @@ class Store(ABC):
                 raise StoreError(f"parent {parent} is not in the store {self.uri()}")
             ckpt = dict(ckpt)
             hashes = codec.tensor_hashes(ckpt)
+            attempt = uuid.uuid4().hex[:12]  # this publish's own folder: no other writer's object is ever touched
             files: dict[str, bytes] = {}
             info: dict = {}
             full_reason = "no parent" if parent is None else None
@@ -470,7 +854,7 @@ class Store(ABC):
                         old_hashes=self._cache.hashes,
                         new_hashes=hashes,
                     )
-                    files[DELTA_FILE] = codec.encode(d, level=self.zstd_level, threads=self.zstd_threads)
+                    files[f"{attempt}/{DELTA_FILE}"] = codec.encode(d, level=self.zstd_level, threads=self.zstd_threads)
                     info["changed_tensors"], info["xor_nbytes"] = len(d.changed), d.xor_nbytes
                     chain_length = self.manifest(parent)["chain_length"] + 1
                     if chain_length >= self.full_every:
@@ -479,14 +863,14 @@ class Store(ABC):
                     full_reason = "the tensor layout changed"
             if full_reason is not None:
                 chain_length = 0
-                files[FULL_FILE] = st_save(
+                files[f"{attempt}/{FULL_FILE}"] = st_save(
                     to_safetensors(ckpt), metadata={"format": "pt", "fp4_format": _fp4_format(ckpt) or ""}
                 )
             manifest = self._manifest_for(version, parent, ckpt, hashes, files, full_reason, chain_length, info)
             raw = (json.dumps(manifest, indent=1) + "\n").encode()
-            files[MANIFEST] = raw
+            files[f"{attempt}/{MANIFEST}"] = raw
             sha = hashlib.sha256(raw).hexdigest()
-            self._write_version(version, files, (sha + "\n").encode())
+            self._write_version(version, attempt, files, f"{sha} {attempt}/{MANIFEST}\n".encode())
             self._manifests[version] = (manifest, sha)
             self._cache = _Materialized(version, ckpt, hashes)
             log.info(
@@ -496,9 +880,10 @@ class Store(ABC):
 
     def _manifest_for(self, version, parent, ckpt, hashes, files, full_reason, chain_length, info) -> dict:
         file_info = {
-            kind: {"name": name, "sha256": hashlib.sha256(files[name]).hexdigest(), "size": len(files[name])}
-            for kind, name in (("delta", DELTA_FILE), ("full", FULL_FILE))
-            if name in files
+            kind: {"name": name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            for name, data in files.items()
+            for kind, suffix in (("delta", DELTA_FILE), ("full", FULL_FILE))
+            if name.endswith("/" + suffix)
         }
         return {
             "format": FORMAT,
@@ -507,7 +892,7 @@ class Store(ABC):
             "parent": parent,
             "kind": "full" if full_reason else "delta",
             "full_reason": full_reason,
-            "base_version": parent if DELTA_FILE in files else None,
+            "base_version": parent if "delta" in file_info else None,
             "created_at": datetime.now(UTC).isoformat(),
             "fp4_format": _fp4_format(ckpt),
             "digest": codec.checkpoint_digest(hashes),
@@ -562,130 +947,12 @@ class Store(ABC):
             doomed = [v for v in stable if v not in needed]
             for v in doomed:
                 self._delete(v)
-                self._manifests.pop(v, None)
             debris = self._remove_debris()
             if doomed or debris:
-                log.info("store cleanup: deleted versions %s and %d leftover folder(s)", doomed, len(debris))
+                log.info(
+                    "store cleanup: deleted versions %s and %d leftover(s) of unfinished publishes", doomed, len(debris)
+                )
             return doomed
-
-
-class LocalStore(Store):
-    """A store in a local folder (`file://` URIs)."""
-
-    def __init__(self, root: str | Path, **opts):
-        super().__init__(**opts)
-        self.root = private_dir(Path(root).expanduser().absolute())
-
-    @contextlib.contextmanager
-    def _exclusive_lock(self) -> Iterator[None]:
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
-        try:
-            deadline = time.monotonic() + self.lock_timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-                        raise StoreError(
-                            f"the weight store {self.uri()} is being written by another process ({holder}) "
-                            f"for over {self.lock_timeout_s:g} s; is a second learner using it?"
-                        ) from None
-                    time.sleep(0.05)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    def publishing(self) -> str | None:
-        """Who holds the publish lock right now (its "pid N on host" line), or None when nobody does.
-        A probe, for tools that watch the store: it takes the lock for an instant when it is free."""
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            return None
-        finally:
-            os.close(fd)  # releases the lock if this probe took it
-
-    def uri(self, version: int | None = None) -> str:
-        return (self.root if version is None else self._dir(version)).as_uri()
-
-    def _dir(self, version: int) -> Path:
-        return self.root / f"v{version:06d}"
-
-    def _stable(self) -> list[int]:
-        out = []
-        for p in self.root.iterdir():
-            m = _VERSION_DIR.match(p.name)
-            if m and (p / STABLE).is_file():
-                out.append(int(m.group(1)))
-        return sorted(out)
-
-    def _read(self, version: int, name: str) -> bytes:
-        try:
-            return (self._dir(version) / name).read_bytes()
-        except FileNotFoundError:
-            raise StoreError(f"version {version}: {name} is missing from {self._dir(version)}") from None
-
-    def _write_version(self, version: int, files: Mapping[str, bytes], marker: bytes) -> None:
-        assert self._writing, "publish holds the store's lock"
-        tmp = self.root / f".tmp-v{version:06d}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(mode=PRIVATE_DIR)
-        os.chmod(tmp, PRIVATE_DIR)
-        try:
-            for name, data in files.items():
-                _write_synced(tmp / name, data)
-            _fsync_dir(tmp)
-            final = self._dir(version)
-            if (final / STABLE).exists():  # publish checked under the lock; never remove a version
-                raise StoreError(f"version {version} appeared in {self.root} while this process held its lock")
-            if final.exists():  # an unmarked folder a crashed publish left: its writer is gone (we hold the lock)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_dir(self.root)
-        _write_synced(final / (STABLE + ".tmp"), marker)
-        os.rename(final / (STABLE + ".tmp"), final / STABLE)
-        _fsync_dir(final)
-
-    def _delete(self, version: int) -> None:
-        d = self._dir(version)
-        (d / STABLE).unlink(missing_ok=True)
-        _fsync_dir(d)
-        shutil.rmtree(d, ignore_errors=True)
-
-    def _remove_debris(self) -> list[str]:
-        gone = []
-        for p in self.root.iterdir():
-            if p.is_dir() and (
-                p.name.startswith(".tmp-v") or (_VERSION_DIR.match(p.name) and not (p / STABLE).is_file())
-            ):
-                shutil.rmtree(p, ignore_errors=True)
-                gone.append(p.name)
-        return gone
-
-    def _write_model(self, files: Mapping[str, bytes]) -> None:
-        # Each file lands whole (temp file, fsync, rename); base.json goes last, so model files
-        # without it are an import that did not finish.
-        folder = self.root / MODEL_DIR
-        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-        for name in sorted(files, key=lambda n: n == BASE_FILE):
-            _write_synced(folder / (name + ".tmp"), files[name])
-            os.rename(folder / (name + ".tmp"), folder / name)
-        _fsync_dir(folder)
-
-    def _read_model(self) -> dict[str, bytes]:
-        folder = self.root / MODEL_DIR
-        if not (folder / BASE_FILE).is_file():
-            return {}
-        return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not p.name.endswith(".tmp")}
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -737,21 +1004,29 @@ def export_version(store: Store, version: int, folder: str | Path) -> Path:
 
 
 def open_store(uri: str | Path, **opts) -> Store:
-    """The store at `uri`: `file:///abs/path` or a plain path. `opts`: full_every, zstd_level, zstd_threads."""
-    s = str(uri)
-    parsed = urlparse(s)
-    if parsed.scheme == "file":
-        return LocalStore(unquote(parsed.path), **opts)
-    if parsed.scheme in ("", None) or re.match(r"^[A-Za-z]:[\\/]", s):
-        return LocalStore(s, **opts)
-    raise ValueError(
-        f"weight store URI {s!r}: only file:// (or a local path) is supported so far; object stores are not implemented yet"
+    """The store at `uri`: `file:///abs/path` or a plain path, `s3://bucket/prefix`, `gs://bucket/prefix`.
+    `opts`: Store's keyword arguments (storage_options, cache_dir, full_every, zstd_level, ...)."""
+    return Store(uri, **opts)
+
+
+def settings_store(settings, **opts) -> Store:
+    """The store a FlywheelSettings names (`store.uri`, its S3 connection, this machine's payload
+    cache). `opts`: more of Store's keyword arguments (full_every, zstd_level, ...)."""
+    uri = settings.store_uri
+    options = settings.store.s3.storage_options() if uri.startswith("s3://") else {}
+    return Store(
+        uri,
+        storage_options=options,
+        cache_dir=settings.store_cache_dir,
+        cache_max_bytes=settings.store.cache_max_bytes,
+        debris_age_s=settings.store.debris_age_s,
+        **opts,
     )
 
 
 def default_store_uri(settings) -> str:
-    """`<data_dir>/weights` of a FlywheelSettings, as a file:// URI (published versions are state, not cache)."""
-    return (Path(settings.data_dir).expanduser().absolute() / "weights").as_uri()
+    """The weight store's URI of a FlywheelSettings: `store.uri`, else `<data_dir>/weights` as a file:// URI."""
+    return settings.store_uri
 
 
 # --- announcing ----------------------------------------------------------------------------------

@@ -173,15 +173,16 @@ class ModelReplica:
 
     def __init__(self, model_dir: str, settings: ServingSettings, version: int, pool: str):
         from feedback.db import make_engine
-        from learner.store import default_store_uri
+        from learner.store import settings_store
         from serving.hotswap import HotSwapper
+        from serving.model_source import replica_model_folder
         from serving.replica import load_service
 
         self.pool = pool
+        store = settings_store(settings)  # this replica's own payload cache (store.cache_dir)
+        model_dir = str(replica_model_folder(settings, store, version, model_dir))
         self.service = load_service(Path(model_dir), settings.serve, version, fim=settings.model.fim)
-        self.swapper = HotSwapper(
-            self.service, default_store_uri(settings), loaded_from=model_dir, pool=pool
-        )  # gates admission from now on
+        self.swapper = HotSwapper(self.service, store, loaded_from=model_dir, pool=pool)  # gates admission from now on
         self.reconciler = PoolReconciler(
             make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper
         )

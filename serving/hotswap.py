@@ -4,7 +4,8 @@
       1. plan     store.plan(target, have=N): the deltas after N, or the nearest full
                   snapshot and the deltas after it when N is unknown, not an ancestor, or
                   further back than a snapshot is big (learner.store)
-      2. fetch    download, decode and apply them, verifying the base digest, every touched
+      2. fetch    download them (kept in the replica's own payload cache, `store.cache_dir`),
+                  decode and apply them, verifying the base digest, every touched
                   tensor and the result against the target's manifest (learner.delta); a
                   corrupt or mismatched delta stops here, before the engine is touched
       3. write    the tensors whose sha256 changed, widened to whole vLLM layers (`reload_set`),
@@ -27,7 +28,8 @@ version.) The pause is the drain (at most the longest in-flight request) plus th
 
 A failed swap (bad plan, corrupt delta, checksum mismatch, drain timeout, worker error)
 leaves the replica on N: it is logged, kept in `last_swap_error` and counted in
-`flywheel_swaps_total{outcome="failed"}`; `flywheel_swap_pause_seconds` records each pause,
+`flywheel_swaps_total{outcome="failed"}` (an object of the store that fails its sha256, named in
+the error, also in `flywheel_store_corrupt_objects_total`); `flywheel_swap_pause_seconds` records each pause,
 both by pool. Should
 the reload fail inside the worker after it began, the engine may hold some tensors of each
 version, so the replica puts N's tensors back: from the checkpoint it keeps, or before its
@@ -80,6 +82,12 @@ SWAP_PAUSE = ReplicaMetric(
     "Time admission was closed for a weight swap (drain + reload)",
     ("pool",),
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+CORRUPT = ReplicaMetric(
+    "counter",
+    "flywheel_store_corrupt_objects_total",
+    "Objects fetched from the weight store that failed their sha256 check (the swap was refused)",
+    ("pool",),
 )
 
 
@@ -323,6 +331,7 @@ class HotSwapper:
             "weights_known": self._served is not None,
             "swaps": self.swaps,
             "failures": self.failures,
+            "corrupt_objects": self.store.corrupt if not isinstance(self._store, str) else 0,
             "out_of_service": self.out_of_service,
             "last_swap_error": self.last_swap_error,
             "last_swap": asdict(self.last_report) if self.last_report else None,
@@ -341,6 +350,7 @@ class HotSwapper:
             frm = self.service.version
             report = SwapReport(ok=False, version=frm, from_version=frm, target=version)
             prepared = None
+            corrupt = self.store.corrupt
             try:
                 t0 = time.perf_counter()
                 prepared = await asyncio.to_thread(self._prepare, version)
@@ -355,6 +365,8 @@ class HotSwapper:
                 report.error = f"swap v{frm} -> v{version} failed: {type(e).__name__}: {e}"
                 self.failures += 1
                 SWAPS.inc(pool=self.pool, outcome="failed")
+                if self.store.corrupt > corrupt:
+                    CORRUPT.inc(self.store.corrupt - corrupt, pool=self.pool)
                 self.last_swap_error, self.last_report = report.error, report
                 log.error("%s; still serving v%d", report.error, self.service.version)
                 raise SwapError(report.error) from e

@@ -2,7 +2,9 @@
 
     the store has model files   the store's `serve.model_version` (0 by default), exported to
     (learner/store.py "model/") <data_dir>/served/v<N>/ by learner.store.export_version (kept
-                                while it still holds that version); a `serve.model_dir` set as
+                                while it still holds that version), by `flywheel serve` and again
+                                by each replica on its own machine (`replica_model_folder`);
+                                a `serve.model_dir` set as
                                 well must hold exactly that version's weights, else serving
                                 refuses to start
     model.base set, store empty serving refuses: `flywheel base import` it first
@@ -26,7 +28,7 @@ def store_model_folder(s: ServingSettings) -> Path | None:
     """The exported folder of the store's version to serve, or None (see the module docstring)."""
     from learner import store as S
 
-    store = S.open_store(S.default_store_uri(s))
+    store = S.settings_store(s)
     base = store.base()
     if base is None:
         if s.model.base is not None:
@@ -52,7 +54,25 @@ def store_model_folder(s: ServingSettings) -> Path | None:
                 f"({base.get('kind')} {base.get('source')}): unset serve.model_dir to serve the store's version"
             )
         return Path(s.serve.model_dir)
-    return S.export_version(store, version, Path(s.data_dir).expanduser() / "served" / f"v{version:06d}")
+    return S.export_version(store, version, served_folder(s, version))
+
+
+def served_folder(s: ServingSettings, version: int) -> Path:
+    """Where this machine keeps its export of the store's `version`: `<data_dir>/served/v<N>/`."""
+    return Path(s.data_dir).expanduser() / "served" / f"v{version:06d}"
+
+
+def replica_model_folder(s: ServingSettings, store, version: int, model_dir: str | Path) -> Path:
+    """The folder a replica loads, on its own machine. When `flywheel serve` exported `version`
+    from the store (`store_model_folder`), the replica exports it again from the store into its
+    own `<data_dir>/served/` (a no-op where that folder holds it already, as on the machine that
+    ran `flywheel serve`), so no replica reads a path that only exists on another machine. Any
+    other `model_dir` (serve.model_dir, the cached base) is the operator's, used as given."""
+    from learner.store import export_version
+
+    if s.serve.model_dir is not None or Path(model_dir) != served_folder(s, version):
+        return Path(model_dir)
+    return export_version(store, version, served_folder(s, version))
 
 
 def same_weights(folder: Path, store, version: int) -> bool:

@@ -77,6 +77,31 @@ def kafka_settings(tmp_path_factory) -> FlywheelSettings:
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS, tests/s3_server.py) on free ports for the whole session, with a
+    fresh bucket; built into the user's cache the first time (a few minutes)."""
+    from tests import s3_server
+
+    t0 = time.monotonic()
+    binary = s3_server.seaweedfs_binary(s3_server.cache_dir(), progress=print)
+    built = time.monotonic() - t0
+    server = s3_server.start(binary, tmp_path_factory.mktemp("seaweedfs"))
+    print(
+        f"\nS3 server: SeaweedFS at {server.endpoint} (binary ready in {built:.1f} s, started in {server.start_s:.1f} s)"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_uri(s3_server) -> str:
+    """A fresh prefix of the session's bucket, as a weight-store URI."""
+    return f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
 def postgres_admin_url() -> str:
     url = os.environ.get("FLYWHEEL_TEST_POSTGRES_URL")
     if not url:

@@ -304,6 +304,67 @@ class DatabaseSettings(Section):
     """Log every SQL statement (debugging)."""
 
 
+class S3Settings(Section):
+    """The connection of an `s3://` weight store (through s3fs). Every empty field falls back to
+    the standard AWS configuration: AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ~/.aws/config and credentials, an instance role."""
+
+    endpoint_url: str = ""
+    """An S3-compatible server (`http://127.0.0.1:8333`, MinIO, SeaweedFS, R2). Empty: AWS."""
+    region: str = ""
+    """The bucket's region. Empty: AWS_REGION or the AWS config's."""
+    access_key_id: str = ""
+    """Empty: the standard AWS credential chain (environment, ~/.aws, instance role)."""
+    secret_access_key: SecretStr = SecretStr("")
+    """The access key's secret (prefer FLYWHEEL_STORE__S3__SECRET_ACCESS_KEY or the AWS
+    environment); never printed."""
+    session_token: SecretStr = SecretStr("")
+    """A temporary credential's session token; never printed."""
+
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs's keyword arguments for what is set; the rest is left to the AWS defaults."""
+        out: dict[str, Any] = {}
+        if self.endpoint_url:
+            out["endpoint_url"] = self.endpoint_url
+        if self.region:
+            out["client_kwargs"] = {"region_name": self.region}
+        if self.access_key_id:
+            out["key"] = self.access_key_id
+        if secret := self.secret_access_key.get_secret_value():
+            out["secret"] = secret
+        if token := self.session_token.get_secret_value():
+            out["token"] = token
+        return out
+
+
+STORE_SCHEMES = ("file", "s3", "gs", "gcs")
+
+
+class StoreSettings(Section):
+    """The weight store every process shares (learner/store.py): where published versions live."""
+
+    uri: str = ""
+    """`file:///path`, `s3://bucket/prefix` or `gs://bucket/prefix` (gcsfs, the `gcs` extra).
+    Empty: `<data_dir>/weights` on this machine."""
+    cache_dir: Path | None = None
+    """A reader's own copy of the payloads it fetched from an object store (deltas, full
+    snapshots), named by their sha256 and checked again before each use. Empty:
+    `<cache_dir>/store`. A local store is read in place."""
+    cache_max_bytes: int = Field(default=4 * 2**30, ge=0)
+    """Beyond this, the least recently used payloads leave the cache (0: keep nothing)."""
+    debris_age_s: Seconds = 3600.0
+    """On an object store (no publish lock): how old a publish that never committed must be
+    before cleanup removes its objects; a younger one may still be writing."""
+    s3: S3Settings = S3Settings()
+
+    @model_validator(mode="after")
+    def _known_scheme(self) -> Self:
+        scheme = self.uri.partition("://")[0] if "://" in self.uri else ""
+        if scheme and scheme not in STORE_SCHEMES:
+            raise ValueError(f"store.uri {self.uri!r}: the scheme must be one of {', '.join(STORE_SCHEMES)}")
+        return self
+
+
 def _default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("flywheel", appauthor=False))
 
@@ -328,6 +389,7 @@ class FlywheelSettings(BaseSettings):
     """Re-creatable downloads: the Kafka broker classpath, the pretrained base model."""
     kafka: KafkaSettings = KafkaSettings()
     database: DatabaseSettings = DatabaseSettings()
+    store: StoreSettings = StoreSettings()
 
     @model_validator(mode="after")
     def _local_broker_ca(self) -> Self:
@@ -375,6 +437,16 @@ class FlywheelSettings(BaseSettings):
     def local_kafka_ca(self) -> Path:
         """The CA certificate of the local sasl_ssl broker (written by `flywheel up`)."""
         return self.data_dir / "kafka" / "tls" / "ca.pem"
+
+    @property
+    def store_uri(self) -> str:
+        """The weight store's URI: `store.uri`, else `<data_dir>/weights` as a file:// URI
+        (published versions are state, not cache)."""
+        return self.store.uri or (Path(self.data_dir).expanduser().absolute() / "weights").as_uri()
+
+    @property
+    def store_cache_dir(self) -> Path:
+        return Path(self.store.cache_dir or Path(self.cache_dir) / "store").expanduser()
 
     @property
     def run_dir(self) -> Path:

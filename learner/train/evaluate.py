@@ -102,11 +102,11 @@ def _store_version(version: int, s: EvalSettings) -> EvalTarget:
 
     from learner.formats import read_format
     from learner.model import ModelArgs
-    from learner.store import BASE_FILE, StoreError, default_store_uri, open_store
+    from learner.store import BASE_FILE, StoreError, settings_store
     from learner.tokenizer import load_tokenizer
     from learner.train.learn import model_from_packed
 
-    store = open_store(default_store_uri(s))
+    store = settings_store(s)
     have = store.versions()
     if version not in have:
         listed = ", ".join(f"v{v}" for v in have[-8:]) or "none"

@@ -462,8 +462,8 @@ class Learner:
         from learner import store as S
         from learner.train.pretrain import fp4_hook, load_training_corpus, pretrain_section
 
-        self.store = S.open_store(
-            S.default_store_uri(self.s),
+        self.store = S.settings_store(
+            self.s,
             full_every=self.cfg.full_every,
             zstd_level=self.cfg.zstd_level,
             zstd_threads=self.cfg.zstd_threads,

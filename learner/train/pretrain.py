@@ -627,7 +627,7 @@ def continue_pretraining(
     cfg = pretrain_section(settings)
     torch.set_num_threads(cfg.threads)
     corpus = load_training_corpus(cfg)
-    store = S.open_store(S.default_store_uri(settings))
+    store = S.settings_store(settings)
     engine = db.make_engine(settings.database_url)
     db.upgrade(engine)
     own_producer = producer is None

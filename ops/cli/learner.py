@@ -380,8 +380,8 @@ def cmd_base_import(args: argparse.Namespace) -> int:
     from learner import store as S
     from learner.base import ensure_imported
 
-    store = S.open_store(
-        S.default_store_uri(s),
+    store = S.settings_store(
+        s,
         full_every=s.learn.full_every,
         zstd_level=s.learn.zstd_level,
         zstd_threads=s.learn.zstd_threads,

@@ -196,11 +196,11 @@ def cmd_swap(args: argparse.Namespace) -> int:
 
 def _check_published(s, version: int) -> None:
     """UserError unless `version` is a stable version of the weight store the replicas read."""
-    from learner.store import default_store_uri, open_store
+    from learner.store import settings_store
 
-    uri = default_store_uri(s)
+    uri = s.store_uri
     try:
-        versions = open_store(uri).versions()
+        versions = settings_store(s).versions()
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the weight store {uri}: {e}") from None
     if version not in versions:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from feedback import bus, db
 from feedback.core.errors import first_line
-from learner.store import LocalStore
+from learner.store import Store
 from ops import kafka_broker
 from ops.soak.children import Child
 from ops.soak.postgres import ThrowawayPostgres
@@ -51,7 +52,7 @@ class Loop:
 
     s: SoakSettings  # the run's settings (its own folder, ports and database)
     engine: Engine
-    store: LocalStore
+    store: Store
     sink: Child
     learner: Child
     postgres: ThrowawayPostgres | None
@@ -178,10 +179,10 @@ def learner(loop: Loop):
         if time.monotonic() >= deadline:
             raise NotNow(f"the learner did not publish within {loop.s.soak.fault_timeout_s:.0f} s")
         time.sleep(0.01)  # a tiny model's publish holds the lock for tens of milliseconds
-    writing = sorted(p.name for p in store.root.iterdir() if p.name.startswith(".tmp-v"))
+    writing = sorted(store.unfinished())
     stable = store.versions()
     pid = child.kill()
-    doing = f"writing {writing[0].split('-')[1]}" if writing else "its version written: recording it or cleaning up"
+    doing = f"writing {writing[0].split('/')[0]}" if writing else "its version written: recording it or cleaning up"
     return (
         DONE,
         f"pid {pid} SIGKILLed while it held the store's publish lock ({doing}; stable up to v{stable[-1]}); "
@@ -205,7 +206,7 @@ def corrupt_delta(loop: Loop):
     loop.damaged.add(v)
     damaged = []
     for info in store.manifest(v)["files"].values():
-        path = store.root / f"v{v:06d}" / info["name"]
+        path = Path(store.root) / f"v{v:06d}" / info["name"]
         with open(path, "r+b") as f:  # one bit in the middle: the file's sha256 no longer matches
             f.seek(info["size"] // 2)
             byte = f.read(1)

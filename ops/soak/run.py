@@ -106,7 +106,7 @@ def run(s: SoakSettings, console: Console, result: dict | None = None) -> int:
             api = app.start(r.model_copy(update={"serve": serve}), model_dir, 0, status.update, routers=ops_routers())
         console.print(f"sink pid {sink.pid}, learner pid {learner.pid}; API at {api}; logs in {folder}")
 
-        store = S.open_store(S.default_store_uri(r))
+        store = S.settings_store(r)
         loop = Loop(r, engine, store, sink, learner, pg, say)
         sites = _sites(load_training_corpus(pretrain_section(r)).heldout, r)
         editors_done = threading.Event()

@@ -1,6 +1,8 @@
 """The weight store: publish protocol (STABLE last), chains and full snapshots, materialize,
 planning, retention, and the announce/record helpers."""
 
+import hashlib
+import importlib.util
 import json
 import os
 import stat
@@ -49,52 +51,102 @@ def test_publish_writes_stable_last_and_a_complete_manifest(tmp_path, chain):
     store = S.open_store(tmp_path.as_uri(), full_every=100)
     m0, m1 = publish_all(store, ckpts, 2)
     assert (m0.kind, m0.parent, m1.kind, m1.parent) == ("full", None, "delta", 0)
-    assert sorted(p.name for p in (tmp_path / "v000000").iterdir()) == ["STABLE", "full.safetensors", "manifest.json"]
-    assert sorted(p.name for p in (tmp_path / "v000001").iterdir()) == ["STABLE", "delta.zst", "manifest.json"]
-    man = json.loads((tmp_path / "v000001" / "manifest.json").read_text())
+    layout = {}
+    for v in (0, 1):
+        folder = tmp_path / f"v00000{v}"
+        (attempt,) = [p for p in folder.iterdir() if p.is_dir()]  # one publish, one attempt folder
+        assert sorted(p.name for p in folder.iterdir()) == sorted(["STABLE", attempt.name])
+        layout[v] = attempt.name, sorted(p.name for p in attempt.iterdir())
+    assert layout[0][1] == ["full.safetensors", "manifest.json"] and layout[1][1] == ["delta.zst", "manifest.json"]
+    attempt = tmp_path / "v000001" / layout[1][0]
+    man = json.loads((attempt / "manifest.json").read_text())
     assert (man["version"], man["parent"], man["base_version"], man["kind"]) == (1, 0, 0, "delta")
+    assert man["files"]["delta"] == {
+        "name": f"{attempt.name}/delta.zst",
+        "sha256": hashlib.sha256((attempt / "delta.zst").read_bytes()).hexdigest(),
+        "size": (attempt / "delta.zst").stat().st_size,
+    }
     assert man["tensors"]["lm_head.weight"]["sha256"] == D.tensor_sha256(ckpts[1]["lm_head.weight"])
     assert man["digest"] == D.checkpoint_digest(D.tensor_hashes(ckpts[1])) and man["created_at"] and man["description"]
-    assert (tmp_path / "v000001" / "STABLE").read_text().strip() == m1.sha256  # the manifest's sha256
-    assert (
-        m1.uri == (tmp_path / "v000001").as_uri()
-        and m1.size_bytes == (tmp_path / "v000001" / "delta.zst").stat().st_size
-    )
+    # STABLE names the manifest and holds its sha256
+    assert (tmp_path / "v000001" / "STABLE").read_text() == f"{m1.sha256} {attempt.name}/manifest.json\n"
+    assert m1.sha256 == hashlib.sha256((attempt / "manifest.json").read_bytes()).hexdigest()
+    assert m1.uri == (tmp_path / "v000001").as_uri() and m1.size_bytes == (attempt / "delta.zst").stat().st_size
     print(
         f"\ndelta v0->v1: {m1.size_bytes} B, full {m1.full_size_bytes} B (1/{m1.full_size_bytes / m1.size_bytes:.1f})"
     )
     assert m1.size_bytes * 4 < m1.full_size_bytes
 
 
+class Crash(BaseException):
+    """Stands for the process dying: no `except Exception` in the store runs after it."""
+
+
 def test_a_crash_mid_publish_leaves_nothing_visible(tmp_path, chain, monkeypatch):
     ckpts, _, _ = chain
-    store = S.LocalStore(tmp_path)
+    store = S.open_store(tmp_path)
     publish_all(store, ckpts, 2)
-    real = S._write_synced
 
-    def crash_at_marker(path, data):
-        if path.name == "STABLE.tmp":
-            raise OSError("simulated crash before the STABLE marker")
-        real(path, data)
+    def crash(self, path, data):
+        raise Crash("the publisher died before its STABLE marker")
 
-    monkeypatch.setattr(S, "_write_synced", crash_at_marker)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(S.Store, "_create", crash)
+    with pytest.raises(Crash):
         store.publish(ckpts[2], parent=1)
-    monkeypatch.setattr(S, "_write_synced", real)
-    assert (tmp_path / "v000002" / "delta.zst").is_file()  # the files are there ...
-    reader = S.LocalStore(tmp_path)  # ... but no reader takes the version
+    monkeypatch.undo()
+    (attempt,) = (tmp_path / "v000002").iterdir()
+    assert sorted(p.name for p in attempt.iterdir()) == ["delta.zst", "manifest.json"]  # the files are there ...
+    reader = S.open_store(tmp_path)  # ... but no reader takes the version
     assert reader.versions() == [0, 1] and reader.latest() == 1
+    assert list(reader.unfinished()) == [f"v000002/{attempt.name}"]
     with pytest.raises(S.StoreError):
         reader.materialize(2)
-    # a crash before the rename leaves only a temporary folder; cleanup removes both leftovers
+    # the next publish of that number goes through (in a folder of its own) ...
+    assert store.publish(ckpts[2], parent=1).version == 2 and S.open_store(tmp_path).versions() == [0, 1, 2]
+    assert D.tensor_hashes(S.open_store(tmp_path).materialize(2)) == D.tensor_hashes(ckpts[2])
+    # ... and cleanup removes the leftovers, format 1's temporary folders too, under the lock
     (tmp_path / ".tmp-v000009-deadbeef").mkdir()
-    assert (
-        reader.cleanup(keep=10) == []
-        and not (tmp_path / "v000002").exists()
-        and not (tmp_path / ".tmp-v000009-deadbeef").exists()
+    (tmp_path / ".tmp-v000009-deadbeef" / "delta.zst").write_bytes(b"x")
+    assert reader.cleanup(keep=10) == [] and reader.unfinished() == {}
+    assert not attempt.exists() and not (tmp_path / ".tmp-v000009-deadbeef").exists()
+    assert D.tensor_hashes(S.open_store(tmp_path).materialize(2)) == D.tensor_hashes(ckpts[2])
+
+
+def write_format_1(store: S.Store, root: Path) -> None:
+    """Rewrite a local store's versions in format 1 (before attempt folders): manifest.json and the
+    payloads beside STABLE, which holds the manifest's sha256 alone."""
+    for v in store.versions():
+        folder = root / f"v{v:06d}"
+        (attempt,) = [p for p in folder.iterdir() if p.is_dir()]
+        manifest = json.loads((attempt / "manifest.json").read_text())
+        for info in manifest["files"].values():
+            info["name"] = info["name"].split("/")[1]
+            (attempt / info["name"]).rename(folder / info["name"])
+        raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        (folder / "manifest.json").write_bytes(raw)
+        (folder / "STABLE").write_text(hashlib.sha256(raw).hexdigest() + "\n")
+        (attempt / "manifest.json").unlink()
+        attempt.rmdir()
+
+
+def test_a_store_written_in_format_1_still_opens(tmp_path, chain):
+    """Stores written before attempt folders: read, planned, verified, extended and cleaned as before."""
+    ckpts, _, _ = chain
+    publish_all(S.open_store(tmp_path, full_every=3), ckpts, 4)
+    write_format_1(S.open_store(tmp_path), tmp_path)
+    assert sorted(p.name for p in (tmp_path / "v000001").iterdir()) == ["STABLE", "delta.zst", "manifest.json"]
+    (tmp_path / "v000004").mkdir()  # a format-1 publish that crashed before its STABLE
+    (tmp_path / "v000004" / "delta.zst").write_bytes(b"half")
+    store = S.open_store(tmp_path, full_every=3)
+    assert store.versions() == [0, 1, 2, 3] and store.unfinished().keys() == {"v000004/delta.zst"}
+    for v in range(4):
+        store.verify(v)
+        assert D.tensor_hashes(S.open_store(tmp_path).materialize(v)) == D.tensor_hashes(ckpts[v])
+    assert store.publish(ckpts[4], parent=3).version == 4  # the leftover folder takes the new attempt beside it
+    assert store.cleanup(keep=2) == [0, 1, 2] and store.versions() == [3, 4]
+    assert store.unfinished() == {} and D.tensor_hashes(S.open_store(tmp_path).materialize(4)) == D.tensor_hashes(
+        ckpts[4]
     )
-    # the next publish of that number goes through
-    assert store.publish(ckpts[2], parent=1).version == 2 and S.LocalStore(tmp_path).versions() == [0, 1, 2]
 
 
 def test_full_snapshot_every_n_versions_and_materialize(tmp_path, chain):
@@ -131,17 +183,22 @@ def test_plan_takes_deltas_from_what_the_reader_holds(tmp_path, chain):
 def test_corrupt_payloads_are_rejected(tmp_path, chain):
     ckpts, _, _ = chain
     publish_all(S.open_store(tmp_path), ckpts, 3)
-    f = tmp_path / "v000002" / "delta.zst"
+    (f,) = (tmp_path / "v000002").glob("*/delta.zst")
     data = bytearray(f.read_bytes())
     data[-10] ^= 0xFF
     f.write_bytes(bytes(data))
     store = S.open_store(tmp_path)
     assert D.tensor_hashes(store.materialize(1)) == D.tensor_hashes(ckpts[1])
-    with pytest.raises(D.DeltaError, match="corrupt"):
+    with pytest.raises(D.DeltaError, match=f"{f.parent.name}/delta.zst does not match .* \\(corrupt object\\)"):
         store.materialize(2)
-    (tmp_path / "v000001" / "manifest.json").write_text("{}")
+    assert store.corrupt == 1
+    (m,) = (tmp_path / "v000001").glob("*/manifest.json")
+    m.write_text("{}")
     with pytest.raises(D.DeltaError, match="STABLE"):
         S.open_store(tmp_path).manifest(1)
+    (tmp_path / "v000000" / "STABLE").write_text("abc ../../etc/passwd\n")  # a marker naming a path outside
+    with pytest.raises(D.DeltaError, match="not a file name"):
+        S.open_store(tmp_path).manifest(0)
 
 
 def test_verify_reads_a_version_back_from_storage_and_trusts_nothing_in_memory(tmp_path, chain):
@@ -152,7 +209,7 @@ def test_verify_reads_a_version_back_from_storage_and_trusts_nothing_in_memory(t
     publish_all(store, ckpts, 4)
     for v in range(4):
         store.verify(v)
-    f = tmp_path / "v000003" / "delta.zst"
+    (f,) = (tmp_path / "v000003").glob("*/delta.zst")
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
@@ -170,13 +227,13 @@ def test_verify_reads_a_version_back_from_storage_and_trusts_nothing_in_memory(t
 
 def test_publishing_says_who_holds_the_publish_lock(tmp_path, chain):
     """The probe sees a writer in another process (flock), names it, and never blocks it."""
-    store = S.LocalStore(tmp_path)
+    store = S.open_store(tmp_path)
     assert store.publishing() is None
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from learner import store as S; s = S.LocalStore(sys.argv[1])\n"
+            "import sys, time; from learner import store as S; s = S.open_store(sys.argv[1])\n"
             "with s._writer():\n    print('held', flush=True); time.sleep(60)",
             str(tmp_path),
         ],
@@ -245,10 +302,15 @@ def test_announce_and_record(tmp_path, chain):
     assert rows[1]["sha256"] == msgs[1].sha256 and rows[1]["size_bytes"] == msgs[1].size_bytes
 
 
-def test_only_local_stores_and_increasing_versions(tmp_path, chain):
+def test_unknown_schemes_and_decreasing_versions_are_refused(tmp_path, chain):
     ckpts, _, _ = chain
-    with pytest.raises(ValueError, match="object stores"):
-        S.open_store("s3://bucket/weights")
+    with pytest.raises(ValueError, match="the scheme must be file://, s3:// or gs://"):
+        S.open_store("ftp://host/weights")
+    with pytest.raises(ValueError, match="names no bucket"):
+        S.open_store("s3://")
+    if importlib.util.find_spec("gcsfs") is None:  # the optional extra
+        with pytest.raises(ValueError, match=r"gs:// stores need gcsfs \(pip install 'flywheel-rl\[gcs\]'\)"):
+            S.open_store("gs://bucket/weights")
     store = S.open_store(tmp_path)
     publish_all(store, ckpts, 2)
     with pytest.raises(S.StoreError, match="already in the store"):
@@ -268,7 +330,7 @@ def test_two_publishers_racing_for_one_version_one_wins_and_the_loser_removes_no
     """Two learners (each with its own Store, as in two processes) publish v2 at the same moment;
     slow writes hold the window between the version check and STABLE open for a second."""
     ckpts, _, _ = chain
-    publish_all(S.LocalStore(tmp_path), ckpts, 2)
+    publish_all(S.open_store(tmp_path), ckpts, 2)
     real = S._write_synced
 
     def slow(path, data):
@@ -280,7 +342,7 @@ def test_two_publishers_racing_for_one_version_one_wins_and_the_loser_removes_no
 
     def publish(which: int) -> None:
         try:
-            results[which] = S.LocalStore(tmp_path).publish(ckpts[which], parent=1, version=2)
+            results[which] = S.open_store(tmp_path).publish(ckpts[which], parent=1, version=2)
         except Exception as e:  # the loser's error, whatever it is
             results[which] = e
 
@@ -294,10 +356,11 @@ def test_two_publishers_racing_for_one_version_one_wins_and_the_loser_removes_no
     lost = [r for r in results.values() if not isinstance(r, ModelVersion)]
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(lost[0], S.StoreError) and "already in the store" in str(lost[0])
-    reader = S.LocalStore(tmp_path)
+    reader = S.open_store(tmp_path)
     assert reader.versions() == [0, 1, 2] and results[won[0]].sha256 == reader.model_version(2).sha256
     assert D.tensor_hashes(reader.materialize(2)) == D.tensor_hashes(ckpts[won[0]])  # the winner's, verified
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert reader.unfinished() == {}  # the loser removed its own attempt folder, nothing else
 
 
 RACER = """
@@ -307,7 +370,7 @@ from learner import delta as D
 from learner import store as S
 
 root, role, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
-store = S.LocalStore(root)
+store = S.open_store(root)
 won, lost = [], []
 for v in range(1, last + 1):
     g = torch.Generator().manual_seed(2 * v + (role == "b"))
@@ -326,7 +389,7 @@ print(json.dumps({"won": won, "lost": lost}))
 def test_two_learner_processes_never_publish_the_same_version(tmp_path):
     """Two processes race for each of versions 1..8: every version has exactly one author, and
     the store holds exactly what that author wrote."""
-    store = S.LocalStore(tmp_path / "w")
+    store = S.open_store(tmp_path / "w")
     store.publish({"w": torch.zeros(512, 512, dtype=torch.bfloat16), "b": torch.zeros(8)}, parent=None)
     script = tmp_path / "racer.py"
     script.write_text(RACER)
@@ -341,7 +404,7 @@ def test_two_learner_processes_never_publish_the_same_version(tmp_path):
     wins = [v for r in results for v, _ in r["won"]]
     assert sorted(wins) == list(range(1, 9)), results  # each version once, by one of them
     assert all("already in the store" in why for r in results for _, why in r["lost"])
-    reader = S.LocalStore(tmp_path / "w")
+    reader = S.open_store(tmp_path / "w")
     for r in results:
         for v, digest in r["won"]:
             assert reader.manifest(v)["digest"] == digest
@@ -352,7 +415,7 @@ def test_the_store_is_created_owner_only(tmp_path, chain):
     ckpts, _, _ = chain
     old = os.umask(0o022)
     try:
-        publish_all(S.LocalStore(tmp_path / "data" / "weights"), ckpts, 2)
+        publish_all(S.open_store(tmp_path / "data" / "weights"), ckpts, 2)
     finally:
         os.umask(old)
     paths = [tmp_path / "data", *(tmp_path / "data").rglob("*")]

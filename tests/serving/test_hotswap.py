@@ -7,6 +7,7 @@ weights that produced it. The slow test does it with vLLM itself and checks the 
 import asyncio
 import functools
 import hashlib
+import json
 import os
 import time
 
@@ -253,7 +254,7 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     store = S.open_store(tmp_path, full_every=10)
     for v in range(3):
         store.publish(ckpts[v], parent=v - 1 if v else None)
-    f = tmp_path / "v000002" / "delta.zst"
+    (f,) = (tmp_path / "v000002").glob("*/delta.zst")
     f.write_bytes(f.read_bytes()[:-7] + b"garbage")
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
     service = make_service(tok, engine)
@@ -269,6 +270,8 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
         and bits_equal(engine.weights, S.to_hf_tensors(ckpts[1]))
     )
     assert "v1 -> v2" in swapper.last_swap_error and swapper.status()["failures"] == 1
+    assert f"{f.parent.name}/delta.zst" in swapper.last_swap_error and swapper.status()["corrupt_objects"] == 1
+    assert REGISTRY.get_sample_value("flywheel_store_corrupt_objects_total", {"pool": "canary"}) >= 1
     assert REGISTRY.get_sample_value("flywheel_swaps_total", failed) == before + 1
     assert REGISTRY.get_sample_value("flywheel_swaps_total", {"pool": "canary", "outcome": "ok"}) >= 1
     assert (await service.complete(request(1))).model_version == 1  # and it keeps serving
@@ -413,7 +416,7 @@ async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
     store = S.open_store(tmp_path / "store")
     for v, c in enumerate((v0, v1, v2, v3)):
         store.publish(c, parent=v - 1 if v else None)
-    f = tmp_path / "store" / "v000003" / "delta.zst"
+    (f,) = (tmp_path / "store" / "v000003").glob("*/delta.zst")
     f.write_bytes(f.read_bytes()[:-1] + b"\x00")  # v3 arrives corrupt
     folder = export_hf(
         model_from(S.to_hf_tensors(v0), args), args, tok, tmp_path / "hf", weight_fn=fp4_dequantized("nvfp4")
@@ -584,5 +587,98 @@ async def test_vllm_a_reload_that_breaks_off_never_serves_mixed_weights_as_the_o
             whole = await served()
             d, tol = max_diff(whole, S.to_hf_tensors(v1))
             assert report.ok and swapper.out_of_service is None and {r.model_version for r in whole} == {1} and d < tol
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow  # not `numerics`: the tolerances are test_vllm_hot_swap_serves_the_new_weights's, checked there on both ISAs
+@sync
+async def test_vllm_replica_swaps_to_a_delta_fetched_from_s3(tok, tmp_path, s3_server, s3_uri):
+    """The learner publishes to a real S3 server; a replica that has only the store's URI and folders
+    of its own exports v0 from S3, starts vLLM on it, fetches v1's delta into its own cache and swaps
+    in place. A corrupt v2 on S3 is refused, named and counted; the replica keeps serving v1."""
+    import shutil
+
+    from learner.export import export_hf
+    from serving.engine import VLLMEngine
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args = ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=256)
+    torch.manual_seed(1)
+    model = Transformer(args)
+    model.init_weights(0.1)  # as in test_export: wide logits, clear greedy margins
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    spread_routers(model, 0.5)
+    v0 = S.pack_checkpoint(model.state_dict())
+    train_steps(model, 10, lr=3e-3, seed=5)  # big steps, so v1's logprobs differ clearly
+    v1 = S.pack_checkpoint(model.state_dict())
+    train_steps(model, 1, lr=3e-3, seed=6)
+    v2 = S.pack_checkpoint(model.state_dict())
+
+    # the learner's machine: the model files and three versions on S3, then its folders are gone
+    learner = S.open_store(s3_uri, storage_options=s3_server.storage_options())
+    hf = export_hf(model_from(S.to_hf_tensors(v0), args), args, tok, tmp_path / "learner" / "hf")
+    files = {p.name: p.read_bytes() for p in hf.iterdir() if p.name != "model.safetensors"}
+    learner.write_model_files(files | {S.BASE_FILE: json.dumps({"kind": "test", "source": "s3"}).encode()})
+    for v, c in enumerate((v0, v1, v2)):
+        learner.publish(c, parent=v - 1 if v else None)
+    attempt = learner.fs.cat_file(f"{learner.root}/v000002/STABLE").decode().split()[1].split("/")[0]
+    corrupt = f"{learner.root}/v000002/{attempt}/delta.zst"
+    learner.fs.pipe_file(corrupt, learner.fs.cat_file(corrupt)[:-1] + b"\x00")  # v2 arrives corrupt
+    shutil.rmtree(tmp_path / "learner")
+
+    # the replica's machine: its own cache and export folder
+    store = S.open_store(s3_uri, storage_options=s3_server.storage_options(), cache_dir=tmp_path / "replica" / "cache")
+    folder = S.export_version(store, 0, tmp_path / "replica" / "served" / "v000000")
+    cfg = ServeSettings(
+        engine=EngineSettings(max_model_len=256, max_num_seqs=8), context_budget=200, summary_chunk_tokens=64
+    )
+    engine = VLLMEngine(folder, cfg.engine)
+    try:
+        service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
+        swapper = HotSwapper(service, store, loaded_from=folder, pool="stable")
+        greedy = SamplingSpec(max_tokens=12, temperature=0.0)
+        prompts = ["def parse(s):\n    ", "import json\n\nclass Encoder:\n"]
+
+        async def served() -> list:
+            return [
+                await service.complete(GenerateRequest(f"p{i}-{time.time_ns()}", p, None, None, greedy))
+                for i, p in enumerate(prompts)
+            ]
+
+        def max_diff(results, hf_tensors: dict) -> tuple[float, float]:
+            m = model_from(hf_tensors, args)
+            seqs = [(r.prompt_token_ids, r.samples[0].token_ids) for r in results]
+            worst = max(
+                (teacher_forced(m, p, g) - torch.tensor(r.samples[0].logprobs)).abs().max().item()
+                for (p, g), r in zip(seqs, results)
+            )
+            return worst, served_logprob_tolerance(m, seqs, engine.precision.dtype)
+
+        assert {r.model_version for r in await served()} == {0}
+        report = await swapper.swap_to(1)
+        v1_delta = store.manifest(1)["files"]["delta"]
+        assert report.plan == {
+            "have": 0,
+            "full": None,
+            "deltas": [1],
+            "nbytes": v1_delta["size"],
+        }  # a delta, not a snapshot
+        assert (tmp_path / "replica" / "cache" / v1_delta["sha256"]).is_file()
+        after = await served()
+        (d_new, tol), (d_old, _) = max_diff(after, S.to_hf_tensors(v1)), max_diff(after, S.to_hf_tensors(v0))
+        print(
+            f"\nswap v0 -> v1 from S3: {v1_delta['size']} B delta, {report.tensors_reloaded} tensors, pause "
+            f"{report.pause_s * 1e3:.1f} ms; |logprob - learner v1| max {d_new:.4f} (tolerance {tol:.4f}), vs v0 {d_old:.3f}"
+        )
+        assert {r.model_version for r in after} == {1} and d_new < tol and d_old > 5 * tol
+
+        with pytest.raises(SwapError, match=f"{s3_uri}/v000002/{attempt}/delta.zst does not match"):
+            await swapper.swap_to(2)
+        still = await served()
+        assert {r.model_version for r in still} == {1} and swapper.status()["corrupt_objects"] == 1
+        assert max_diff(still, S.to_hf_tensors(v1))[0] < tol
+        assert REGISTRY.get_sample_value("flywheel_store_corrupt_objects_total", {"pool": "stable"}) >= 1
     finally:
         engine.shutdown()

@@ -89,6 +89,8 @@ def test_example_config_is_valid_and_complete():
     sections = (
         ("kafka", s.kafka),
         ("database", s.database),
+        ("store", s.store),
+        ("store.s3", s.store.s3),
         ("sink", sink.sink),
         ("sink.reward", sink.sink.reward),
         ("query", query.query),
