@@ -72,6 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("--min-samples", type=int, help="samples trained before a publish (learn.min_samples)")
     lp.add_argument("--lr", type=float, help="AdamW learning rate (learn.lr)")
     lp.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="data-parallel training workers on Ray Train; 1 trains in this process (learn.workers)",
+    )
+    lp.add_argument(
         "--versions", type=int, metavar="N", help="stop after publishing N versions (default: run until Ctrl-C)"
     )
     lp.add_argument(
@@ -205,7 +211,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def cmd_learn(args: argparse.Namespace) -> int:
     from learner.train.learn_settings import LearnSettings
 
-    flags = {"publish_every": args.publish_every, "min_samples": args.min_samples, "lr": args.lr}
+    flags = {
+        "publish_every": args.publish_every,
+        "min_samples": args.min_samples,
+        "lr": args.lr,
+        "workers": args.workers,
+    }
     overrides = list(args.overrides) + [f"learn.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     s = LearnSettings.load(args.config, overrides)
     print_config(s, "flywheel learn")
@@ -217,13 +228,22 @@ def cmd_learn(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with console.status("starting the learner") as status:
-        learner = Learner(
-            s,
-            progress=lambda p: (
-                status.update(describe(p)),
-                p.event.startswith("published") and console.print(describe(p)),
-            ),
-        )
+
+        def show(p):
+            status.update(describe(p))
+            if p.event.startswith("published"):
+                console.print(describe(p))
+
+        if s.learn.workers > 1:
+            from learner.train.learn_workers import run_workers
+
+            status.update(f"starting {s.learn.workers} learner workers on Ray Train")
+            try:
+                run_workers(s, progress=show, stop=stop, max_versions=args.versions, until_idle=args.until_idle)
+            except KeyboardInterrupt:
+                console.print("stopped; the learner's state is saved after every update")
+            return 0
+        learner = Learner(s, progress=show)
         try:
             learner.start()
             status.update(
