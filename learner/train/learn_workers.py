@@ -15,15 +15,17 @@ learner's folder, so a restarted learner waits until no worker of the previous o
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from feedback.core.files import private_dir
 from learner.train.learn import Progress
-from learner.train.learn_settings import LearnSettings
+from learner.train.learn_settings import LearnSection, LearnSettings
 
 LOCK_FILE = "learner.lock"
 LOCK_WAIT_S = 60.0  # a killed driver's workers exit within seconds (Ray kills a dead driver's workers)
@@ -38,47 +40,25 @@ def run_workers(
     until_idle: bool = False,
 ) -> None:
     """Run the learner on `learn.workers` Ray Train workers until rank 0's loop returns or `stop` is set."""
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
-    from feedback.core.errors import UserError
+    from feedback.core.errors import UserError, first_line
 
-    cfg = s.learn
-    # address="local": a Ray instance of its own, never a cluster another program started here.
-    ray.init(
-        address="local",
-        num_cpus=max(os.cpu_count() or 1, cfg.workers),
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-    )
-    try:
+    with local_ray(s.learn.workers):
         events, control = Queue(), Queue()
-        trainer = TorchTrainer(
-            _worker,
-            train_loop_config={
-                "settings": s,
-                "events": events,
-                "control": control,
-                "max_versions": max_versions,
-                "until_idle": until_idle,
-            },
-            scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.gpu),
-            torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo"),
-            run_config=RunConfig(
-                name="learn",
-                storage_path=str(Path(s.learner_dir).resolve() / "ray"),
-                failure_config=FailureConfig(max_failures=0),  # a restart resumes from the saved state instead
-            ),
-        )
+        config = {
+            "settings": s,
+            "events": events,
+            "control": control,
+            "max_versions": max_versions,
+            "until_idle": until_idle,
+        }
         failure: list[BaseException] = []
         errors: list[str] = []
 
         def fit() -> None:
             try:
-                trainer.fit()
+                torch_trainer(_worker, config, s.learn, Path(s.learner_dir) / "ray").fit()
             except BaseException as e:  # handed to the caller's thread below
                 failure.append(e)
 
@@ -100,23 +80,69 @@ def run_workers(
         fitting.join()
         if errors:
             raise UserError(errors[0])
-        if failure:
-            raise failure[0]
+        if failure and not isinstance(failure[0], KeyboardInterrupt):
+            # A worker died (killed, out of memory) or raised; Ray printed its traceback above.
+            raise UserError(
+                f"a learner worker failed ({first_line(failure[0])}); the state saved after the last "
+                "update is intact: run `flywheel learn` again to resume from it"
+            ) from failure[0]
+
+
+@contextmanager
+def local_ray(workers: int):
+    """A Ray instance of this process's own (address="local": never a cluster another program
+    started on this machine), shut down on exit; its workers die with this process."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, workers),
+        include_dashboard=True,  # Ray Train's placement-group cleaner asks the state API, which the dashboard serves
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    try:
+        yield
     finally:
         ray.shutdown()
+
+
+def torch_trainer(fn: Callable[[dict], None], config: dict, cfg: LearnSection, storage: Path):
+    """A Ray Train TorchTrainer running `fn(config)` on `cfg.workers` workers: gloo on CPUs, NCCL on GPUs."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
+        fn,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.gpu),
+        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo"),
+        run_config=RunConfig(
+            name="learn",
+            storage_path=str(storage.resolve()),
+            failure_config=FailureConfig(max_failures=0),  # a restart resumes from the saved state instead
+        ),
+    )
+
+
+def worker_device(cfg: LearnSection) -> str:
+    import ray.train.torch
+
+    return str(ray.train.torch.get_device()) if cfg.gpu else "cpu"
 
 
 def _worker(config: dict) -> None:
     """One Ray Train worker: rank 0 runs the Learner, the others follow it."""
     import ray.train
-    import ray.train.torch
 
     from feedback.core.errors import UserError
     from learner.train.data_parallel import follow
     from learner.train.learn import Learner
 
+    # The CLI's logging (warnings and up): a Ray worker's root logger passes debug records to the driver.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     s: LearnSettings = config["settings"]
-    device = str(ray.train.torch.get_device()) if s.learn.gpu else "cpu"
+    device = worker_device(s.learn)
     if ray.train.get_context().get_world_rank() != 0:
         follow(device)
         return

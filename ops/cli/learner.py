@@ -174,6 +174,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(bl)
     bl.set_defaults(fn=cmd_bench_learn)
 
+    bw = bench_subcommands(sub).add_parser(
+        "learn-workers",
+        help="learner throughput: samples/s with 1 and N data-parallel workers on the same batches, loss curves side by side",
+        description="The learner's update (and checkpoint) on the same simulated-feedback batches, in one process and on Ray Train workers.",
+    )
+    bw.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts, one run each (default 1 2)")
+    bw.add_argument("--updates", type=int, default=8, help="updates per run; the first is not timed (default 8)")
+    bw.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature of the simulated traffic (default 0.7)"
+    )
+    bw.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(bw)
+    bw.set_defaults(fn=cmd_bench_learn_workers)
+
 
 def _bench_parts(value: str) -> str:
     if not value or set(value) - set("abcd"):
@@ -275,6 +289,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = run(s, out, model=args.model, corpus=corpus, table=not args.json)
     if args.json:
         sys.stdout.write(json.dumps({"command": shlex.join(["flywheel", *sys.argv[1:]]), **report}, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_learn_workers(args: argparse.Namespace) -> int:
+    from learner.train.learn_settings import LearnSettings
+    from ops.bench.learn_workers import run_bench
+
+    s = LearnSettings.load(args.config, list(args.overrides))
+    print_config(s, "flywheel bench learn-workers")
+    run_bench(
+        s,
+        console,
+        workers=tuple(args.workers),
+        updates=args.updates,
+        temperature=args.temperature,
+        out=args.out,
+        command=shlex.join(["flywheel", *sys.argv[1:]]),
+    )
     return 0
 
 
