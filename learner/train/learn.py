@@ -476,6 +476,8 @@ class Learner:
             self.opt = torch.optim.AdamW(
                 self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
             )
+            if (self.dir / SHARDS_DIR).is_dir():
+                self._adopt_sharded_state()
         else:
             self._start_data_parallel()
         corpus = load_training_corpus(pretrain_section(self.s))
@@ -509,8 +511,43 @@ class Learner:
         private_dir(self.dir / SHARDS_DIR)
         for marker in (STATE_FILE, LAST_GOOD_FILE):
             if (self.dir / marker).is_file():
-                self._checkpoints[marker] = _read_marker(self.dir / marker).get("checkpoint", "")
+                self._checkpoints[marker] = self._sharded_marker(marker)
         self._prune_shards()  # a save cut short by a crash left a folder no marker names
+
+    def _sharded_marker(self, marker: str) -> str:
+        """The shards folder `marker` names; a one-process learner's file (weights and optimizer in
+        it) is first written out as shards, then replaced by a marker (payload first, marker last)."""
+        from learner.train.data_parallel import write_shards
+
+        blob = _read_marker(self.dir / marker)
+        if "checkpoint" in blob:
+            return blob["checkpoint"]
+        folder = f"{Path(marker).stem}-from-one-process-{uuid.uuid4().hex[:8]}"
+        names = [n for n, _ in self.model.named_parameters()]
+        write_shards(self.dir / SHARDS_DIR / folder, blob.pop("model"), blob.pop("optimizer"), names)
+        _atomic_save(blob | {"checkpoint": folder, "workers": 1}, self.dir / marker)
+        log.info("%s: the one-process learner's state, now shards in %s", marker, folder)
+        return folder
+
+    def _adopt_sharded_state(self) -> None:
+        """One process after data-parallel workers: their markers become one-process files again
+        (weights and optimizer read from the shards; each file replaced atomically)."""
+        from learner.train.data_parallel import read_shards
+
+        for marker in (STATE_FILE, LAST_GOOD_FILE):
+            path = self.dir / marker
+            blob = _read_marker(path) if path.is_file() else {}
+            if "checkpoint" not in blob:
+                continue
+            model = copy.deepcopy(self.model)
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+            )
+            read_shards(self.dir / SHARDS_DIR / blob.pop("checkpoint"), model, opt)
+            blob.pop("workers", None)
+            _atomic_save(blob | {"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+            log.info("%s: the data-parallel learner's state, now one file", marker)
+        shutil.rmtree(self.dir / SHARDS_DIR, ignore_errors=True)
 
     def _load_pretrained(self) -> None:
         """Flywheel's own base: the fp32 master weights of the pretraining run for [pretrain]."""
@@ -872,21 +909,11 @@ class Learner:
         log.warning("gate blocked v%d: training goes on from v%d's weights", self.state.version, blob["version"])
 
     def _load_state(self, path: Path) -> LearnerState:
-        """The saved state: one file with one process; with several, a marker naming its shards folder."""
-        from feedback.core.errors import UserError
-
+        """The saved state: one file with one process; with several, a marker naming its shards folder
+        (either kind was converted to this learner's at start: a learner may change its worker count)."""
         blob = _read_marker(path)
         if self.leader is None:
-            if "checkpoint" in blob:
-                raise UserError(
-                    f"the learner state in {self.dir} was saved by {blob['workers']} data-parallel workers: "
-                    "run with learn.workers > 1 (--workers N; any N loads it)"
-                )
             return _apply_state(blob, self.model, self.opt, self.buffer)
-        if "checkpoint" not in blob:
-            raise UserError(
-                f"the learner state in {self.dir} was saved by a one-process learner: run it with learn.workers = 1"
-            )
         self.leader.load(self.dir / SHARDS_DIR / blob["checkpoint"])
         self.buffer.load_state_dict(blob["buffer"])
         return LearnerState(**blob["state"])
