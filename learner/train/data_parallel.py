@@ -132,18 +132,10 @@ class Replica:
     def _batch_metrics(self, m: dict[str, float], *, n_samples: int) -> dict[str, float]:
         """This share's metrics combined over the ranks: token means weighted by tokens, the rest by samples."""
         keys = sorted(m)
-        weights = [
-            1.0
-            if k in SUMS
-            else 1.0 / self.world
-            if k in SAME_ON_EVERY_RANK
-            else m["tokens"]
-            if k in TOKEN_MEANS
-            else float(n_samples)
-            for k in keys
-        ]
+        weights = [_weight(k, m, n_samples) for k in keys]
         sums = torch.tensor([m[k] * w for k, w in zip(keys, weights, strict=True)] + weights, dtype=torch.float64)
-        dist.all_reduce(sums := sums.to(self.device))
+        sums = sums.to(self.device)  # NCCL reduces only GPU tensors
+        dist.all_reduce(sums)
         sums = sums.cpu()
         return {
             k: float(sums[i] / sums[len(keys) + i]) if k not in SUMS else float(sums[i]) for i, k in enumerate(keys)
@@ -223,6 +215,15 @@ def read_shards(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer
         if kind == "optim":
             state.setdefault(index[name], {})[field] = t
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+def _weight(key: str, m: dict[str, float], n_samples: int) -> float:
+    """How much one rank's value of metric `key` counts in the batch's value (divided by the weights' sum)."""
+    if (
+        key in SUMS or key in SAME_ON_EVERY_RANK
+    ):  # a sum's weights are not divided by; equal values average to themselves
+        return 1.0
+    return m["tokens"] if key in TOKEN_MEANS else float(n_samples)
 
 
 def _to(batch, device: torch.device):

@@ -59,8 +59,9 @@ def run_bench(
             f"{n} worker(s): {r['samples_per_s']:.2f} samples/s training, "
             f"{r['samples_per_s_with_save']:.2f} with the checkpoint after each update"
         )
-    first = runs[workers[0]]
-    table = Table("workers", "samples/s", "with checkpoint", f"vs {workers[0]} worker(s)", title="update throughput")
+    ref_n = 1 if 1 in runs else workers[0]
+    first = runs[ref_n]
+    table = Table("workers", "samples/s", "with checkpoint", f"vs {ref_n} worker(s)", title="update throughput")
     for n, r in runs.items():
         table.add_row(
             str(n),
@@ -71,7 +72,7 @@ def run_bench(
     console.print(table)
     curves = Table("update", *[f"loss, {n} worker(s)" for n in runs], title="loss per update (the same batches)")
     for i in range(len(batches)):
-        curves.add_row(str(i + 1), *[f"{r['losses'][i]:+.6f}" for r in runs.values()])
+        curves.add_row(str(i + 1), *[f"{r['losses'][i]:+.6e}" for r in runs.values()])
     console.print(curves)
     result = {
         "command": command,
