@@ -27,7 +27,10 @@ from feedback.core.files import private_dir
 from learner.train.learn import Progress
 from learner.train.learn_settings import LearnSection, LearnSettings
 
+log = logging.getLogger(__name__)
+
 LOCK_FILE = "learner.lock"
+RAY_START_ATTEMPTS = 3
 LOCK_WAIT_S = 60.0  # a killed driver's workers exit within seconds (Ray kills a dead driver's workers)
 
 
@@ -94,13 +97,28 @@ def local_ray(workers: int):
     started on this machine), shut down on exit; its workers die with this process."""
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=max(os.cpu_count() or 1, workers),
-        include_dashboard=True,  # Ray Train's placement-group cleaner asks the state API, which the dashboard serves
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    from feedback.core.errors import UserError
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=max(os.cpu_count() or 1, workers),
+                include_dashboard=True,  # Ray Train's placement-group cleaner asks the state API, which the dashboard serves
+                log_to_driver=True,
+                configure_logging=False,
+            )
+            break
+        except Exception as e:  # Ray waits a fixed 30 s for its raylet: an overloaded machine can miss that
+            ray.shutdown()
+            if "timed out during startup" not in str(e):
+                raise
+            if attempt == RAY_START_ATTEMPTS:
+                raise UserError(
+                    f"Ray's local instance did not start ({attempt} tries: its raylet missed Ray's 30 s start-up "
+                    "wait; is this machine overloaded?): try again, or run with learn.workers = 1"
+                ) from None
+            log.warning("Ray's local instance did not start in time (try %d of %d)", attempt, RAY_START_ATTEMPTS)
     try:
         yield
     finally:
