@@ -51,8 +51,10 @@ import copy
 import json
 import logging
 import os
+import shutil
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -74,6 +76,7 @@ from learner.train.rl_loss import RLInputs, rl_loss
 log = logging.getLogger(__name__)
 
 STATE_FILE, LAST_GOOD_FILE = "state.pt", "last_good.pt"
+SHARDS_DIR = "shards"  # data-parallel checkpoints: one torch.distributed.checkpoint folder per save
 KL_WINDOW = 512  # tokens per held-out window of the gate's KL to stable
 AUDIT_IDS = 100_000
 
@@ -301,8 +304,11 @@ def rl_update(
     *,
     hook: WeightHook | None,
     cfg: LearnSection,
+    baseline: float | None = None,
+    loss_scale: float = 1.0,
 ) -> dict[str, float]:
-    """One AdamW step on `batch`: FP4 forward (with router replay unless disabled), rl_loss."""
+    """One AdamW step on `batch`: FP4 forward (with router replay unless disabled), rl_loss. A
+    data-parallel rank passes the whole batch's `baseline` and scales its share's loss (data_parallel.py)."""
     x = batch.input_BS
     with torch.no_grad():
         ref_BT = token_logprobs(ref(x, fp4=hook), batch)
@@ -315,8 +321,8 @@ def rl_update(
     model.train()
     logits = model(x, routing=routing if cfg.router_replay else None, fp4=hook)
     logp_BT = token_logprobs(logits, batch)
-    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT), cfg)
-    loss.backward()
+    loss, m = rl_loss(RLInputs(logp_BT, batch.behaviour_BT, ref_BT, batch.reward_B, batch.mask_BT, baseline), cfg)
+    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
     m["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -413,8 +419,11 @@ def _atomic_save(blob: dict, path: Path) -> None:
         os.close(fd)
 
 
-def load_state(path: Path, model, opt, buffer: ReplayBuffer) -> LearnerState:
-    blob = torch.load(path, map_location="cpu", weights_only=False)
+def _read_marker(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _apply_state(blob: dict, model, opt, buffer: ReplayBuffer) -> LearnerState:
     model.load_state_dict(blob["model"])
     opt.load_state_dict(blob["optimizer"])
     buffer.load_state_dict(blob["buffer"])
@@ -447,12 +456,24 @@ class Progress:
 class Learner:
     """The learner process's state and steps; `run` loops them. Construct, then `start()`."""
 
-    def __init__(self, s: LearnSettings, *, progress: Callable[[Progress], None] = lambda p: None, producer=None):
+    def __init__(
+        self,
+        s: LearnSettings,
+        *,
+        progress: Callable[[Progress], None] = lambda p: None,
+        producer=None,
+        device: str | None = None,
+    ):
+        """`device` set: this learner is rank 0 of a data-parallel group (torch.distributed is
+        initialized; learner/train/learn_workers.py) and trains its share on that device."""
         self.s, self.cfg = s, s.learn
         self.progress = progress
         self._producer = producer
         self.engine = db.make_engine(s.database_url)
         self.dir = s.learner_dir
+        self.device = device
+        self.leader = None  # data_parallel.Leader when data-parallel
+        self._checkpoints: dict[str, str] = {}  # marker file -> the shards folder it names
 
     # set-up ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -474,18 +495,23 @@ class Learner:
             self._load_imported()
         else:
             self._load_pretrained()
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
         self.hook = fp4_hook(self.fmt, self.fp4_targets) if self.fmt else None
+        if self.device is None:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base
+            self.opt = torch.optim.AdamW(
+                self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+            )
+            if (self.dir / SHARDS_DIR).is_dir():
+                self._adopt_sharded_state()
+        else:
+            self._start_data_parallel()
         corpus = load_training_corpus(pretrain_section(self.s))
         self.heldout, self.train_files = corpus.heldout, corpus.train
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
-        )
         self.buffer = ReplayBuffer(self.cfg.max_staleness, self.cfg.buffer_capacity)
         self._stable_cache: tuple[int, Transformer, object] | None = None
         state_path = self.dir / STATE_FILE
         if state_path.is_file():
-            self.state = load_state(state_path, self.model, self.opt, self.buffer)
+            self.state = self._load_state(state_path)
             log.info(
                 "resumed the learner at step %d, cursor %d, v%d", self.state.step, self.state.cursor, self.state.version
             )
@@ -499,6 +525,54 @@ class Learner:
             self._save_last_good()
             self._save()
         self._recover_unrecorded()
+
+    def _start_data_parallel(self) -> None:
+        """Every rank builds its replica from the base weights (its reference too), before a saved state loads."""
+        from learner.train.data_parallel import Leader, Setup
+
+        setup = Setup(self.args, self.format, self.fmt, tuple(self.fp4_targets), self.cfg)
+        self.leader = Leader(self.model, setup, self.device)
+        self.model, self.ref, self.opt = self.leader.replica.model, self.leader.replica.ref, self.leader.replica.opt
+        private_dir(self.dir / SHARDS_DIR)
+        for marker in (STATE_FILE, LAST_GOOD_FILE):
+            if (self.dir / marker).is_file():
+                self._checkpoints[marker] = self._sharded_marker(marker)
+        self._prune_shards()  # a save cut short by a crash left a folder no marker names
+
+    def _sharded_marker(self, marker: str) -> str:
+        """The shards folder `marker` names; a one-process learner's file (weights and optimizer in
+        it) is first written out as shards, then replaced by a marker (payload first, marker last)."""
+        from learner.train.data_parallel import write_shards
+
+        blob = _read_marker(self.dir / marker)
+        if "checkpoint" in blob:
+            return blob["checkpoint"]
+        folder = f"{Path(marker).stem}-from-one-process-{uuid.uuid4().hex[:8]}"
+        names = [n for n, _ in self.model.named_parameters()]
+        write_shards(self.dir / SHARDS_DIR / folder, blob.pop("model"), blob.pop("optimizer"), names)
+        _atomic_save(blob | {"checkpoint": folder, "workers": 1}, self.dir / marker)
+        log.info("%s: the one-process learner's state, now shards in %s", marker, folder)
+        return folder
+
+    def _adopt_sharded_state(self) -> None:
+        """One process after data-parallel workers: their markers become one-process files again
+        (weights and optimizer read from the shards; each file replaced atomically)."""
+        from learner.train.data_parallel import read_shards
+
+        for marker in (STATE_FILE, LAST_GOOD_FILE):
+            path = self.dir / marker
+            blob = _read_marker(path) if path.is_file() else {}
+            if "checkpoint" not in blob:
+                continue
+            model = copy.deepcopy(self.model)
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay
+            )
+            read_shards(self.dir / SHARDS_DIR / blob.pop("checkpoint"), model, opt)
+            blob.pop("workers", None)
+            _atomic_save(blob | {"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+            log.info("%s: the data-parallel learner's state, now one file", marker)
+        shutil.rmtree(self.dir / SHARDS_DIR, ignore_errors=True)
 
     def _load_pretrained(self) -> None:
         """Flywheel's own base: the fp32 master weights of the pretraining run for [pretrain]."""
@@ -704,9 +778,17 @@ class Learner:
         if len(self.buffer) < self.cfg.batch_size:
             return None
         samples = self.buffer.take(self.cfg.batch_size)
-        m = rl_update(
-            self.model, self.ref, self.opt, make_batch(samples, self.args, self.format), hook=self.hook, cfg=self.cfg
-        )
+        if self.leader is not None:
+            m = self.leader.update(samples)
+        else:
+            m = rl_update(
+                self.model,
+                self.ref,
+                self.opt,
+                make_batch(samples, self.args, self.format),
+                hook=self.hook,
+                cfg=self.cfg,
+            )
         st = self.state
         st.step += 1
         st.samples_trained += len(samples)
@@ -851,19 +933,54 @@ class Learner:
 
     # persistence ----------------------------------------------------------------------------------------
     def _save(self) -> None:
+        if self.leader is not None:
+            self._save_sharded(STATE_FILE, {"state": asdict(self.state), "buffer": self.buffer.state_dict()})
+            return
         save_state(self.dir / STATE_FILE, self.model, self.opt, self.state, self.buffer)
 
     def _save_last_good(self) -> None:
+        if self.leader is not None:
+            self._save_sharded(LAST_GOOD_FILE, {"version": self.state.last_good})
+            return
         _atomic_save(
             {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "version": self.state.last_good},
             self.dir / LAST_GOOD_FILE,
         )
 
     def _revert_to_last_good(self) -> None:
-        blob = torch.load(self.dir / LAST_GOOD_FILE, map_location="cpu", weights_only=False)
-        self.model.load_state_dict(blob["model"])
-        self.opt.load_state_dict(blob["optimizer"])
+        if self.leader is not None:
+            blob = _read_marker(self.dir / LAST_GOOD_FILE)
+            self.leader.load(self.dir / SHARDS_DIR / blob["checkpoint"])
+        else:
+            blob = torch.load(self.dir / LAST_GOOD_FILE, map_location="cpu", weights_only=False)
+            self.model.load_state_dict(blob["model"])
+            self.opt.load_state_dict(blob["optimizer"])
         log.warning("gate blocked v%d: training goes on from v%d's weights", self.state.version, blob["version"])
+
+    def _load_state(self, path: Path) -> LearnerState:
+        """The saved state: one file with one process; with several, a marker naming its shards folder
+        (either kind was converted to this learner's at start: a learner may change its worker count)."""
+        blob = _read_marker(path)
+        if self.leader is None:
+            return _apply_state(blob, self.model, self.opt, self.buffer)
+        self.leader.load(self.dir / SHARDS_DIR / blob["checkpoint"])
+        self.buffer.load_state_dict(blob["buffer"])
+        return LearnerState(**blob["state"])
+
+    def _save_sharded(self, marker: str, blob: dict) -> None:
+        """Every rank writes its shards into a new folder; then the marker naming that folder replaces
+        the old one atomically (payloads first, the marker last), and folders no marker names go."""
+        folder = f"{Path(marker).stem}-{self.state.step:08d}-{uuid.uuid4().hex[:8]}"
+        self.leader.save(self.dir / SHARDS_DIR / folder)
+        _atomic_save(blob | {"checkpoint": folder, "workers": self.leader.world}, self.dir / marker)
+        self._checkpoints[marker] = folder
+        self._prune_shards()
+
+    def _prune_shards(self) -> None:
+        keep = set(self._checkpoints.values())
+        for d in (self.dir / SHARDS_DIR).iterdir():
+            if d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
 
     @property
     def producer(self):

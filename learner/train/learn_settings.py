@@ -103,7 +103,24 @@ class LearnSection(Section):
     keep_versions: int = Field(default=32, ge=1)
     """Newest versions the store keeps; also kept, however old: every version serving targets or serves,
     stable, the last good one, and what the delta chains of all of these need (learner/publish.py)."""
+    workers: int = Field(default=1, ge=1)
+    """Data-parallel training processes. 1: the learner trains in its own process (no Ray). N > 1: Ray
+    Train runs N workers (torch.distributed: gloo on CPUs, NCCL on GPUs); each update's batch is split
+    across them, the optimizer state is sharded, and checkpoints are sharded (torch.distributed.checkpoint)."""
+    gpu: bool = False
+    """With workers > 1: one GPU per worker (NCCL) instead of CPU workers (gloo)."""
     gate: GateSection = GateSection()
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> Self:
+        if self.workers > self.batch_size:
+            raise ValueError(
+                f"learn.workers ({self.workers}) must not exceed learn.batch_size ({self.batch_size}): "
+                "each worker trains a share of every batch"
+            )
+        if self.gpu and self.workers == 1:
+            raise ValueError("learn.gpu applies to data-parallel workers: set learn.workers > 1, or leave gpu off")
+        return self
 
 
 class LearnSettings(PretrainSettings):

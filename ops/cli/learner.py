@@ -73,6 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("--min-samples", type=int, help="samples trained before a publish (learn.min_samples)")
     lp.add_argument("--lr", type=float, help="AdamW learning rate (learn.lr)")
     lp.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="data-parallel training workers on Ray Train; 1 trains in this process (learn.workers)",
+    )
+    lp.add_argument(
         "--versions", type=int, metavar="N", help="stop after publishing N versions (default: run until Ctrl-C)"
     )
     lp.add_argument(
@@ -182,6 +188,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(br)
     br.set_defaults(fn=cmd_bench_routes)
 
+    bw = bench_subcommands(sub).add_parser(
+        "learn-workers",
+        help="learner throughput: samples/s with 1 and N data-parallel workers on the same batches, loss curves side by side",
+        description="The learner's update (and checkpoint) on the same simulated-feedback batches, in one process and on Ray Train workers.",
+    )
+    bw.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts, one run each (default 1 2)")
+    bw.add_argument("--updates", type=int, default=8, help="updates per run; the first is not timed (default 8)")
+    bw.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature of the simulated traffic (default 0.7)"
+    )
+    bw.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(bw)
+    bw.set_defaults(fn=cmd_bench_learn_workers)
+
 
 def _bench_parts(value: str) -> str:
     if not value or set(value) - set("abcd"):
@@ -219,7 +239,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 def cmd_learn(args: argparse.Namespace) -> int:
     from learner.train.learn_settings import LearnSettings
 
-    flags = {"publish_every": args.publish_every, "min_samples": args.min_samples, "lr": args.lr}
+    flags = {
+        "publish_every": args.publish_every,
+        "min_samples": args.min_samples,
+        "lr": args.lr,
+        "workers": args.workers,
+    }
     overrides = list(args.overrides) + [f"learn.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     s = LearnSettings.load(args.config, overrides)
     print_config(s, "flywheel learn")
@@ -231,13 +256,22 @@ def cmd_learn(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with console.status("starting the learner") as status:
-        learner = Learner(
-            s,
-            progress=lambda p: (
-                status.update(describe(p)),
-                p.event.startswith("published") and console.print(describe(p)),
-            ),
-        )
+
+        def show(p):
+            status.update(describe(p))
+            if p.event.startswith("published"):
+                console.print(describe(p))
+
+        if s.learn.workers > 1:
+            from learner.train.learn_workers import run_workers
+
+            status.update(f"starting {s.learn.workers} learner workers on Ray Train")
+            try:
+                run_workers(s, progress=show, stop=stop, max_versions=args.versions, until_idle=args.until_idle)
+            except KeyboardInterrupt:
+                console.print("stopped; the learner's state is saved after every update")
+            return 0
+        learner = Learner(s, progress=show)
         try:
             learner.start()
             status.update(
@@ -269,6 +303,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = run(s, out, model=args.model, corpus=corpus, table=not args.json)
     if args.json:
         sys.stdout.write(json.dumps({"command": shlex.join(["flywheel", *sys.argv[1:]]), **report}, indent=1) + "\n")
+    return 0
+
+
+def cmd_bench_learn_workers(args: argparse.Namespace) -> int:
+    from learner.train.learn_settings import LearnSettings
+    from ops.bench.learn_workers import run_bench
+
+    s = LearnSettings.load(args.config, list(args.overrides))
+    print_config(s, "flywheel bench learn-workers")
+    run_bench(
+        s,
+        console,
+        workers=tuple(args.workers),
+        updates=args.updates,
+        temperature=args.temperature,
+        out=args.out,
+        command=shlex.join(["flywheel", *sys.argv[1:]]),
+    )
     return 0
 
 

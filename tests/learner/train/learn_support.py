@@ -181,3 +181,35 @@ def reward_ids(engine) -> list[int]:
         return list(
             conn.execute(db.rewards.select().with_only_columns(db.rewards.c.id).order_by(db.rewards.c.id)).scalars()
         )
+
+
+def train_ranks(rank: int, world: int, port: int, job: Path) -> None:
+    """One rank of a gloo group on this machine (torch.multiprocessing.spawn's target): loads
+    `job` ({"weights", "setup", "batches", "load", "save_after", "out"}), trains each batch with a
+    data_parallel.Replica, saves its checkpoint after `save_after` batches, and rank 0 writes the
+    weights and each update's metrics to `out`."""
+    import os
+
+    import torch.distributed as dist
+
+    from learner.model import Transformer
+    from learner.train.data_parallel import Replica
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        spec = torch.load(job, weights_only=False)
+        model = Transformer(spec["setup"].args)
+        model.load_state_dict(spec["weights"])
+        replica = Replica(model, spec["setup"], "cpu")
+        if spec.get("load"):
+            replica.load(spec["load"])
+        metrics = []
+        for i, samples in enumerate(spec["batches"]):
+            if spec.get("save_after") == i:
+                replica.save(spec["save"])
+            metrics.append(replica.update(samples))
+        if rank == 0:
+            torch.save({"weights": model.state_dict(), "metrics": metrics}, spec["out"])
+    finally:
+        dist.destroy_process_group()

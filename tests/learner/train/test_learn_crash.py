@@ -1,5 +1,6 @@
 """Kill `flywheel learn` (SIGKILL) at arbitrary moments and restart it: no sample is lost, none is
-trained twice, no version number is published twice and none is ever half-visible."""
+trained twice, no version number is published twice and none is ever half-visible. With
+`--workers 2` (Ray Train) the kills hit the driver and, once, one of the training workers."""
 
 from __future__ import annotations
 
@@ -57,7 +58,23 @@ def _state(path):
         return None
 
 
-def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
+def _ray_train_worker(driver_pid: int, deadline: float):
+    """A Ray Train worker process of the learner driver `driver_pid` (its local Ray instance's descendant)."""
+    import psutil
+
+    while time.monotonic() < deadline:
+        for c in psutil.Process(driver_pid).children(recursive=True):
+            try:
+                if "RayTrainWorker" in " ".join(c.cmdline()):
+                    return c
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.2)
+    raise AssertionError("no Ray Train worker found")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings, workers):
     corpus = make_corpus(tmp_path / "corpus")
     s = tiny_learn_settings(tmp_path, corpus, tmp_path / "cache", batch_size=4, min_samples=8, publish_every=0.5)
     s = s.model_copy(update={"kafka": kafka_settings.kafka})
@@ -88,30 +105,34 @@ def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
                 "poll_s": 0.1,
                 "max_staleness": 1000,
                 "gate": {"sites": 6, "max_tokens": 8},
+                "workers": workers,
             },
         )
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     state_path = s.learner_dir / STATE_FILE
 
+    logs = []
+
     def learn(*extra):
-        return subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", "learn", "--config", str(cfg), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
+        """The CLI, its output in a file (Ray's log lines would fill a pipe nobody reads while it runs)."""
+        logs.append(tmp_path / f"learn-{len(logs)}.log")
+        with open(logs[-1], "w") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "ops.cli", "learn", "--config", str(cfg), *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
 
     kills = 0
-    for extra_s in (
-        0.0,
-        1.3,
-        2.9,
-    ):  # once it has trained, kill it in whatever it is doing: an update, a save, a publish
+    # Once it has trained, kill it in whatever it is doing: an update, a save, a publish. With workers,
+    # the second kill hits a training worker (rank 0 or 1), whose death ends the run.
+    for extra_s, target in ((0.0, "driver"), (1.3, "worker"), (2.9, "driver")):
         p = learn()
         start_step = (_state(state_path) or {}).get("step", 0)
-        deadline = time.monotonic() + scaled(120)
+        deadline = time.monotonic() + scaled(180 if workers > 1 else 120)
         while (
             time.monotonic() < deadline
             and p.poll() is None
@@ -120,15 +141,20 @@ def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings):
             time.sleep(0.1)
         time.sleep(extra_s)
         if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
+            victim = _ray_train_worker(p.pid, deadline) if workers > 1 and target == "worker" else p
+            victim.send_signal(signal.SIGKILL)
             kills += 1
-        p.wait(timeout=scaled(30))
+        try:
+            p.wait(timeout=scaled(60))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     assert kills >= 2
 
     # Run to the end: every sample read and every full batch trained (and published if due).
     p = learn("--until-idle")
-    out, _ = p.communicate(timeout=scaled(300))
-    assert p.returncode == 0, out[-3000:]
+    p.wait(timeout=scaled(300))
+    assert p.returncode == 0, logs[-1].read_text()[-3000:]
     st = _state(state_path)
     trained = st["trained_ids"]
     assert len(trained) == len(set(trained)), "a sample was trained twice"

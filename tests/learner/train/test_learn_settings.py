@@ -30,3 +30,19 @@ def test_gate_thresholds_keep_their_keys_and_defaults():
         "max_length_ratio": 2.0,
         "max_kl": 0.2,
     }
+
+
+def test_workers_default_to_one_and_must_fit_the_batch():
+    import pytest
+    from pydantic import ValidationError
+
+    from learner.train.learn_settings import LearnSection
+
+    assert LearnSection().workers == 1 and not LearnSection().gpu
+    assert LearnSection(workers=4, batch_size=4).workers == 4
+    with pytest.raises(ValidationError, match=r"learn.workers \(5\) must not exceed learn.batch_size \(4\)"):
+        LearnSection(workers=5, batch_size=4)
+    with pytest.raises(ValidationError, match="workers"):
+        LearnSection(workers=0)
+    with pytest.raises(ValidationError, match="learn.gpu applies to data-parallel workers"):
+        LearnSection(gpu=True)

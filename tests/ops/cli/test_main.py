@@ -79,3 +79,16 @@ def test_soak_refuses_what_it_cannot_run(tmp_path, args, fragment):
     """Refused before anything starts: no broker, no folder, one line."""
     assert_one_line_error(flywheel("soak", *args, tmp_path=tmp_path), fragment)
     assert not (tmp_path / "data" / "soak").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--workers", "0"], "learn.workers"),
+        (["--workers", "17"], "learn.workers (17) must not exceed learn.batch_size (16)"),
+        (["--set", "learn.gpu=true"], "learn.gpu applies to data-parallel workers"),
+    ],
+)
+def test_learn_refuses_workers_it_cannot_run(tmp_path, args, fragment):
+    """Refused when the settings load: no Ray, no model, one line."""
+    assert_one_line_error(flywheel("learn", *args, tmp_path=tmp_path), fragment)
