@@ -101,6 +101,11 @@ class VLLMEngine:
         with _cpu_workers_bound(cfg):
             self.llm = AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers(cfg))
         self.capture_routes = cfg.capture_routes
+        # vLLM 0.32's CPU worker cannot seed a request: when a seeded prompt is prefilled in chunks
+        # (a long prompt, or a busy step), its sampler moves the generator's offset back, which a
+        # CPU generator refuses, and the whole engine dies. One client's `seed` must not take every
+        # user's replica down, so on CPUs a request's seed is not passed on (logged once).
+        self.seeds = cfg.num_gpus > 0
         self.route_layers: int | None = None  # MoE layers whose routes the worker captures, once asked
 
     async def generate(self, prompt_ids: list[int], spec: SamplingSpec, request_id: str) -> AsyncIterator[list[Sample]]:
@@ -113,7 +118,7 @@ class VLLMEngine:
             max_tokens=spec.max_tokens,
             temperature=spec.temperature,
             top_p=spec.top_p,
-            seed=spec.seed,
+            seed=spec.seed if self.seeds else self._unseeded(spec.seed),
             stop=list(spec.stop) or None,
             stop_token_ids=list(spec.stop_token_ids) or None,
             logprobs=spec.top_logprobs,  # 0: just the sampled token's logprob
@@ -128,6 +133,14 @@ class VLLMEngine:
             if out.finished and capturing and samples:
                 samples[0].routing = await self._take_routes(request_id)
             yield samples
+
+    def _unseeded(self, seed: int | None) -> None:
+        if seed is not None and not getattr(self, "_told_seed", False):
+            self._told_seed = True
+            log.warning(
+                "a request asked for seed %d: vLLM's CPU backend cannot seed requests, so it samples unseeded", seed
+            )
+        return None
 
     async def _capturing(self) -> bool:
         """Whether the worker records routes: asked once (binding the routers is idempotent)."""

@@ -86,9 +86,7 @@ def run_bench(
         try:
             t0 = time.perf_counter()
             results = asyncio.run(
-                _sample(
-                    engine, prompts, SamplingSpec(max_tokens=max_tokens, temperature=temperature, seed=0, stream=False)
-                )
+                _sample(engine, prompts, SamplingSpec(max_tokens=max_tokens, temperature=temperature, stream=False))
             )
             console.print(f"sampled {len(results)} completions in {time.perf_counter() - t0:.0f} s")
         finally:

@@ -132,10 +132,26 @@ def test_routes_round_trip_from_the_vllm_worker_to_the_learners_replay(tok, tmp_
                 pass
             return final[0]
 
-        async def both():  # one event loop: the engine's output handler lives on it
-            return await run(f"r1-{time.time_ns()}"), await run(f"r2-{time.time_ns()}")
+        async def seeded_and_busy():
+            """More prompt tokens at once than a step takes, so prompts are prefilled in chunks: with a
+            seed, that killed vLLM's CPU engine (serving/engine.py: seeds)."""
+            seeded = SamplingSpec(max_tokens=4, temperature=1.0, seed=7)
+            prompts = [tok.encode(text * 40, add_special_tokens=False).ids[i : i + 400] for i in range(8)]
 
-        first, second = asyncio.run(both())  # the same prompt twice: the second's prefix comes from vLLM's cache
+            async def one(i, p):
+                final = []
+                async for final in engine.generate(p, seeded, f"s{i}-{time.time_ns()}"):
+                    pass
+                return final
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        async def all_of_it():  # one event loop: the engine's output handler lives on it
+            # the same prompt twice: the second's prefix comes from vLLM's cache
+            return await run(f"r1-{time.time_ns()}"), await run(f"r2-{time.time_ns()}"), await seeded_and_busy()
+
+        first, second, busy = asyncio.run(all_of_it())
+        assert all(out and out[0].token_ids for out in busy)
     finally:
         engine.shutdown()
 
