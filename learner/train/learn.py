@@ -463,9 +463,12 @@ class Learner:
         progress: Callable[[Progress], None] = lambda p: None,
         producer=None,
         device: str | None = None,
+        leader=None,
     ):
         """`device` set: this learner is rank 0 of a data-parallel group (torch.distributed is
-        initialized; learner/train/learn_workers.py) and trains its share on that device."""
+        initialized; learner/train/learn_workers.py) and trains its share on that device, through
+        the group's leader that `leader(model, args, format, fp4 format, fp4 targets, section,
+        device)` makes (data_parallel.leader; passed in, so this module needs none of it)."""
         self.s, self.cfg = s, s.learn
         self.progress = progress
         self._producer = producer
@@ -473,6 +476,7 @@ class Learner:
         self.dir = s.learner_dir
         self.device = device
         self.leader = None  # data_parallel.Leader when data-parallel
+        self._make_leader = leader
         self._checkpoints: dict[str, str] = {}  # marker file -> the shards folder it names
 
     # set-up ----------------------------------------------------------------------------------------
@@ -528,10 +532,10 @@ class Learner:
 
     def _start_data_parallel(self) -> None:
         """Every rank builds its replica from the base weights (its reference too), before a saved state loads."""
-        from learner.train.data_parallel import Leader, Setup
-
-        setup = Setup(self.args, self.format, self.fmt, tuple(self.fp4_targets), self.cfg)
-        self.leader = Leader(self.model, setup, self.device)
+        assert self._make_leader is not None, "a data-parallel learner needs its leader (learn_workers.py)"
+        self.leader = self._make_leader(
+            self.model, self.args, self.format, self.fmt, tuple(self.fp4_targets), self.cfg, self.device
+        )
         self.model, self.ref, self.opt = self.leader.replica.model, self.leader.replica.ref, self.leader.replica.opt
         private_dir(self.dir / SHARDS_DIR)
         for marker in (STATE_FILE, LAST_GOOD_FILE):
@@ -542,7 +546,7 @@ class Learner:
     def _sharded_marker(self, marker: str) -> str:
         """The shards folder `marker` names; a one-process learner's file (weights and optimizer in
         it) is first written out as shards, then replaced by a marker (payload first, marker last)."""
-        from learner.train.data_parallel import write_shards
+        from learner.train.shards import write_shards
 
         blob = _read_marker(self.dir / marker)
         if "checkpoint" in blob:
@@ -557,7 +561,7 @@ class Learner:
     def _adopt_sharded_state(self) -> None:
         """One process after data-parallel workers: their markers become one-process files again
         (weights and optimizer read from the shards; each file replaced atomically)."""
-        from learner.train.data_parallel import read_shards
+        from learner.train.shards import read_shards
 
         for marker in (STATE_FILE, LAST_GOOD_FILE):
             path = self.dir / marker

@@ -154,7 +154,7 @@ def _worker(config: dict) -> None:
     import ray.train
 
     from feedback.core.errors import UserError
-    from learner.train.data_parallel import follow
+    from learner.train.data_parallel import follow, leader
     from learner.train.learn import Learner
 
     # The CLI's logging (warnings and up): a Ray worker's root logger passes debug records to the driver.
@@ -169,7 +169,7 @@ def _worker(config: dict) -> None:
         with _exclusive(s.learner_dir):
             stop = threading.Event()
             threading.Thread(target=lambda: (config["control"].get(), stop.set()), daemon=True).start()
-            learner = Learner(s, progress=lambda p: events.put(("progress", p)), device=device)
+            learner = Learner(s, progress=lambda p: events.put(("progress", p)), device=device, leader=leader)
             try:
                 learner.start()
                 learner.run(stop, max_versions=config["max_versions"], until_idle=config["until_idle"])

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 
 from learner.model import Transformer
-from learner.train.data_parallel import Setup, read_shards, shares, write_shards
+from learner.train.data_parallel import Setup, shares
 from learner.train.learn import (
     LAST_GOOD_FILE,
     SHARDS_DIR,
@@ -23,6 +23,7 @@ from learner.train.learn import (
     rl_update,
 )
 from learner.train.pretrain import ensure_base_model, fp4_hook
+from learner.train.shards import read_shards, write_shards
 from tests.helpers import free_port
 from tests.learner.train.learn_support import (
     ListProducer,
