@@ -18,7 +18,7 @@ endif
 
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install lint test test-soak test-families demo clean
+.PHONY: install lint test test-soak test-families test-extended demo clean
 
 install: $(STAMP)
 
@@ -44,8 +44,15 @@ AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPAB
 # (tests/s3_server.py): built here, with progress, so the build never counts against a test.
 test: install lint
 	$(BIN)/python -m tests.s3_server
-	$(BIN)/pytest -m "not soak"
-	$(AVX2_ONLY) $(BIN)/pytest -m numerics
+	$(BIN)/pytest -m "not soak and not extended"
+	$(AVX2_ONLY) $(BIN)/pytest -m "numerics and not extended"
+
+# The longest end-to-end runs, kept out of `make test` (CI's 45 minutes); cheaper tests there
+# cover their code paths: the 2-worker learner crash test, the benchmarks on their own stacks,
+# a tensor-parallel hot swap.
+test-extended: install
+	$(BIN)/python -m tests.s3_server
+	$(BIN)/pytest -m extended
 
 # The loop once per imported model family (tests/ops/test_families_e2e.py), alone (part of `make test`).
 test-families: install

@@ -101,6 +101,9 @@ class SinkSection(Section):
     """How often the progress line (rows/s, lag, dead letters) is printed."""
     db_retry_s: float = Field(default=2.0, gt=0)
     """Wait between attempts while the database is unreachable (the batch is kept, offsets are not committed)."""
+    db_start_wait_s: float = Field(default=120.0, ge=0)
+    """At start, how long to wait for a database that does not answer (restarting, not up yet)
+    before giving up with an error; one that answers no (a wrong password) is an error at once."""
     kafka_retry_s: float = Field(default=2.0, gt=0)
     """Wait between polls while the Kafka broker is unreachable (stopped, restarting); what was read
     before is written, and nothing is committed until the broker answers again."""
@@ -153,6 +156,7 @@ def run_sink(
     consumer = metrics = None
     stats = SinkStats()
     try:
+        _wait_for_database(engine, cfg, stop)
         db.upgrade(engine)
         consumer = _consumer(settings)
         metrics = serve_metrics(cfg)
@@ -171,6 +175,37 @@ def run_sink(
             restore()
     progress(f"sink: stopped after {stats.messages} messages; {_summary(stats)}")
     return stats
+
+
+def _wait_for_database(engine, cfg: SinkSection, stop: threading.Event) -> None:
+    """A sink started while the database restarts waits for it, as a running sink waits out an
+    outage (a supervisor restarts a killed sink at any moment, the database's own restart
+    included). Only a server that does not answer at all is waited for, up to `db_start_wait_s`;
+    the first error that is not that is left to the caller's own connection."""
+    from sqlalchemy.exc import OperationalError
+
+    if engine.dialect.name == "sqlite":
+        return  # a file, not a server: nothing to wait for
+    deadline = time.monotonic() + cfg.db_start_wait_s
+    while not stop.is_set():
+        try:
+            with engine.connect():
+                return
+        except OperationalError as e:
+            if _refused(str(e.orig)) or time.monotonic() >= deadline:
+                return  # db.upgrade says what is wrong, in one line
+            log.warning("database unreachable at start (%s); trying again in %gs", first_line(e), cfg.db_retry_s)
+            stop.wait(cfg.db_retry_s)
+
+
+# A server that is up but not taking connections yet says so in a FATAL message too.
+_RESTARTING = ("starting up", "shutting down", "in recovery mode", "too many clients")
+
+
+def _refused(message: str) -> bool:
+    """Whether the server answered no (a wrong password, no such database or role), rather than
+    not answering (connection refused or cut) or restarting."""
+    return "FATAL" in message and not any(r in message for r in _RESTARTING)
 
 
 def serve_metrics(cfg: SinkSection):

@@ -385,6 +385,7 @@ async def test_vllm_hot_swap_serves_the_new_weights(tok, tmp_path):
     await _hot_swap_serves_the_new_weights(tok, tmp_path)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @sync
 async def test_vllm_hot_swap_under_tensor_parallelism(tok, tmp_path):

@@ -243,3 +243,30 @@ def test_broker_restart_mid_stream_loses_nothing(tmp_path):
         if producer is not None:
             producer.close(timeout_s=2)
         kafka_broker.stop(s)
+
+
+def test_a_sink_started_while_the_database_does_not_answer_waits_a_refusal_does_not():
+    """A supervisor may restart a killed sink while PostgreSQL itself restarts (the soak does)."""
+    import threading
+    import time
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    from feedback.sink.loop import SinkSection, _wait_for_database
+    from tests.helpers import free_port
+
+    cfg = SinkSection(db_start_wait_s=scaled(1.0), db_retry_s=0.1)
+    down = create_engine(f"postgresql+psycopg://flywheel:pw@127.0.0.1:{free_port()}/flywheel")
+    t0 = time.monotonic()
+    _wait_for_database(down, cfg, threading.Event())
+    assert time.monotonic() - t0 >= scaled(1.0)  # waited its bound, then lets the upgrade say why
+    down.dispose()
+
+    url = os.environ.get("FLYWHEEL_TEST_POSTGRES_URL")
+    if url:  # a server that answers no is not waited for
+        refused = create_engine(make_url(url).set(password="not-the-password"))
+        t0 = time.monotonic()
+        _wait_for_database(refused, cfg, threading.Event())
+        assert time.monotonic() - t0 < scaled(1.0)
+        refused.dispose()

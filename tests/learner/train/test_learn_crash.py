@@ -73,7 +73,7 @@ def _ray_train_worker(driver_pid: int, deadline: float):
     raise AssertionError("no Ray Train worker found")
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.extended)])
 def test_learner_killed_and_restarted_loses_nothing(tmp_path, kafka_settings, workers):
     corpus = make_corpus(tmp_path / "corpus")
     s = tiny_learn_settings(tmp_path, corpus, tmp_path / "cache", batch_size=4, min_samples=8, publish_every=0.5)

@@ -28,6 +28,7 @@ def test_agreement_per_explicit_outcome_with_wilson_intervals():
     assert (empty["n"], empty["rate"], empty["low"]) == (0, None, None)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_a_small_run_measures_agreement_on_its_own_stack(tmp_path):

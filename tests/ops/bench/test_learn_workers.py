@@ -34,6 +34,7 @@ def test_bad_arguments_are_refused(settings):
         )
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_one_and_two_workers_train_the_same_batches_alike(settings, tmp_path):
     out = io.StringIO()

@@ -15,6 +15,7 @@ from ops.bench.routes import run_bench
 from tests.learner.train.learn_support import make_corpus, tiny_learn_settings
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_every_vllm_completion_carries_routes_the_learner_replays(tmp_path):
     s = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
