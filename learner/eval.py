@@ -34,6 +34,14 @@ Reported with 95% confidence intervals over the sites (`intervals`):
     mean reward                 mean over requests                  Student's t
     latency ms                  prompt + greedy decode per request, Student's t
                                 in-process on this CPU (not serving's: `flywheel bench serve`)
+    token accuracy              teacher-forced: of the rest of the      Student's t
+    (with `token_accuracy`)     line's tokens, the share the model's
+                                argmax predicts given the prompt and
+                                the true tokens before; mean over sites
+
+`prefix_only(fmt)` is the same model prompted without its FIM template (the suffix left out), so
+`flywheel eval --compare-prefix` replays both prompt forms on the same sites: the check that
+the fill-in-the-middle format helps rather than hurts.
 
 Wilson, not the normal approximation, because accept rates near 0 are the common case and the
 normal interval would reach below 0; t on the means, since with hundreds of sites the sample
@@ -42,6 +50,7 @@ mean is close to normal even for the zero-heavy accepted characters, and it is e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -60,6 +69,7 @@ from feedback.core.stats import percentile
 from feedback.reward import ChoiceFeedback, RewardWeights, reward
 from learner.corpus import SourceFile
 from learner.decode import decode, room
+from learner.fim import encode
 from learner.formats import ModelFormat
 from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
 from learner.languages import editor_stops
@@ -192,6 +202,8 @@ class SiteResult:
     prompt_tokens: int
     truncated_tokens: int  # prefix tokens dropped to fit the budget
     exact: bool = False  # the suggestion's first line is the rest of the line (exact_match)
+    truth_tokens: int = 0  # rest-of-line tokens scored teacher-forced (0: not measured)
+    truth_hits: int = 0  # of them, predicted by the model's argmax
     # A measurement, not an outcome: two replays of one model agree on everything else.
     latency_s: float = field(default=0.0, compare=False)
 
@@ -241,6 +253,13 @@ class ReplayStats:
         """Mean length of the shown suggestions (abstentions are the suggestion rate's business)."""
         return self.completion_tokens / self.shown if self.shown else 0.0
 
+    @property
+    def token_accuracy(self) -> float | None:
+        """Mean over the sites scored teacher-forced of the share of the rest of the line's tokens
+        the model predicts (None: not measured)."""
+        scored = [r.truth_hits / r.truth_tokens for r in self.results if r.truth_tokens]
+        return sum(scored) / len(scored) if scored else None
+
     @classmethod
     def of(cls, results: Sequence[SiteResult], seconds: float = 0.0) -> ReplayStats:
         shown = [r for r in results if r.text]
@@ -267,6 +286,7 @@ class ReplayStats:
         def mean(values: list[float], aggregate: float) -> Interval:
             return t_interval(values, confidence) if per_site else Interval(aggregate, None, None, self.n, "t")
 
+        scored = [r.truth_hits / r.truth_tokens for r in self.results if r.truth_tokens]
         return {
             "accept_rate": wilson(self.accepted, self.shown, confidence),
             "accepted_chars_per_request": mean(
@@ -276,6 +296,7 @@ class ReplayStats:
             "exact_match": wilson(self.exact, self.n, confidence),
             "mean_reward": mean([r.reward for r in self.results], self.mean_reward),
             "latency_ms": mean([r.latency_s * 1e3 for r in self.results], float("nan")),
+            "token_accuracy": t_interval(scored, confidence),  # no value where not measured
         }
 
     def latency_percentiles_ms(self) -> dict[str, float | None]:
@@ -314,7 +335,12 @@ _REPORT_ROWS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("exact_match", "exact match, rest of line", lambda x: f"{x:.1%}"),
     ("mean_reward", "mean reward", lambda x: f"{x:+.3f}"),
     ("latency_ms", "latency ms (in-process)", lambda x: f"{x:.0f}"),
+    ("token_accuracy", "token accuracy, rest of line (teacher-forced)", lambda x: f"{x:.1%}"),
 )
+
+
+_MEASURED_ON_REQUEST = frozenset({"token_accuracy"})
+"""Rows left out of the table when no column measured them."""
 
 
 def report_table(columns: Mapping[str, ReplayStats], *, title: str) -> Table:
@@ -323,6 +349,8 @@ def report_table(columns: Mapping[str, ReplayStats], *, title: str) -> Table:
     t = Table("metric", *columns, title=title, caption=Text(f"[low, high]: {CONFIDENCE:.0%} confidence interval"))
     intervals = {name: st.intervals() for name, st in columns.items()}
     for key, label, fmt in _REPORT_ROWS:
+        if key in _MEASURED_ON_REQUEST and all(intervals[name][key].n == 0 for name in columns):
+            continue
         t.add_row(label, *(_cell(intervals[name][key], fmt) for name in columns))
     t.add_row("sites (requests)", *(str(st.n) for st in columns.values()))
     t.add_row("suggestions shown, accepted", *(f"{st.shown}, {st.accepted}" for st in columns.values()))
@@ -382,6 +410,28 @@ def site_prompt(builder: PromptBuilder, site: Site) -> tuple[list[int], int]:
     raise AssertionError("PromptBuilder.build suspended without a summarizer")
 
 
+def prefix_only(fmt: ModelFormat) -> ModelFormat:
+    """The model's format without its FIM template: prompts are the prefix alone, as for a
+    model without FIM tokens (the suffix is left out)."""
+    return dataclasses.replace(fmt, fim=None)
+
+
+@torch.no_grad()
+def truth_accuracy(
+    model: Transformer, prompt: list[int], truth: list[int], window: int, fp4: WeightHook | None
+) -> tuple[int, int]:
+    """(tokens of `truth` the model's argmax predicts, tokens scored), teacher-forced after
+    `prompt`: one forward over prompt + truth, as far as the window allows."""
+    truth = truth[: max(0, window - len(prompt))]
+    if not truth:
+        return 0, 0
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + truth[:-1]], device=device)
+    logits = model(ids, logits_to_keep=len(truth), fp4=fp4)[0]
+    hits = (logits.argmax(-1) == torch.tensor(truth, device=device)).sum().item()
+    return int(hits), len(truth)
+
+
 def line_matches(suggestion: str, truth: str) -> bool:
     """Whether the suggestion's first line is the rest of the line (trailing whitespace aside).
     An empty suggestion matches nothing: abstaining is not a match."""
@@ -407,6 +457,7 @@ def heldout_replay(
     summary_chunk_tokens: int = SUMMARY_CHUNK_TOKENS,
     threads: int | None = 1,
     progress: Callable[[SiteResult], None] | None = None,
+    token_accuracy: bool = False,
 ) -> ReplayStats:
     """Simulated editor sessions on `sites` with `model` in-process (see the module docstring).
 
@@ -416,7 +467,8 @@ def heldout_replay(
     whose prompt budget to mirror; `threads`: torch's CPU threads while replaying (None: leave
     them). One token at a time is too little work to split, and next to busy vLLM workers the
     thread pool's waits made a 2-thread replay of the small model take 570 s instead of 4 s.
-    `progress` is called with each site's result as it is done."""
+    `progress` is called with each site's result as it is done. `token_accuracy`: also score the
+    rest of each line teacher-forced (one more forward per site)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     t0 = time.perf_counter()
@@ -444,6 +496,9 @@ def heldout_replay(
             latency = time.perf_counter() - started
             verdict = judge(c.text, site.truth)
             r, parts = reward(editor_feedback(c.text, verdict), weights)
+            hits, scored = (
+                truth_accuracy(model, prompt, encode(tok, site.truth), window, hook) if token_accuracy else (0, 0)
+            )
             results.append(
                 SiteResult(
                     site.path,
@@ -458,6 +513,8 @@ def heldout_replay(
                     len(prompt),
                     truncated,
                     exact=line_matches(c.text, site.truth),
+                    truth_tokens=scored,
+                    truth_hits=hits,
                     latency_s=latency,
                 )
             )
@@ -481,6 +538,7 @@ def evaluate(
     fp4_hook: WeightHook | None = None,
     threads: int | None = 1,
     progress: Callable[[SiteResult], None] | None = None,
+    token_accuracy: bool = False,
 ) -> ReplayStats:
     """The evaluation: `sites` cursor sites of the held-out `files` picked by `seed`, replayed with
     `model` (heldout_replay, serve settings at their defaults). `flywheel eval`, the learning
@@ -494,6 +552,7 @@ def evaluate(
         fp4_hook=fp4_hook,
         threads=threads,
         progress=progress,
+        token_accuracy=token_accuracy,
     )
 
 

@@ -22,6 +22,12 @@ class EvalSection(Section):
     """Picks the sites: the same seed and corpus give the same sites, so two models compare on them."""
     max_tokens: int = Field(default=32, ge=1)
     """Longest suggestion decoded per site (greedy), as the gate's learn.gate.max_tokens."""
+    token_accuracy: bool = True
+    """Also score each site's rest of the line teacher-forced (the share of its tokens the model
+    predicts): finer-grained than accept rate for a weak model, at one more forward per site."""
+    compare_prefix: bool = False
+    """Also replay the same sites prompted with the prefix alone (no FIM template, no suffix), and
+    report both: whether the fill-in-the-middle prompt helps the model or hurts it."""
     threads: int = Field(default=1, ge=1)
     """torch CPU threads while replaying: one token at a time is too little work to split."""
 

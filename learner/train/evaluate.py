@@ -9,7 +9,8 @@
               (pretrain.corpus, or --corpus; the split is pretraining's, by a hash of each path,
               so a model pretrained on that corpus never saw these files)
     replay    learner.eval.evaluate: serving's prompt format, greedy decoding, the simulated
-              editor's judge, the sink's reward
+              editor's judge, the sink's reward; with eval.compare_prefix, the same sites again
+              prompted with the prefix alone (learner.eval.prefix_only), reported beside it
 
 The learner's gate, `flywheel bench learn` and the demo's summary replay with the same function.
 """
@@ -150,10 +151,13 @@ def heldout_files(s: EvalSettings, corpus: Path | None = None) -> tuple[list[Sou
     return c.heldout, str(c.root)
 
 
-def replay(target: EvalTarget, files: list[SourceFile], cfg: EvalSection, console: Console) -> E.ReplayStats:
-    """`learner.eval.evaluate` with a progress bar on `console`."""
+def replay(
+    target: EvalTarget, files: list[SourceFile], cfg: EvalSection, console: Console, *, fmt: ModelFormat | None = None
+) -> E.ReplayStats:
+    """`learner.eval.evaluate` with a progress bar on `console`; `fmt`: prompt in this format
+    instead of the model's own (the prefix-only comparison)."""
     with Progress(
-        TextColumn("[bold]eval[/]"),
+        TextColumn("[bold]eval[/]" if fmt is None else "[bold]eval, prefix only[/]"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[line]}"),
@@ -174,13 +178,14 @@ def replay(target: EvalTarget, files: list[SourceFile], cfg: EvalSection, consol
         return E.evaluate(
             target.model,
             target.tok,
-            target.fmt,
+            target.fmt if fmt is None else fmt,
             files,
             sites=cfg.sites,
             seed=cfg.seed,
             max_tokens=cfg.max_tokens,
             threads=cfg.threads,
             progress=on_site,
+            token_accuracy=cfg.token_accuracy,
         )
 
 
@@ -193,6 +198,10 @@ def run(
     target = load_target(model, s)
     files, corpus_name = heldout_files(s, corpus)
     stats = replay(target, files, cfg, console)
+    compare = cfg.compare_prefix and target.fmt.fim is not None
+    if cfg.compare_prefix and not compare:
+        console.print(f"{target.name} has no FIM template: its prompts are prefix-only already, nothing to compare")
+    plain = replay(target, files, cfg, console, fmt=E.prefix_only(target.fmt)) if compare else None
     if stats.n < cfg.sites:
         console.print(f"only {stats.n} sites found in {len(files)} held-out files (eval.sites={cfg.sites})")
     report = {
@@ -204,9 +213,14 @@ def run(
         "max_tokens": cfg.max_tokens,
         "stats": stats.summary(),
     }
+    if plain is not None:
+        report["prefix_only_stats"] = plain.summary()
     if not table:
         return report
-    console.print(E.report_table({target.name: stats}, title="flywheel eval"))
+    columns = (
+        {target.name: stats} if plain is None else {f"{target.name}, FIM": stats, f"{target.name}, prefix only": plain}
+    )
+    console.print(E.report_table(columns, title="flywheel eval"))
     console.print(
         f"{target.name}: {target.label}; {stats.n} sites of {len(files)} held-out files in {corpus_name} "
         f"(seed {cfg.seed}, max_tokens {cfg.max_tokens}), replayed in {stats.seconds:.0f} s",

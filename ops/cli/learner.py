@@ -4,7 +4,7 @@
     flywheel pretrain --base PATH --corpus DIR [--minutes N] [--steps N]
     flywheel base import PATH [--fp4 nvfp4|mxfp4|off]
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
-    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--json]
+    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--compare-prefix] [--json]
     flywheel bench fp4 [--steps N] [--out results.json]
     flywheel bench train [--steps N] [--warmup N] [--size small] [--out results.json]
     flywheel bench routes [--sites N] [--out results.json]
@@ -102,6 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--sites", type=int, help="held-out sites to replay (eval.sites, default 500)")
     ev.add_argument("--seed", type=int, help="picks the sites (eval.seed)")
     ev.add_argument("--max-tokens", type=int, help="longest suggestion (eval.max_tokens)")
+    ev.add_argument(
+        "--compare-prefix",
+        action="store_true",
+        default=None,
+        help="also replay the same sites prompted with the prefix alone, beside the FIM prompt (eval.compare_prefix)",
+    )
     ev.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress on stderr)")
     add_config_args(ev)
     ev.set_defaults(fn=cmd_eval)
@@ -291,7 +297,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from learner.train.eval_settings import EvalSettings
     from ops.cli.console import err_console
 
-    flags = {"sites": args.sites, "seed": args.seed, "max_tokens": args.max_tokens}
+    flags = {
+        "sites": args.sites,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "compare_prefix": args.compare_prefix,
+    }
     overrides = list(args.overrides) + [f"eval.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     s = EvalSettings.load(args.config, overrides)
     out = err_console if args.json else console

@@ -330,7 +330,9 @@ def test_replay_intervals_are_the_formulas_on_its_own_counts(tok, fmt, sites):
         "exact_match",
         "mean_reward",
         "latency_ms",
+        "token_accuracy",
     }
+    assert iv["token_accuracy"].n == 0 and iv["token_accuracy"].value is None  # not asked for
     assert iv["accept_rate"] == E.wilson(st.accepted, st.shown)
     assert iv["suggestion_rate"] == E.wilson(st.shown, st.n)
     assert iv["exact_match"] == E.wilson(st.exact, st.n)
@@ -344,6 +346,48 @@ def test_replay_intervals_are_the_formulas_on_its_own_counts(tok, fmt, sites):
     bare = replace(st, results=[])
     assert bare.intervals()["accepted_chars_per_request"].low is None
     assert bare.intervals()["accept_rate"] == iv["accept_rate"]
+
+
+def test_token_accuracy_is_the_argmax_of_each_prefix_of_the_truth(tok, fmt, sites):
+    model = random_model(tok)
+    st = E.heldout_replay(model, tok, fmt, sites[:6], max_tokens=MAX_TOKENS, token_accuracy=True)
+    builder = E.prompt_builder(tok, fmt, WINDOW)
+    per_site = []
+    for site, r in zip(sites[:6], st.results, strict=True):
+        prompt, _ = E.site_prompt(builder, site)
+        truth = tok.encode(site.truth, add_special_tokens=False).ids[: WINDOW - len(prompt)]
+        # one forward per truth token, no cache: what the single teacher-forced forward must equal
+        with torch.no_grad():
+            hits = sum(
+                int(model(torch.tensor([prompt + truth[:k]]))[0, -1].argmax()) == truth[k] for k in range(len(truth))
+            )
+        assert (r.truth_hits, r.truth_tokens) == (hits, len(truth))
+        if truth:
+            per_site.append(hits / len(truth))
+    assert st.token_accuracy == pytest.approx(sum(per_site) / len(per_site))
+    assert st.intervals()["token_accuracy"] == E.t_interval(per_site)
+    # the rest of the replay is the same with or without it
+    plain = E.heldout_replay(model, tok, fmt, sites[:6], max_tokens=MAX_TOKENS)
+    assert [replace(r, truth_tokens=0, truth_hits=0) for r in st.results] == plain.results
+    assert "token accuracy" in _table_text(E.report_table({"m": st}, title="t"))
+    assert "token accuracy" not in _table_text(E.report_table({"m": plain}, title="t"))
+
+
+def test_prefix_only_prompts_are_the_prefix_alone(tok, fmt, sites):
+    plain = E.prefix_only(fmt)
+    assert plain.fim is None and plain.eos_ids == fmt.eos_ids and plain.window == fmt.window
+    builder = E.prompt_builder(tok, plain, WINDOW)
+    fim_tokens = {fmt.fim.prefix, fmt.fim.suffix, fmt.fim.middle}
+    for site in sites[:6]:
+        prompt, _ = E.site_prompt(builder, site)
+        assert not fim_tokens & set(prompt)
+        assert tok.decode(prompt).endswith(site.prefix[-20:].lstrip()) or len(site.prefix) < 20
+
+
+def _table_text(table) -> str:
+    out = io.StringIO()
+    Console(file=out, width=200).print(table)
+    return out.getvalue()
 
 
 def test_exact_match_is_the_rest_of_the_line():

@@ -56,7 +56,9 @@ def test_eval_json_reports_the_in_process_replays_numbers_with_intervals(base, t
         "exact_match",
         "mean_reward",
         "latency_ms",
+        "token_accuracy",
     }
+    assert st["intervals"]["token_accuracy"]["n"] > 0  # eval.token_accuracy is on by default
     for name in ("suggestion_rate", "exact_match"):
         i = st["intervals"][name]
         assert i["method"] == "wilson" and i["n"] == SITES and 0 <= i["low"] <= i["value"] <= i["high"] <= 1
@@ -65,8 +67,10 @@ def test_eval_json_reports_the_in_process_replays_numbers_with_intervals(base, t
     model, _ = load_hf(folder / "hf")
     tok = load_tokenizer(folder / "hf")
     files = load_training_corpus(s.pretrain).heldout  # the CLI's sites: eval.seed 0 on pretraining's split
-    here = E.evaluate(model, tok, read_format(folder / "hf"), files, sites=SITES, seed=0, max_tokens=s.eval.max_tokens)
+    fmt = read_format(folder / "hf")
+    here = E.evaluate(model, tok, fmt, files, sites=SITES, seed=0, max_tokens=s.eval.max_tokens, token_accuracy=True)
     assert (st["n"], st["shown"], st["accepted"], st["exact"]) == (here.n, here.shown, here.accepted, here.exact)
+    assert st["intervals"]["token_accuracy"] == pytest.approx(here.intervals()["token_accuracy"].as_dict())
     assert st["outcomes"] == here.outcomes and st["mean_reward"] == pytest.approx(here.mean_reward, abs=1e-6)
     assert st["intervals"]["suggestion_rate"] == pytest.approx(here.intervals()["suggestion_rate"].as_dict())
 
@@ -89,6 +93,26 @@ def test_every_form_of_model_gives_the_same_replay(base, tmp_path):
     assert counts("--model", str(folder)) == default
     assert counts("--model", str(folder / "hf")) == default
     assert counts("--model", "v0") == default
+
+
+def test_compare_prefix_replays_the_same_sites_without_the_fim_template(base, tmp_path):
+    _, s, folder = base
+    r = run_eval(base, tmp_path, "--json", "--compare-prefix")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    fim, plain = report["stats"], report["prefix_only_stats"]
+    assert fim["n"] == plain["n"] == SITES
+
+    model, _ = load_hf(folder / "hf")
+    tok, fmt = load_tokenizer(folder / "hf"), read_format(folder / "hf")
+    files = load_training_corpus(s.pretrain).heldout
+    here = E.evaluate(model, tok, E.prefix_only(fmt), files, sites=SITES, seed=0, max_tokens=s.eval.max_tokens)
+    assert (plain["shown"], plain["accepted"], plain["exact"]) == (here.shown, here.accepted, here.exact)
+    assert plain["outcomes"] == here.outcomes
+
+    table = run_eval(base, tmp_path, "--compare-prefix")
+    assert table.returncode == 0, table.stderr
+    assert "base, FIM" in table.stdout and "base, prefix only" in table.stdout
 
 
 def test_eval_prints_a_table_with_intervals(base, tmp_path):
