@@ -16,7 +16,9 @@ files. Each row is one of three kinds:
     of them with the file's path in the template's header), then a plain window; in
     `summary_context_rate` of the Python ones the older part of the prefix is replaced by
     its summary between the format's markers, as serving's self-summarization shows long
-    files. A model without FIM tokens gets plain rows instead;
+    files; in `context_rate` of them, parts of one or two other files of the same folder come
+    first, laid out as serving lays out an editor's repository context (learner.prompts), the
+    most relevant right before the file. A model without FIM tokens gets plain rows instead;
   - summary (`summary_rate`, Python files only): code chunks followed by their structural
     summary (learner.summary), then a plain window;
   - plain: a window of the train token stream (files joined by the model's end-of-document token).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import posixpath
 import random
 import sysconfig
 from collections.abc import Sequence
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from learner.fim import fim_example_ids
+from learner.fim import context_block_ids, fim_example_ids
 from learner.formats import ModelFormat, SummaryFormat
 from learner.summary import summarize_python, summary_example_ids
 
@@ -205,11 +208,13 @@ class TrainingData:
         seed: int,
         stream: torch.Tensor | None = None,
         summary_context_rate: float = 0.3,
+        context_rate: float = 0.0,
     ):
         self.tok, self.fmt, self.files = tok, fmt, list(files)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.fim_rate, self.summary_rate, self.seed = fim_rate, summary_rate, seed
         self.summary_context_rate = summary_context_rate  # share of Python FIM rows with a summarized prefix
+        self.context_rate = context_rate  # share of FIM rows with other files of the folder before the file
         self.stream = token_stream(fmt, tok, files) if stream is None else stream
         if len(self.stream) <= seq_len + 1:
             raise ValueError(
@@ -217,6 +222,9 @@ class TrainingData:
             )
         self._ends = list(_cumsum(len(f.text) for f in self.files))  # pick files in proportion to size
         self._python = [i for i, f in enumerate(self.files) if f.language == "python"]
+        self._folders: dict[str, list[int]] = {}
+        for i, f in enumerate(self.files):
+            self._folders.setdefault(posixpath.dirname(f.path), []).append(i)
 
     def batch(self, step: int) -> torch.Tensor:
         """Rows [B, S+1] for this step; identical for the same (seed, step)."""
@@ -263,7 +271,30 @@ class TrainingData:
         if f.language == "python" and rng.random() < self.summary_context_rate:
             prefix = summarized_prefix(prefix, rng, self.fmt.summary)
         ids = fim_example_ids(self.fmt, self.tok, prefix, text[a:b], text[b:], path=path)
-        return ids if len(ids) <= self.seq_len + 1 else None
+        if len(ids) > self.seq_len + 1:
+            return None
+        if self.context_rate and rng.random() < self.context_rate:
+            context = self._context(rng, f, self.seq_len + 1 - len(ids))
+            if context:
+                ids = fim_example_ids(self.fmt, self.tok, prefix, text[a:b], text[b:], path=path, context=context)
+        return ids
+
+    def _context(self, rng: random.Random, f: SourceFile, room: int) -> list[int]:
+        """Parts of one or two other files of `f`'s folder, as serving lays out repository context
+        (context_block_ids, the first one picked right before the file), within `room` tokens;
+        [] when the folder has no other file or nothing fits."""
+        siblings = [i for i in self._folders.get(posixpath.dirname(f.path), ()) if self.files[i].path != f.path]
+        if not siblings or room < 32:
+            return []
+        blocks: list[list[int]] = []
+        for i in rng.sample(siblings, min(len(siblings), rng.choice((1, 1, 2)))):
+            other, text = self._chunk(rng, [i], rng.randint(self.seq_len // 4, self.seq_len))
+            ids = context_block_ids(self.fmt, self.tok, other.path, text.rstrip("\n"))
+            if len(ids) > room:
+                break
+            blocks.append(ids)
+            room -= len(ids)
+        return [t for ids in reversed(blocks) for t in ids]
 
     def _summary(self, rng: random.Random) -> list[int] | None:
         if not self._python:

@@ -86,18 +86,33 @@ def fim_layout(fmt: ModelFormat, header: list[int], prefix: list[int], suffix: l
 
 
 def fim_prompt_ids(
-    fmt: ModelFormat, tok: Tokenizer, prefix: str, suffix: str, *, path: str | None = None, repo: str | None = None
+    fmt: ModelFormat,
+    tok: Tokenizer,
+    prefix: str,
+    suffix: str,
+    *,
+    path: str | None = None,
+    repo: str | None = None,
+    context: Sequence[int] = (),
 ) -> list[int]:
-    """Token ids of a FIM prompt; the model continues with the middle, then an EOS token."""
-    header = fim_header_ids(fmt, tok, path=path, repo=repo)
+    """Token ids of a FIM prompt; the model continues with the middle, then an EOS token.
+    `context`: other files of the repository, laid out by `context_block_ids`."""
+    header = fim_header_ids(fmt, tok, path=path, repo=repo, context=context)
     return fim_layout(fmt, header, encode(tok, prefix), encode(tok, suffix))
 
 
 def fim_example_ids(
-    fmt: ModelFormat, tok: Tokenizer, prefix: str, middle: str, suffix: str, *, path: str | None = None
+    fmt: ModelFormat,
+    tok: Tokenizer,
+    prefix: str,
+    middle: str,
+    suffix: str,
+    *,
+    path: str | None = None,
+    context: Sequence[int] = (),
 ) -> list[int]:
     """One training example: the prompt, the middle, end of text."""
-    return fim_prompt_ids(fmt, tok, prefix, suffix, path=path) + encode(tok, middle) + [fmt.eos_id]
+    return fim_prompt_ids(fmt, tok, prefix, suffix, path=path, context=context) + encode(tok, middle) + [fmt.eos_id]
 
 
 def plain_prompt_ids(fmt: ModelFormat, tok: Tokenizer, text: str) -> list[int]:

@@ -40,9 +40,10 @@ completion in an editor is the rest of a line or a short block); with the langua
 learner.languages.editor_stops, which serving adds to editor-shaped requests and the held-out
 replay cuts its greedy middles at, so both see the same text."""
 
-CONTEXT_BUDGET = 768
+CONTEXT_BUDGET = 1536
 """Prompt tokens a completion may use (the default of serve.context_budget); longer prefixes
-are self-summarized into it."""
+are self-summarized into it. Three quarters of the default base's 2048-token window; a model
+with a smaller window gets three quarters of its own (fit_budget)."""
 SUMMARY_CHUNK_TOKENS = 192
 """Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
 MAX_SUMMARIES = 4

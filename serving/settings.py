@@ -20,8 +20,9 @@ from learner.prompts import CONTEXT_BUDGET, CONTEXT_TOKENS, MAX_SUMMARIES, SUMMA
 class EngineSettings(Section):
     """vLLM engine arguments for each model replica."""
 
-    max_model_len: int = Field(default=1024, ge=64)
-    """Context window the engine allocates KV cache for (prompt + completion tokens)."""
+    max_model_len: int = Field(default=2048, ge=64)
+    """Context window the engine allocates KV cache for (prompt + completion tokens); capped at
+    the model's own window."""
     dtype: str = Field(default="auto", pattern="^(auto|bfloat16|float16|float32)$")
     """vLLM's compute dtype. `auto`: bfloat16 where this replica's CPU or GPU runs it fast, float32
     elsewhere (measured at start, see feedback/core/precision.py: an AVX2-only CPU runs bf16 ~75x slower)."""

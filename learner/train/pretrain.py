@@ -76,7 +76,7 @@ from learner.train.pretrain_settings import PretrainSection
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
 # Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
 # so a cached base made by the old recipe is not reused.
-RECIPE_VERSION = 3  # 3: the FIM rows in Qwen's template, the path as `<|file_sep|>path`
+RECIPE_VERSION = 4  # 3: the FIM rows in Qwen's template, the path as `<|file_sep|>path`; 4: repository context
 
 
 # --- pure pieces ------------------------------------------------------------------------------------
@@ -340,6 +340,7 @@ def train(
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
         fim_rate=cfg.fim_rate,
+        context_rate=cfg.context_rate,
         summary_rate=cfg.summary_rate,
         seed=cfg.seed,
     )
@@ -718,6 +719,7 @@ def _continue(model, args, tok, fmt, corpus, cfg: PretrainSection, base: dict, f
         seq_len=seq_len,
         batch_size=cfg.batch_size,
         fim_rate=cfg.fim_rate,
+        context_rate=cfg.context_rate,
         summary_rate=cfg.summary_rate,
         seed=cfg.seed,
     )

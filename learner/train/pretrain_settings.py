@@ -44,10 +44,13 @@ class PretrainSection(Section):
     """Named model size from learner.sizes.SIZES: `tiny` (tests) or `small` (the demo)."""
     vocab_size: int = Field(default=4096, ge=264, le=65536)
     """BPE vocabulary size (256 bytes + 8 special tokens at least); also the model's vocabulary."""
-    seq_len: int = Field(default=256, ge=16, le=8192)
-    """Training sequence length in tokens; also the exported model's max_position_embeddings."""
-    batch_size: int = Field(default=16, ge=1)
-    """Sequences per optimizer step."""
+    seq_len: int = Field(default=2048, ge=16, le=8192)
+    """Training sequence length in tokens; also the exported model's max_position_embeddings, so
+    the served window. 2048 holds most of a source file around the cursor (serving's default
+    prompt budget is three quarters of it); on 2 CPU cores a step of 2 x 2048 tokens costs about
+    what 16 x 256 did, since the output layer and the experts, not attention, dominate at this size."""
+    batch_size: int = Field(default=2, ge=1)
+    """Sequences per optimizer step (2 x 2048 = 4096 tokens)."""
     minutes: float = Field(default=26.0, gt=0)
     """Training time budget in minutes, summed over resumed runs; the learning-rate schedule
     follows it when `steps` is not set. Tokenizer, final evaluation and export come on top."""
@@ -77,6 +80,10 @@ class PretrainSection(Section):
     `auto`: bf16 only where this machine runs it fast (feedback/core/precision.py measures it at start)."""
     fim_rate: float = Field(default=0.5, ge=0, le=1)
     """Fraction of training rows that are fill-in-the-middle examples."""
+    context_rate: float = Field(default=0.3, ge=0, le=1)
+    """Fraction of FIM examples that carry other files of the same folder before the file's header,
+    laid out as serving lays out an editor's repository context (Tabby's snippets, llama.cpp's
+    `input_extra`), so the model learns to read them."""
     summary_rate: float = Field(default=0.15, ge=0, le=1)
     """Fraction of training rows that are self-summarization examples (Python files)."""
     heldout_fraction: float = Field(default=0.05, gt=0, lt=0.5)
@@ -85,9 +92,9 @@ class PretrainSection(Section):
     """Skip source files larger than this (generated tables, data dumps)."""
     eval_every: int = Field(default=250, ge=1)
     """Evaluate on held-out data every this many steps (and at the end)."""
-    eval_windows: int = Field(default=32, ge=1)
+    eval_windows: int = Field(default=8, ge=1)
     """Held-out windows of seq_len tokens for the periodic evaluation."""
-    final_eval_windows: int = Field(default=256, ge=1)
+    final_eval_windows: int = Field(default=32, ge=1)
     """Held-out windows for the final evaluation (and the bigram baseline)."""
     checkpoint_minutes: float = Field(default=2.0, ge=0)
     """Save a resumable checkpoint at least this often; 0 saves after every step."""

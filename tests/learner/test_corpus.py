@@ -74,3 +74,30 @@ def test_training_rows_are_a_function_of_seed_and_step(tmp_path):
     assert (stream == tok.token_to_id(EOS)).sum() == len(c.heldout)
     w = heldout_windows(stream, 16, 4)
     assert w.shape[1] == 17 and torch.equal(w, heldout_windows(stream, 16, 4))
+
+
+def test_fim_rows_carry_other_files_of_the_folder_as_serving_lays_them_out(tmp_path):
+    c = load_corpus(write_corpus(tmp_path), heldout_fraction=0.2)
+    tok = train_tokenizer((f.text for f in c.train), 400)
+    fmt = own_format(tok, 512)
+    kw = dict(seq_len=512, batch_size=16, fim_rate=1.0, summary_rate=0.0, seed=0)
+    without = TrainingData(tok, fmt, c.train, **kw).batch(3)
+    data = TrainingData(tok, fmt, c.train, context_rate=1.0, **kw)
+    rows = data.batch(3)
+    assert torch.equal(rows, data.batch(3)) and not torch.equal(rows, without)
+    file_sep, fim_prefix = tok.token_to_id(FILE_SEP), tok.token_to_id(FIM_PREFIX)
+    folders = {f.path: f.path.split("/")[0] for f in c.train}
+    # Before a row's first <|fim_prefix|>: `<|file_sep|>path\n` blocks, the context's, then the
+    # file's own header (when the example has one). Every block names a file of one folder, each once.
+    checked = 0
+    for row in rows.tolist():
+        if fim_prefix not in row:
+            continue
+        first = row[: row.index(fim_prefix)]
+        paths = [tok.decode(first[i + 1 :]).split("\n", 1)[0] for i, t in enumerate(first) if t == file_sep]
+        if len(paths) < 2:
+            continue
+        assert len(set(paths)) == len(paths) and len({folders[p] for p in paths}) == 1
+        checked += 1
+    assert checked >= 3
+    assert rows.shape == (16, 513)

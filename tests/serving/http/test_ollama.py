@@ -79,9 +79,9 @@ def test_tags_and_version(tok):
 
 def test_show_tells_the_window_and_that_it_fills_in_the_middle(tok):
     client, _, _ = make_client(tok)
-    client.app.state.api.prompt_format = {"fim": "qwen", "window": 2048}
+    client.app.state.api.prompt_format = {"fim": "qwen", "window": 8192}
     shown = client.post("/api/show", json={"model": "flywheel:latest"}).json()
-    assert "insert" in shown["capabilities"] and shown["model_info"]["flywheel.context_length"] == 1024  # the engine's
+    assert "insert" in shown["capabilities"] and shown["model_info"]["flywheel.context_length"] == 2048  # the engine's
     assert "<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>{{ .Suffix }}<|fim_middle|>" in shown["template"]
     assert client.post("/api/show", json={"name": "flywheel"}).status_code == 200  # older clients' field
     r = client.post("/api/show", json={"model": "llama3"})
