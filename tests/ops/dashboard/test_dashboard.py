@@ -8,7 +8,6 @@ import os
 import random
 import re
 import shutil
-import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -24,7 +23,7 @@ from ops.dashboard.routes import router, session_token, signer
 from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.settings import ServeSettings
-from tests.helpers import flywheel, free_port, scaled
+from tests.helpers import flywheel, scaled, uvicorn_server
 
 OPS = "ops-secret-token"
 EDITOR = "editor-secret-token"
@@ -583,19 +582,8 @@ def test_dashboard_without_database():
 
 @pytest.fixture
 def server(filled, sqlite_url):
-    import uvicorn
-
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(make_app(sqlite_url), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + scaled(20)
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", filled[1]
-    srv.should_exit = True
-    thread.join(10)
+    with uvicorn_server(make_app(sqlite_url)) as port:
+        yield f"http://127.0.0.1:{port}", filled[1]
 
 
 @pytest.fixture
