@@ -48,6 +48,9 @@ class Sample:
     first_token_s: float | None = None
     """The request's time from reaching the engine to its first token, once the engine reports it
     (vLLM does while its statistics are on); the same for every sample of a request."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine took from its prefix cache instead of computing them (vLLM's
+    `num_cached_tokens`); the same for every sample of a request."""
     routing: str | None = None
     """The experts the engine chose for every token it ran (feedback.routing's compact form), on
     the first sample of a finished request, when the engine captures routes (serving/routes.py)."""
@@ -129,7 +132,7 @@ class VLLMEngine:
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id):
             # RequestStateStats while stats are on; 0.0 until the first token
             first = getattr(out.metrics, "first_token_latency", 0.0) or None
-            samples = [_sample(c, spec.top_logprobs, first) for c in out.outputs]
+            samples = [_sample(c, spec.top_logprobs, first, out.num_cached_tokens) for c in out.outputs]
             if out.finished and capturing and samples:
                 samples[0].routing = await self._take_routes(request_id)
             yield samples
@@ -237,7 +240,7 @@ def stat_loggers(cfg: EngineSettings) -> list | None:
     return [PrometheusStatLogger]
 
 
-def _sample(c, top: int, first_token_s: float | None) -> Sample:
+def _sample(c, top: int, first_token_s: float | None, cached_tokens: int | None) -> Sample:
     logprobs, alternatives = [], []
     for tok, pos in zip(c.token_ids, c.logprobs or [], strict=False):
         logprobs.append(float(pos[tok].logprob))
@@ -253,4 +256,5 @@ def _sample(c, top: int, first_token_s: float | None) -> Sample:
         text=c.text,
         finish_reason=c.finish_reason,
         first_token_s=first_token_s,
+        cached_tokens=cached_tokens,
     )

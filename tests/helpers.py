@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import uvicorn
 
 from feedback.core.config import StackSettings
 
@@ -18,6 +24,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def uvicorn_server(app, *, log_level: str = "warning", start_s: float = 30) -> Iterator[int]:
+    """`app` on a real uvicorn server in a thread, on 127.0.0.1; yields its port.
+
+    The socket is bound here, to a port the system picks, and handed to uvicorn: the port is
+    held from the moment it is chosen. (With `free_port()`, another process could take it before
+    uvicorn bound it; uvicorn's thread then ended unstarted and the test waited out its deadline.)
+    A server whose thread ends before it started (its app's startup failed) is reported at once."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as e:  # uvicorn exits (SystemExit) on a failed startup; keep the cause
+            failed.append(e.__context__ or e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + scaled(start_s)
+        while not server.started:
+            assert thread.is_alive(), f"uvicorn's thread ended before the server started: {failed or 'see its log'}"
+            assert time.monotonic() < deadline, f"uvicorn did not start within {scaled(start_s):g} s"
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(scaled(10))
+        sock.close()
 
 
 def make_settings(tmp: Path, **overrides) -> StackSettings:

@@ -70,9 +70,11 @@ def _bucket_sql(dialect: str, column: str, bucket_s: int) -> str:
 
 def _totals(conn: Connection) -> dict[str, int]:
     count = lambda t: conn.execute(select(func.count()).select_from(t)).scalar_one()  # noqa: E731
+    inferred = select(func.count()).select_from(db.events).where(db.events.c.source == db.INFERRED)
     return {
         "completions": count(db.completions),
         "events": count(db.events),
+        "inferred_events": conn.execute(inferred).scalar_one(),
         "rewards": count(db.rewards),
         "versions": count(db.model_versions),
         "swaps": count(db.swap_events),
@@ -241,15 +243,16 @@ def _volume(conn: Connection, bucket) -> dict[str, list[dict]]:
         SELECT ts, COUNT(*) AS n FROM (SELECT {bucket("created_at")} AS ts FROM completions) b GROUP BY ts ORDER BY ts
     """)
     )
+    # by source too: an inferred select is the sink's reading of the next request, not a click
     events = conn.execute(
         text(f"""
-        SELECT ts, type, COUNT(*) AS n FROM (SELECT {bucket("created_at")} AS ts, type FROM events) b
-        GROUP BY ts, type ORDER BY ts, type
+        SELECT ts, type, source, COUNT(*) AS n FROM (SELECT {bucket("created_at")} AS ts, type, source FROM events) b
+        GROUP BY ts, type, source ORDER BY ts, type, source
     """)
     )
     return {
         "completions": [{"t": _iso_epoch(r.ts), "n": int(r.n)} for r in completions],
-        "events": [{"t": _iso_epoch(r.ts), "type": r.type, "n": int(r.n)} for r in events],
+        "events": [{"t": _iso_epoch(r.ts), "type": r.type, "source": r.source, "n": int(r.n)} for r in events],
     }
 
 

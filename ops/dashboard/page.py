@@ -15,6 +15,8 @@ import html
 import json
 from typing import Any
 
+from feedback.db import INFERRED
+
 # Runs after the page's markup: draws every figure from the JSON block. Served as part of app.js.
 BOOT_JS = """
 (function () {
@@ -257,15 +259,25 @@ def _swaps_figure(data: dict):
 
 
 def _volume_figure(data: dict):
+    """Completions, and events stacked by type and source: one colour per type, an inferred
+    event (the sink's reading of the user's next request) hatched beside the editor's own."""
     import plotly.graph_objects as go
 
     vol = data["volume"]
     if not vol["completions"] and not vol["events"]:
         return None
     fig = go.Figure(layout=_layout(barmode="stack", yaxis=dict(title=f"per {_duration(data['bucket_s'])}")))
-    for kind in sorted({e["type"] for e in vol["events"]}):
-        mine = [e for e in vol["events"] if e["type"] == kind]
-        fig.add_bar(x=[_short(e["t"]) for e in mine], y=[e["n"] for e in mine], name=f"{kind} events", opacity=0.8)
+    kinds = sorted({e["type"] for e in vol["events"]})
+    for kind, source in sorted({(e["type"], e["source"]) for e in vol["events"]}):
+        mine = [e for e in vol["events"] if (e["type"], e["source"]) == (kind, source)]
+        inferred = source == INFERRED
+        fig.add_bar(
+            x=[_short(e["t"]) for e in mine],
+            y=[e["n"] for e in mine],
+            name=f"{kind} events (inferred)" if inferred else f"{kind} events",
+            marker=dict(color=PALETTE[kinds.index(kind) % len(PALETTE)], pattern=dict(shape="/" if inferred else "")),
+            opacity=0.8,
+        )
     fig.add_scatter(
         x=[_short(c["t"]) for c in vol["completions"]],
         y=[c["n"] for c in vol["completions"]],
@@ -321,7 +333,8 @@ def _overview(data: dict) -> str:
     t = data["totals"]
     kpis = [
         ("completions", t["completions"]),
-        ("events", t["events"]),
+        ("events", t["events"] - t["inferred_events"]),
+        ("inferred events", t["inferred_events"]),
         ("rewards", t["rewards"]),
         ("model versions", t["versions"]),
     ]

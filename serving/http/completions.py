@@ -18,6 +18,7 @@ definition (learner/languages.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -169,6 +170,26 @@ async def complete(st: ApiState, meta: RecordMeta, replica: ReplicaClient, gen: 
         return await replica.complete(gen)
     except Exception as e:  # the engine or its replica is down: the client may retry
         count_error(st, meta.pool, "replica_failed")
+        raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
+
+
+WARM_UP = SamplingSpec(max_tokens=1, temperature=0.0, stream=False)
+"""A warm-up's generation: vLLM generates at least one token, so the prompt is prefilled and one
+greedy token thrown away. The prompt's KV blocks stay in the replica's prefix cache, where the
+next request with the same prefix finds them."""
+
+
+def new_warm_up_id() -> str:
+    return f"warmup-{uuid.uuid4().hex}"
+
+
+async def warm_up(replica: ReplicaClient, gen: GenerateRequest) -> GenerateResult:
+    """Prefill `gen`'s prompt (built as a completion's would be) on `replica` and throw the token
+    away: nothing is answered, recorded or rewarded. A client sends one (llama.vscode's
+    `n_predict: 0`, Ollama's `num_predict: 0`) so that its next request finds the prompt cached."""
+    try:
+        return await replica.complete(dataclasses.replace(gen, spec=WARM_UP))
+    except Exception as e:  # the engine or its replica is down: the client may retry
         raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
 
 

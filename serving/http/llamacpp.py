@@ -7,8 +7,10 @@ The answer has the fields those plugins read: `content`, `stop`, `tokens_predict
 objects with the new `content`, the last with `stop: true` and the totals.
 
 `n_predict: 0` is llama.vscode's warm-up, sent with the chunks it just collected so llama.cpp
-can cache them: Flywheel answers it at once, empty, generates nothing and records nothing (its
-replicas cache prompt prefixes on their own, as the next real request's prompt is built).
+can cache them: Flywheel builds the prompt as for a completion and prefills it on the replica
+the user's requests go to (`completions.warm_up`: one greedy token, thrown away), so vLLM's
+prefix cache holds it when the next request comes; the answer is empty (`tokens_cached` of a
+later answer says how much of its prompt was cached), and nothing is recorded.
 `t_max_predict_ms` ends a completion early, as llama.cpp does: once it has run that long and
 every completion has reached a new line, what was written so far is the answer (and the record).
 """
@@ -26,6 +28,7 @@ from fastapi.responses import StreamingResponse
 from feedback.schemas import cursor_context
 from serving.engine import SamplingSpec
 from serving.http.completions import (
+    WARM_UP,
     RecordMeta,
     check_prompt_size,
     check_stops,
@@ -36,8 +39,10 @@ from serving.http.completions import (
     lf,
     max_tokens_for,
     new_completion_id,
+    new_warm_up_id,
     pick,
     record,
+    warm_up,
 )
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
@@ -59,7 +64,9 @@ async def infill(body: InfillRequest, st: StateDep, token: CompletionsToken):
     prefix, suffix = lf(body.input_prefix + body.prompt), lf(body.input_suffix)
     check_prompt_size(st, prefix, suffix, context)
     if body.n_predict == 0:
-        return _warm_up(st, body)
+        gen = GenerateRequest(new_warm_up_id(), prefix, suffix, None, WARM_UP, context=context)
+        _, replica = pick(st, body.model, st.caller_hash(token, None))
+        return _warm_up(st, body, await warm_up(replica, gen))
     spec = SamplingSpec(
         n=body.n_cmpl,
         max_tokens=max_tokens_for(st, body.n_predict),
@@ -136,7 +143,7 @@ def _answer(st: ApiState, body: InfillRequest, r: GenerateResult, s, crlf: bool)
         "truncated": r.truncated_tokens > 0 or bool(r.summary_ids),
         "stop_type": "limit" if s.finish_reason == "length" else "eos",
         "stopping_word": "",
-        "tokens_cached": 0,
+        "tokens_cached": r.cached_tokens,
         "timings": {
             "prompt_n": len(r.prompt_token_ids),
             "predicted_n": len(s.token_ids),
@@ -158,23 +165,30 @@ def _settings(st: ApiState, body: InfillRequest) -> dict:
     }
 
 
-def _warm_up(st: ApiState, body: InfillRequest) -> dict:
+def _warm_up(st: ApiState, body: InfillRequest, r: GenerateResult) -> dict:
+    """llama.cpp's answer to `n_predict: 0`: no content, the prompt evaluated (its thrown-away
+    token is not reported)."""
     return {
         "index": 0,
         "content": "",
         "id_slot": 0,
         "stop": True,
-        "model": st.cfg.model_name,
+        "model": f"{st.cfg.model_name}@v{r.model_version}",
         "tokens_predicted": 0,
-        "tokens_evaluated": 0,
+        "tokens_evaluated": len(r.prompt_token_ids),
         "generation_settings": _settings(st, body),
         "prompt": "",
         "has_new_line": False,
-        "truncated": False,
+        "truncated": r.truncated_tokens > 0 or bool(r.summary_ids),
         "stop_type": "limit",
         "stopping_word": "",
-        "tokens_cached": 0,
-        "timings": {"prompt_n": 0, "predicted_n": 0, "predicted_ms": 0.0},
+        "tokens_cached": r.cached_tokens,
+        "timings": {
+            "prompt_n": len(r.prompt_token_ids),
+            "prompt_ms": r.latency_ms,
+            "predicted_n": 0,
+            "predicted_ms": 0.0,
+        },
     }
 
 

@@ -11,7 +11,9 @@
     GET  /api/version    the Ollama API version these routes answer like (public, as Ollama's)
 
 A request with an empty prompt and no suffix is Ollama's "load the model" call: answered at
-once with `done_reason: "load"`, nothing generated or recorded.
+once with `done_reason: "load"`, nothing generated or recorded. One with `num_predict: 0` is a
+warm-up: its prompt is prefilled on the user's replica (completions.warm_up), so the next
+request with the same prefix finds it in vLLM's prefix cache; nothing is answered or recorded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from feedback.schemas import cursor_context
 from learner.formats import FIM_TEMPLATES, FimTemplate
 from serving.engine import SamplingSpec
 from serving.http.completions import (
+    WARM_UP,
     RecordMeta,
     check_prompt_size,
     check_stops,
@@ -37,8 +40,10 @@ from serving.http.completions import (
     is_pinned,
     max_tokens_for,
     new_completion_id,
+    new_warm_up_id,
     pick,
     record,
+    warm_up,
 )
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
 from serving.replica import GenerateRequest, GenerateResult
@@ -64,8 +69,14 @@ async def generate(body: OllamaGenerateRequest, st: StateDep, token: Completions
         prefix, suffix, path, repo, context = client_prompt(body.prompt)
     check_prompt_size(st, prefix, suffix, context)
     pinned = _pinned_name(st, body.model)
-    if (not body.prompt and body.suffix is None) or opts.num_predict == 0:
-        return _done(body.model, "", "load" if not body.prompt else "length")
+    if not body.prompt and body.suffix is None:
+        return _done(body.model, "", "load")
+    uhash = st.caller_hash(token, None)
+    if opts.num_predict == 0:  # a warm-up: the prompt prefilled into the replica's prefix cache
+        _, replica = pick(st, pinned, uhash)
+        gen = GenerateRequest(new_warm_up_id(), prefix, suffix, path, WARM_UP, repo=repo, context=context)
+        r = await warm_up(replica, gen)
+        return {**_done(body.model, "", "length"), "prompt_eval_count": len(r.prompt_token_ids), "eval_count": 0}
     spec = SamplingSpec(
         max_tokens=max_tokens_for(st, opts.num_predict),
         temperature=opts.temperature if opts.temperature is not None else 0.2,
@@ -74,7 +85,6 @@ async def generate(body: OllamaGenerateRequest, st: StateDep, token: Completions
         stop=tuple(stops),
     )
     gen = GenerateRequest(new_completion_id(), prefix, suffix, path, spec, repo=repo, context=context)
-    uhash = st.caller_hash(token, None)
     pool, replica = pick(st, pinned, uhash)
     meta = RecordMeta(
         uhash, "ollama", pool, started, filepath=path, pinned=is_pinned(pinned), cursor=cursor_context(prefix, suffix)

@@ -1,18 +1,32 @@
 """Simulated editor sessions over HTTP: they start nothing after their deadline, and go on when
 the API is slow or failing."""
 
-from tests.helpers import scaled
+import asyncio
+import itertools
+import random
+import time
+import uuid
+from collections import Counter
+
+from feedback.implicit import judge_next
+from feedback.pools import STABLE
+from learner.corpus import SourceFile
+from learner.formats import own_format
+from learner.judge import Site, file_walks
+from learner.tokenizer import train_tokenizer
+from ops.simulate import SimulateSection, run_sessions
+from serving.http.app import build_app
+from serving.http.deps import ApiState
+from serving.http.routing import RoutingState
+from serving.replica import CompletionService
+from serving.settings import ServeSettings
+from tests.helpers import scaled, uvicorn_server
+from tests.serving.conftest import FakeEngine, ListSink, LocalPool
 
 CODE = "import os\n\n\ndef join_all(parts):\n    result = os.path.join(*parts)\n    return result.strip()\n\n\nclass Box:\n    size = 3\n"
 
 
 def test_sessions_start_nothing_after_their_deadline():
-    import asyncio
-    import time
-
-    from learner.judge import Site
-    from ops.simulate import SimulateSection, run_sessions
-
     sites = [Site("a.py", "python", "x = ", "\n", "1")] * 5
     # the deadline has passed: no request is sent (nothing listens at this URL), all are counted
     stats = asyncio.run(
@@ -25,26 +39,6 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     """The real API app in front of an engine that answers some requests after the editors gave
     up, fails others, and answers the rest: every failure is counted with its reason, and the
     sessions go on to the end (no exception, as a slow request once ended `make demo`)."""
-    import asyncio
-    import itertools
-    import threading
-    import time
-
-    import uvicorn
-
-    from feedback.pools import STABLE
-    from learner.formats import own_format
-    from learner.judge import Site
-    from learner.tokenizer import train_tokenizer
-    from ops.simulate import SimulateSection, run_sessions
-    from serving.http.app import build_app
-    from serving.http.deps import ApiState
-    from serving.http.routing import RoutingState
-    from serving.replica import CompletionService
-    from serving.settings import ServeSettings
-    from tests.helpers import free_port
-    from tests.serving.conftest import FakeEngine, ListSink, LocalPool
-
     tok = train_tokenizer([CODE * 20], vocab_size=300)
     # The editors' timeout, and the slow answers well past it. Every other call must finish within
     # it on a loaded machine, so it scales with the suite's factor like every other wait.
@@ -80,17 +74,9 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
         editor_tokens={"t"},
         decode=tok.decode,
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + scaled(30)
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 9
-        seen = []
+    sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 9
+    seen = []
+    with uvicorn_server(app) as port:
         stats = asyncio.run(
             run_sessions(
                 f"http://127.0.0.1:{port}",
@@ -100,9 +86,6 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
                 progress=lambda st: seen.append(st.errors),
             )
         )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=scaled(10))
     assert stats.requests == 9 and stats.skipped == 0
     assert stats.failures["completion: timeout"] == 3 and stats.failures["completion: HTTP 503"] == 3, stats.failures
     assert stats.failed_completions == 6 and sum(v["requests"] for v in stats.by_version.values()) == 3
@@ -115,26 +98,6 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
     """Each editor keeps its own ledger: the completion ids it was served, the event ids it chose,
     and the status of every call. An event whose call fails with a 5xx is sent again with the same
     event_id, so the server can store it once."""
-    import asyncio
-    import threading
-    import time
-    from collections import Counter
-
-    import uvicorn
-
-    from feedback.pools import STABLE
-    from learner.formats import own_format
-    from learner.judge import Site
-    from learner.tokenizer import train_tokenizer
-    from ops.simulate import SimulateSection, run_sessions
-    from serving.http.app import build_app
-    from serving.http.deps import ApiState
-    from serving.http.routing import RoutingState
-    from serving.replica import CompletionService
-    from serving.settings import ServeSettings
-    from tests.helpers import free_port
-    from tests.serving.conftest import FakeEngine, ListSink, LocalPool
-
     tok = train_tokenizer([CODE * 20], vocab_size=300)
 
     class FlakyProducer(ListSink):
@@ -167,16 +130,8 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
         editor_tokens={"t"},
         decode=tok.decode,
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + scaled(30)
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 2
+    sites = [Site("m.py", "python", "result = os.path.", "\n", "join(*parts)")] * 2
+    with uvicorn_server(app, log_level="critical") as port:
         stats = asyncio.run(
             run_sessions(
                 f"http://127.0.0.1:{port}",
@@ -186,9 +141,6 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
                 requests=4,  # round the two sites twice
             )
         )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=scaled(10))
     completions = [c for c in stats.calls if c.kind == "completion"]
     events = [c for c in stats.calls if c.kind == "event"]
     assert [c.status for c in completions] == [200] * 4 and all(c.version == "v0" for c in completions)
@@ -197,9 +149,7 @@ def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path)
     per_event = Counter(c.id for c in events)
     assert len(per_event) == 4 * 3 and set(per_event.values()) == {2}  # view, select, edit; each sent twice
     assert Counter(c.status for c in events) == {500: 12, 200: 12}
-    assert {m.event_id for _, m in producer.sent if hasattr(m, "event_id")} == {
-        __import__("uuid").UUID(i) for i in per_event
-    }
+    assert {m.event_id for _, m in producer.sent if hasattr(m, "event_id")} == {uuid.UUID(i) for i in per_event}
     assert all(c.started <= c.ended for c in stats.calls) and stats.events == 12
 
 
@@ -208,28 +158,6 @@ def test_same_file_walks_request_in_order_and_can_send_no_events(tmp_path):
     user, and each prefix holds the previous line whole, so the next request says what became of
     the previous suggestion (the sink's implicit feedback reads it). Without explicit events the
     editors send none, as Continue or llama.vscode do."""
-    import asyncio
-    import random
-    import threading
-    import time
-
-    import uvicorn
-
-    from feedback.implicit import judge_next
-    from feedback.pools import STABLE
-    from learner.corpus import SourceFile
-    from learner.formats import own_format
-    from learner.judge import file_walks
-    from learner.tokenizer import train_tokenizer
-    from ops.simulate import SimulateSection, run_sessions
-    from serving.http.app import build_app
-    from serving.http.deps import ApiState
-    from serving.http.routing import RoutingState
-    from serving.replica import CompletionService
-    from serving.settings import ServeSettings
-    from tests.helpers import free_port
-    from tests.serving.conftest import FakeEngine, ListSink, LocalPool
-
     tok = train_tokenizer([CODE * 20], vocab_size=300)
     cfg = ServeSettings(auth_tokens=["t"])
     producer = ListSink()
@@ -246,17 +174,9 @@ def test_same_file_walks_request_in_order_and_can_send_no_events(tmp_path):
         editor_tokens={"t"},
         decode=tok.decode,
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + scaled(30)
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
     text = "".join(f"result_{i} = os.path.join(part_{i}, name)\n" for i in range(40))
     walks = file_walks([SourceFile("w.py", text), SourceFile("v.py", text)], 12, random.Random(1), per_file=4)
-    try:
+    with uvicorn_server(app) as port:
         stats = asyncio.run(
             run_sessions(
                 f"http://127.0.0.1:{port}",
@@ -266,9 +186,6 @@ def test_same_file_walks_request_in_order_and_can_send_no_events(tmp_path):
                 walks=walks,
             )
         )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=scaled(10))
     records = [m for _, m in producer.sent]
     assert stats.requests == len(records) == 12 and stats.events == 0 and stats.skipped == 0
     assert all(not hasattr(m, "event_id") for m in records)  # no events at all

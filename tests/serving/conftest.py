@@ -1,14 +1,19 @@
-"""Serving fixtures: a fake engine behind the `Engine` interface, local pools, the app."""
+"""Serving fixtures: a fake engine behind the `Engine` interface, a real one, local pools, the app."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from feedback.pools import STABLE
+from learner.export import export_hf
 from learner.formats import own_format
-from serving.engine import Sample, SamplingSpec
+from learner.model import ModelArgs, Transformer
+from serving.engine import Sample, SamplingSpec, VLLMEngine
 from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.http.routing import RoutingState
@@ -99,3 +104,20 @@ def make_client(tok, engine=None, routers=(), **cfg_overrides):
     client = TestClient(app, raise_server_exceptions=False)
     client.headers["Authorization"] = f"Bearer {TOKEN}"
     return client, sink, engine
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tok, tmp_path_factory):
+    """The real engine (vLLM's AsyncLLM, as a replica owns it) with the settings `make_client`
+    serves with, on a tiny random model with the session's tokenizer; shared by a module's tests.
+    Its output handler lives on the event loop of its first request: use it from one loop (one
+    `with TestClient(...)` block)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args = ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=2048)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(0.1)
+    folder = export_hf(model, args, tok, tmp_path_factory.mktemp("vllm_model"))
+    engine = VLLMEngine(folder, ServeSettings().engine)
+    yield engine
+    engine.shutdown()

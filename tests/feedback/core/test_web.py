@@ -1,16 +1,14 @@
 """HTTP limits shared by every route group: the body limit on a real server, rate limits, request text."""
 
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import ValidationError
 
 from feedback.core.web import BodyLimit, HttpLimits, RateLimiter, RequestBody
-from tests.helpers import free_port, scaled
+from tests.helpers import scaled, uvicorn_server
 
 LIMIT = 4096
 
@@ -28,17 +26,8 @@ def server():
         app.state.read.append(len(body))
         return {"bytes": len(body)}
 
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + scaled(10)
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started
-    yield port, app
-    srv.should_exit = True
-    thread.join(scaled(10))
+    with uvicorn_server(app) as port:
+        yield port, app
 
 
 def exchange(port: int, head: bytes, chunks=()) -> bytes:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
 import re
 import shutil
-import threading
 import time
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -22,7 +23,7 @@ from ops.dashboard.routes import router, session_token, signer
 from serving.http.app import build_app
 from serving.http.deps import ApiState
 from serving.settings import ServeSettings
-from tests.helpers import flywheel, free_port, scaled
+from tests.helpers import flywheel, scaled, uvicorn_server
 
 OPS = "ops-secret-token"
 EDITOR = "editor-secret-token"
@@ -37,8 +38,12 @@ def fill(engine) -> dict:
     Returns the numbers the dashboard must show."""
     rng = random.Random(7)
     aborts = random.Random(11)  # its own generator: the other numbers stay as they were
+    implicit = random.Random(13)  # the same
     comps, choices, events, rewards = [], [], [], []
-    expect = {v: {"completions": 0, "shown": 0, "accepted": 0, "rewards": [], "served": []} for v in SERVED}
+    expect = {
+        v: {"completions": 0, "shown": 0, "accepted": 0, "rewards": [], "served": [], "inferred": Counter()}
+        for v in SERVED
+    }
     for v, (start, end, p_accept, r_accept) in SERVED.items():
         for i in range(start * 2, end * 2):  # one completion every 30 s per version
             cid = f"cmpl-v{v}-{i:04d}"
@@ -74,13 +79,17 @@ def fill(engine) -> dict:
                 )
             )
             expect[v]["completions"] += 1
-            if rng.random() < 0.1:  # never shown
+            if rng.random() < 0.1:  # never shown, or by a client that sends no events
                 rewards.append(
                     dict(
                         completion_id=cid, choice_index=0, model_version=v, reward=0.0, components={}, outcome="unseen"
                     )
                 )
                 expect[v]["rewards"].append(0.0)
+                if implicit.random() < 0.7:  # the sink read from the next request what became of it
+                    kind = "select" if implicit.random() < 0.4 else "dismiss"
+                    events.append(_event(cid, kind, at + timedelta(seconds=20), source=db.INFERRED))
+                    expect[v]["inferred"][kind] += 1
                 continue
             expect[v]["shown"] += 1
             events.append(_event(cid, "view", at + timedelta(seconds=1)))
@@ -252,8 +261,9 @@ def fill(engine) -> dict:
     return expect
 
 
-def _event(cid: str, kind: str, at: datetime, **kw) -> dict:
-    return dict(event_id=f"{cid}-{kind}"[-36:], completion_id=cid, choice_index=0, type=kind, created_at=at) | kw
+def _event(cid: str, kind: str, at: datetime, source: str = db.EXPLICIT, **kw) -> dict:
+    event_id = f"{cid}-{kind}-{source[0]}"[-36:]
+    return dict(event_id=event_id, completion_id=cid, choice_index=0, type=kind, created_at=at, source=source) | kw
 
 
 @pytest.fixture
@@ -303,7 +313,17 @@ def check_data(data: dict, expect: dict) -> None:
     n_completions = sum(e["completions"] for e in expect.values())
     assert data["totals"]["completions"] == n_completions == sum(c["n"] for c in data["volume"]["completions"])
     assert data["totals"]["events"] == sum(e["n"] for e in data["volume"]["events"])
-    assert {e["type"] for e in data["volume"]["events"]} == {"view", "select", "dismiss"}
+    # inferred events apart from the editors' own, by type
+    by_source: dict[str, Counter] = {db.EXPLICIT: Counter(), db.INFERRED: Counter()}
+    for e in data["volume"]["events"]:
+        by_source[e["source"]][e["type"]] += e["n"]
+    inferred = sum((e["inferred"] for e in expect.values()), Counter())
+    assert by_source[db.INFERRED] == inferred and set(inferred) == {"select", "dismiss"}
+    assert data["totals"]["inferred_events"] == inferred.total() > 0
+    assert set(by_source[db.EXPLICIT]) == {"view", "select", "dismiss"}
+    shown = sum(e["shown"] for e in expect.values())
+    accepted = sum(e["accepted"] for e in expect.values())
+    assert by_source[db.EXPLICIT] == Counter(view=shown, select=accepted, dismiss=shown - accepted)
     assert data["bucket_s"] == 300  # two hours of data: 5-minute buckets
     assert data["acceptance"][0]["t"] == "2026-12-01T09:00:00+00:00"
     ro = data["rollout"]
@@ -401,6 +421,22 @@ def test_render_escapes_database_text(filled):
     page = render_html(data, script_src="dashboard/app.js")
     assert "<script>alert(1)" not in page and "</script><b>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_inferred_events_are_drawn_apart(filled):
+    """Each event type keeps its colour; its inferred events are a hatched bar of their own."""
+    engine, _ = filled
+    page = render_html(dashboard_data(engine), script_src="dashboard/app.js")
+    figures = json.loads(re.search(r'<script type="application/json" id="figures">(.*?)</script>', page, re.S).group(1))
+    (volume,) = [f["figure"] for f in figures if f["id"] == "chart-volume"]
+    bars = {t["name"]: t for t in volume["data"] if t["type"] == "bar"}
+    assert set(bars) == {f"{k} events" for k in ("view", "select", "dismiss")} | {
+        f"{k} events (inferred)" for k in ("select", "dismiss")
+    }
+    for kind in ("select", "dismiss"):
+        mine, inferred = bars[f"{kind} events"]["marker"], bars[f"{kind} events (inferred)"]["marker"]
+        assert mine["color"] == inferred["color"]
+        assert mine["pattern"]["shape"] == "" and inferred["pattern"]["shape"] == "/"
 
 
 def test_write_static_is_self_contained(filled, tmp_path):
@@ -546,19 +582,8 @@ def test_dashboard_without_database():
 
 @pytest.fixture
 def server(filled, sqlite_url):
-    import uvicorn
-
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(make_app(sqlite_url), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + scaled(20)
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", filled[1]
-    srv.should_exit = True
-    thread.join(10)
+    with uvicorn_server(make_app(sqlite_url)) as port:
+        yield f"http://127.0.0.1:{port}", filled[1]
 
 
 @pytest.fixture
@@ -614,8 +639,8 @@ def test_dashboard_in_chromium(server, browser, filled):
     traces = browser.execute_script(
         "return Object.fromEntries([...document.querySelectorAll('.js-plotly-plot')].map(e => [e.id, e.data.length]))"
     )
-    # one trace per version (p50 and p99 for latency); event kinds stacked plus the completions
-    # line; delta and full; one per pool
+    # one trace per version (p50 and p99 for latency); event kinds stacked per source (3 explicit,
+    # 2 inferred) plus the completions line; delta and full; one per pool
     assert traces == {
         "chart-accept": 3,
         "chart-latency": 6,
@@ -624,8 +649,19 @@ def test_dashboard_in_chromium(server, browser, filled):
         "chart-rollout": 2,
         "chart-sizes": 2,
         "chart-swaps": 2,
-        "chart-volume": 4,
+        "chart-volume": 6,
     }
+    volume_legend = browser.execute_script(
+        "return [...document.querySelectorAll('#chart-volume .legendtext')].map(e => e.textContent)"
+    )
+    assert sorted(volume_legend) == [
+        "completions",
+        "dismiss events",
+        "dismiss events (inferred)",
+        "select events",
+        "select events (inferred)",
+        "view events",
+    ]
     legend = browser.execute_script(
         "return [...document.querySelectorAll('#chart-accept .legendtext')].map(e => e.textContent)"
     )
@@ -667,6 +703,10 @@ def test_dashboard_in_chromium(server, browser, filled):
         f"completions\n{sum(e['completions'] for e in expect.values())}" in overview
         and "canary pool\nv3 · 25%" in overview
     )
+    inferred = sum(e["inferred"].total() for e in expect.values())
+    assert f"inferred events\n{inferred}" in overview
+    explicit = sum(2 * e["shown"] for e in expect.values())  # a view, then a select or a dismiss
+    assert f"\nevents\n{explicit}\n" in overview
 
     # the page's CSP held: no script error, no refused resource
     errors = [m["message"] for m in browser.get_log("browser") if m["level"] == "SEVERE"]

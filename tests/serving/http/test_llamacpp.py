@@ -1,8 +1,12 @@
 """POST /infill as llama.vscode sends it (src/llama-server.ts): its warm-up, its completions, their fields."""
 
 import asyncio
+import inspect
 import json
+import textwrap
 from dataclasses import dataclass
+
+import pytest
 
 from serving.engine import Sample
 from tests.serving.conftest import FakeEngine, make_client
@@ -43,12 +47,58 @@ INFILL = {
 }
 
 
-def test_warm_up_answers_at_once_and_generates_nothing(tok):
+def test_a_warm_up_prefills_the_prompt_of_the_next_request_and_records_nothing(tok):
+    client, sink, engine = make_client(tok)
+    same = {k: INFILL[k] for k in ("input_prefix", "input_suffix", "input_extra", "prompt")}
+    r = client.post("/infill", json={**WARM_UP, **same})
+    assert r.status_code == 200, r.text
+    warm = r.json()
+    # the shape llama.vscode reads, empty: no completion to show, none to send events for
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0 and warm["stop"] is True
+    assert warm["generation_settings"]["n_ctx"] > 0 and warm["timings"]["predicted_n"] == 0
+    assert "completion_id" not in warm
+    ((prompt_ids, spec, request_id),) = engine.calls
+    assert (spec.max_tokens, spec.temperature, spec.n) == (1, 0.0, 1) and request_id.startswith("warmup-")
+    assert warm["tokens_evaluated"] == warm["timings"]["prompt_n"] == len(prompt_ids)
+    assert sink.sent == []  # no record on Kafka, so no reward
+    # the real request with those fields runs the very prompt the warm-up put in the cache
+    assert client.post("/infill", json={**INFILL, "n_cmpl": 1}).status_code == 200
+    assert engine.calls[1][0] == prompt_ids and len(sink.sent) == 1
+
+
+def test_llama_vscodes_own_warm_up_prefills_its_chunks(tok):
+    """llama.vscode warms up with the chunks alone: they open every prompt it sends next."""
     client, sink, engine = make_client(tok)
     r = client.post("/infill", json=WARM_UP)
-    assert r.status_code == 200, r.text
-    assert r.json()["content"] == "" and r.json()["tokens_predicted"] == 0
-    assert not engine.calls and not sink.sent
+    assert r.status_code == 200 and r.json()["content"] == "" and r.json()["tokens_predicted"] == 0
+    assert client.post("/infill", json={**INFILL, "n_cmpl": 1}).status_code == 200
+    (warmed, _, _), (prompted, _, _) = engine.calls
+    chunks = tok.encode(
+        "<|file_sep|>/home/ana/shop/util.py\ndef helper(a):\n    return a + 1\n\n"
+        "<|file_sep|>/home/ana/shop/models.py\nclass Item:\n    price: int\n\n",
+        add_special_tokens=False,
+    ).ids
+    assert warmed[: len(chunks)] == prompted[: len(chunks)] == chunks
+    assert len(sink.sent) == 1  # the completion's record only
+
+
+def test_a_warm_up_obeys_the_token_the_rate_limit_and_the_prompt_limit(tok):
+    client, sink, engine = make_client(tok, limits={"completions": "2/minute"})
+    assert client.post("/infill", json=WARM_UP, headers={"Authorization": "Bearer nope"}).status_code == 401
+    big = {**WARM_UP, "input_prefix": "x" * 150_000, "prompt": "y" * 60_000}
+    r = client.post("/infill", json=big)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+    assert not engine.calls  # refused before the engine
+    assert client.post("/infill", json=WARM_UP).status_code == 200
+    r = client.post("/infill", json=WARM_UP)  # a warm-up counts as a completion request
+    assert r.status_code == 429 and "retry-after" in r.headers
+    assert len(engine.calls) == 1 and not sink.sent
+
+
+def test_a_warm_up_the_replica_fails_is_a_503(tok):
+    client, sink, engine = make_client(tok, engine=FakeEngine(tok, fail=True))
+    r = client.post("/infill", json=WARM_UP)
+    assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"] and not sink.sent
 
 
 def test_llama_vscode_infill_gets_its_completions_and_is_recorded(tok):
@@ -138,3 +188,45 @@ def test_bad_infill_input_is_4xx_naming_the_field(tok):
     client.headers.pop("Authorization")
     assert client.post("/infill", json=INFILL).status_code == 401
     assert not sink.sent and not engine.calls
+
+
+# --- with vLLM ------------------------------------------------------------------------------------
+
+
+def _source_prefix(module, tok, n_tokens: int) -> str:
+    """The first lines of `module`'s source, at least `n_tokens` tokens of them."""
+    lines = inspect.getsource(module).splitlines(keepends=True)
+    for k in range(1, len(lines) + 1):
+        if len(tok.encode("".join(lines[:k]), add_special_tokens=False).ids) >= n_tokens:
+            return "".join(lines[:k])
+    raise AssertionError(f"{module.__name__} is shorter than {n_tokens} tokens")
+
+
+@pytest.mark.slow
+def test_a_warm_up_fills_vllms_prefix_cache_for_the_next_request(tok, vllm_engine):
+    """After a warm-up, the same request finds all of its prompt's full KV blocks but the one
+    holding its last token (which vLLM always recomputes) in vLLM's prefix cache; a request
+    that nothing warmed finds none."""
+    block = vllm_engine.llm.vllm_config.cache_config.block_size
+    client, sink, _ = make_client(tok, engine=vllm_engine)
+    # two prompts that differ from their first token (no chunks, which would open both) and span
+    # a few blocks, within serve.context_budget so that nothing is summarized
+    budget = client.app.state.api.cfg.context_budget
+    cold = {"input_prefix": _source_prefix(json.decoder, tok, 2 * block + 8), "input_suffix": "\n", "prompt": ""}
+    warm = {"input_prefix": _source_prefix(textwrap, tok, 2 * block + 8), "input_suffix": "\n", "prompt": ""}
+    ask = {"n_predict": 4, "n_cmpl": 1, "temperature": 0.0}
+    with client:  # one event loop for every request: the engine's output handler lives on it
+        unwarmed = client.post("/infill", json={**cold, **ask}).json()
+        warm_up = client.post("/infill", json={**warm, "n_predict": 0}).json()
+        warmed = client.post("/infill", json={**warm, **ask}).json()
+    n = warmed["tokens_evaluated"]
+    print(
+        f"\nvLLM block size {block}: unwarmed {unwarmed['tokens_cached']} of {unwarmed['tokens_evaluated']} "
+        f"prompt tokens cached; after a warm-up {warmed['tokens_cached']} of {n}"
+    )
+    assert 2 * block < n <= budget and unwarmed["tokens_evaluated"] > 2 * block
+    assert unwarmed["tokens_cached"] == 0
+    assert warm_up["content"] == "" and warm_up["tokens_predicted"] == 0 and warm_up["tokens_evaluated"] == n
+    assert warm_up["tokens_cached"] == 0  # nothing had run this prompt before the warm-up
+    assert warmed["tokens_cached"] == (n - 1) // block * block
+    assert [rec.completion_id for _, rec in sink.sent] == [unwarmed["completion_id"], warmed["completion_id"]]

@@ -68,6 +68,19 @@ def test_load_call_generates_nothing(tok):
     assert not engine.calls and not sink.sent
 
 
+def test_num_predict_0_is_a_warm_up_that_records_nothing(tok, fmt):
+    client, sink, engine = make_client(tok)
+    body = {"model": "flywheel", "prompt": PREFIX, "suffix": SUFFIX, "stream": False, "options": {"num_predict": 0}}
+    r = client.post("/api/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["response"] == "" and out["done"] is True and out["eval_count"] == 0 and "completion_id" not in out
+    ((prompt_ids, spec, _),) = engine.calls
+    assert prompt_ids == fim_prompt_ids(fmt, tok, PREFIX, SUFFIX) and out["prompt_eval_count"] == len(prompt_ids)
+    assert (spec.max_tokens, spec.temperature) == (1, 0.0)  # prefilled, one greedy token thrown away
+    assert not sink.sent
+
+
 def test_tags_and_version(tok):
     client, _, _ = make_client(tok)
     tags = client.get("/api/tags").json()["models"]
