@@ -109,6 +109,37 @@ def progress_of(step: int, elapsed_s: float, cfg: PretrainSection) -> float:
     return step / cfg.steps if cfg.steps is not None else elapsed_s / (cfg.minutes * 60)
 
 
+@dataclass
+class Curriculum:
+    """Short rows, then long ones (pretrain.short_seq_len, pretrain.long_fraction): which
+    TrainingData a step draws from, by how far training is. Both hold the same tokens per step,
+    over one token stream."""
+
+    long: TrainingData
+    short: TrainingData | None = None
+    long_from: float = 0.0  # progress from which rows are long
+
+    @classmethod
+    def of(cls, tok, fmt: ModelFormat, files, cfg: PretrainSection, *, seq_len: int | None = None) -> Curriculum:
+        seq_len = seq_len or cfg.seq_len
+        common = dict(
+            fim_rate=cfg.fim_rate, context_rate=cfg.context_rate, summary_rate=cfg.summary_rate, seed=cfg.seed
+        )
+        long = TrainingData(tok, fmt, files, seq_len=seq_len, batch_size=cfg.batch_size, **common)
+        if cfg.short_seq_len >= seq_len or cfg.long_fraction >= 1:
+            return cls(long)
+        rows = max(1, cfg.batch_size * seq_len // cfg.short_seq_len)
+        short = TrainingData(tok, fmt, files, seq_len=cfg.short_seq_len, batch_size=rows, stream=long.stream, **common)
+        return cls(long, short, 1 - cfg.long_fraction)
+
+    @property
+    def stream(self) -> torch.Tensor:
+        return self.long.stream
+
+    def at(self, progress: float) -> TrainingData:
+        return self.long if self.short is None or progress >= self.long_from else self.short
+
+
 def is_done(step: int, elapsed_s: float, cfg: PretrainSection) -> bool:
     return (cfg.steps is not None and step >= cfg.steps) or elapsed_s >= cfg.minutes * 60
 
@@ -333,17 +364,7 @@ def train(
     tok = _tokenizer(folder, corpus.train, cfg, console)
     args = model_args(cfg)
     fmt = own_format(tok, args.max_seq_len)
-    data = TrainingData(
-        tok,
-        fmt,
-        corpus.train,
-        seq_len=cfg.seq_len,
-        batch_size=cfg.batch_size,
-        fim_rate=cfg.fim_rate,
-        context_rate=cfg.context_rate,
-        summary_rate=cfg.summary_rate,
-        seed=cfg.seed,
-    )
+    data = Curriculum.of(tok, fmt, corpus.train, cfg)
     windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
 
@@ -374,7 +395,6 @@ def train(
 def _train_loop(
     model, opt, data, periodic, hook, cfg, state: _State, folder: Path, console: Console, on_step, label: str = ""
 ) -> None:
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     last_ckpt = time.perf_counter()
     ema_loss = None
     with _progress(console) as progress, _stop_on_signal() as stop:
@@ -385,7 +405,9 @@ def _train_loop(
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, progress_of(state.step, state.elapsed_s, cfg), cfg)
-            batch = data.batch(state.step).to(next(model.parameters()).device)
+            rows = data.at(progress_of(state.step, state.elapsed_s, cfg))
+            batch = rows.batch(state.step).to(next(model.parameters()).device)
+            tokens_per_step = batch.shape[0] * (batch.shape[1] - 1)
             m = train_step(model, opt, batch, hook=hook, cfg=cfg)
             tps = tokens_per_step / (time.perf_counter() - t0)
             state.step += 1
@@ -712,16 +734,12 @@ def continue_pretraining(
 def _continue(model, args, tok, fmt, corpus, cfg: PretrainSection, base: dict, folder: Path, console, on_step) -> dict:
     """The training loop of `continue_pretraining` on `model` (resumed from `folder`'s checkpoint)."""
     seq_len = min(cfg.seq_len, fmt.window - 1)
-    data = TrainingData(
+    data = Curriculum.of(
         tok,
         fmt,
         corpus.train,
+        cfg.model_copy(update={"short_seq_len": min(cfg.short_seq_len, seq_len)}),
         seq_len=seq_len,
-        batch_size=cfg.batch_size,
-        fim_rate=cfg.fim_rate,
-        context_rate=cfg.context_rate,
-        summary_rate=cfg.summary_rate,
-        seed=cfg.seed,
     )
     windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]

@@ -14,6 +14,7 @@ from learner.corpus import default_corpus_dir
 from learner.export import load_hf, load_packed_fp4, verify_packed_roundtrip
 from learner.train.pretrain import (
     CHECKPOINT,
+    Curriculum,
     bigram_baseline,
     ensure_base_model,
     lm_loss,
@@ -202,6 +203,24 @@ def test_loss_schedule_and_bigram_are_plain_functions():
     stream = torch.tensor([1, 2, 1, 2, 1, 3])  # after 1 comes 2 most often
     r = bigram_baseline(stream, torch.tensor([[1, 2, 1, 3]]), vocab_size=4)
     assert r["accuracy"] == pytest.approx(2 / 3)
+
+
+def test_short_rows_then_long_ones_with_the_same_tokens_a_step(tmp_path, corpus_dir):
+    from learner.formats import own_format
+    from learner.tokenizer import train_tokenizer
+
+    corpus = load_training_corpus(PretrainSection(**tiny_pretrain(corpus_dir, heldout_fraction=0.2)))
+    tok = train_tokenizer((f.text for f in corpus.train), 400)
+    fmt = own_format(tok, 128)
+    cfg = PretrainSection(**tiny_pretrain(corpus_dir, seq_len=128, short_seq_len=32, batch_size=2, long_fraction=0.25))
+    c = Curriculum.of(tok, fmt, corpus.train, cfg)
+    assert c.short is not None and c.long_from == 0.75 and c.short.stream is c.long.stream is c.stream
+    assert c.at(0.0).batch(5).shape == c.at(0.74).batch(5).shape == (8, 33)  # 8 x 32 = 2 x 128 tokens
+    assert c.at(0.75).batch(5).shape == c.at(1.0).batch(5).shape == (2, 129)
+    assert torch.equal(c.at(0.1).batch(3), c.at(0.2).batch(3))  # rows are a function of (seed, step, phase)
+    for one_phase in (dict(short_seq_len=128), dict(short_seq_len=512), dict(long_fraction=1.0)):
+        single = Curriculum.of(tok, fmt, corpus.train, cfg.model_copy(update=one_phase))
+        assert single.short is None and single.at(0.0).batch(0).shape == (2, 129)
 
 
 def test_settings_validate_one_line():
