@@ -383,21 +383,32 @@ def start(
         progress("starting Ray" if not cfg.ray_address else f"joining Ray at {cfg.ray_address}")
         if not cfg.ray_address:
             _patient_local_serve()
-        ray.init(
-            address=cfg.ray_address or None,
-            num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            _metrics_export_port=None if cfg.ray_address else cfg.ray_metrics_port,
-            runtime_env={
-                "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}
-            },
-        )
+        try:
+            ray.init(
+                address=cfg.ray_address or None,
+                num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                _metrics_export_port=None if cfg.ray_address else cfg.ray_metrics_port,
+                runtime_env={
+                    "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}
+                },
+            )
+        except ConnectionError as e:
+            if not cfg.ray_address:
+                raise
+            from feedback.core.errors import UserError
+
+            # Ray's own cause (a refused token, no GCS) is a multi-line message with a traceback in it
+            raise UserError(
+                f"cannot join the Ray cluster at serve.ray_address {cfg.ray_address}: {first_line(e)} (is it up? a "
+                "cluster with Ray's token authentication needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN here)"
+            ) from None
     if not cfg.ray_address:
         progress(f"vLLM dtype: {engine_precision(cfg)}")
     if urls := replica_metrics_urls():
         progress(f"replica metrics (hot swaps, vLLM) for Prometheus: {', '.join(urls)}")
-    serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
     sizes = pool_sizes(cfg)
     where = ", ".join(f"{n} {pool}" for pool, n in sizes.items())
     progress(f"deploying model v{version} from {model_dir} ({where} replica(s); vLLM start-up takes ~30 s)")

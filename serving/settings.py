@@ -115,10 +115,6 @@ class ServeSettings(Section):
     picks, printed at start and listed in Ray's `prom_metrics_service_discovery.json` (in its
     session folder, /tmp/ray by default). A cluster that Flywheel joins uses its own
     (`ray start --metrics-export-port`)."""
-    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
-    """Where Ray Serve runs its HTTP proxies, each listening on `host:port`. EveryNode: one on
-    every node that holds a replica (put a load balancer in front of the nodes); HeadOnly: one on
-    the head node, for several Ray nodes on one machine, where every proxy would want the same port."""
     max_replicas_per_node: int | None = Field(default=None, ge=1, le=100)
     """Most replicas of one pool (stable or canary, each counted on its own) that Ray Serve places
     on one node; 1 spreads a pool's replicas over as many nodes. None: no limit, Ray Serve packs

@@ -85,7 +85,9 @@ def _start_node(name: str, head_port: int, temp_root: Path, folder: Path, env: d
         "start",
         *(["--head"] if head else [f"--address=127.0.0.1:{head_port}"]),
         "--block",
-        "--num-cpus=1",  # one replica (serve.engine.num_cpus = 1); the ingress, proxy and controller take none
+        # room for two replicas (serve.engine.num_cpus = 1; the ingress, proxy and controller take none):
+        # one replica per node is serve.max_replicas_per_node's doing, not a lack of CPUs
+        "--num-cpus=2",
         f"--resources={json.dumps({name: 1})}",
         f"--temp-dir={temp_root / name}",
         "--object-store-memory=100000000",
@@ -244,7 +246,6 @@ access_key_id = "{s3_server.access_key}"
 host = "127.0.0.1"
 port = {port}
 ray_address = "{address}"
-proxy_location = "HeadOnly"
 replicas = 2
 canary_replicas = 0
 max_replicas_per_node = 1
@@ -338,6 +339,19 @@ def test_two_nodes_each_fetch_from_s3_and_serve_v1_after_a_swap(
         s3_uri=s3_uri,
     )
     env = _flywheel_env(cluster_env, s3_server)
+    # without the cluster's token, joining is refused in one line (no traceback)
+    refused = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "serve", "--config", str(config)],
+        env={k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(180),
+    )
+    errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("flywheel: error:")]
+    assert refused.returncode != 0 and "Traceback" not in refused.stdout + refused.stderr, refused.stderr[-3000:]
+    assert len(errors) == 1 and f"cannot join the Ray cluster at serve.ray_address {address}" in errors[0], errors
+    print(f"\nwithout the token: {errors[0]}")
     with (
         _flywheel_serve(config, env, tmp_path / "serve.log", url),
         httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=scaled(120)) as client,

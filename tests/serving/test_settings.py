@@ -46,7 +46,5 @@ def test_max_replicas_per_node_is_refused_beside_replica_placement_groups():
         ServeSettings(max_replicas_per_node=1, engine={"executor": "ray", "num_gpus": 1, "tensor_parallel_size": 2})
     with pytest.raises(ValidationError, match="max_replicas_per_node"):
         ServeSettings(max_replicas_per_node=0)
-    with pytest.raises(ValidationError, match="proxy_location"):
-        ServeSettings(proxy_location="Disabled")  # flywheel serve is an HTTP API: it needs a proxy
     # one model worker per replica (or mp workers inside it): no placement group, Ray Serve spreads them
     assert ServeSettings(max_replicas_per_node=1, engine={"executor": "mp", "tensor_parallel_size": 2})
