@@ -273,7 +273,7 @@ def _flywheel_env(cluster_env: dict, s3_server) -> dict:
 
 
 @contextlib.contextmanager
-def _flywheel_serve(config: Path, env: dict, log: Path, url: str):
+def _flywheel_serve(config: Path, env: dict, log: Path):
     """`flywheel serve --config config` until the API answers; ended with SIGTERM as a user would."""
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -353,7 +353,7 @@ def test_two_nodes_each_fetch_from_s3_and_serve_v1_after_a_swap(
     assert len(errors) == 1 and f"cannot join the Ray cluster at serve.ray_address {address}" in errors[0], errors
     print(f"\nwithout the token: {errors[0]}")
     with (
-        _flywheel_serve(config, env, tmp_path / "serve.log", url),
+        _flywheel_serve(config, env, tmp_path / "serve.log"),
         httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=scaled(120)) as client,
     ):
         started = time.monotonic() - t0
