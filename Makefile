@@ -49,7 +49,7 @@ test: install lint
 
 # The longest end-to-end runs, kept out of `make test` (CI's 45 minutes); cheaper tests there
 # cover their code paths: the 2-worker learner crash test, the benchmarks on their own stacks,
-# a tensor-parallel hot swap, the dense Qwen2 family's loop.
+# a tensor-parallel hot swap, the dense Qwen2 family's loop, the two-node Ray cluster's swap.
 test-extended: install
 	$(BIN)/python -m tests.s3_server
 	$(BIN)/pytest -m extended

@@ -157,6 +157,13 @@ class PoolReconciler:
         self.db_error, self.polled_at = None, time.time()
 
 
+def _node_id() -> str | None:
+    """The Ray node this process runs on; None outside Ray."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.to_full_id_str()[:128]
@@ -175,12 +182,15 @@ class ModelReplica:
         from feedback.db import make_engine
         from learner.store import settings_store
         from serving.hotswap import HotSwapper
-        from serving.model_source import replica_model_folder
+        from serving.model_source import node_settings, replica_model_folder
         from serving.replica import load_service
 
         self.pool = pool
-        store = settings_store(settings)  # this replica's own payload cache (store.cache_dir)
-        model_dir = str(replica_model_folder(settings, store, version, model_dir))
+        node = node_settings(settings)  # this node's own folders (serve.replica_dir)
+        store = settings_store(node)  # this replica's own payload cache
+        model_dir = str(replica_model_folder(settings, store, version, model_dir, node))
+        self.where = {"node_id": _node_id(), "model_dir": model_dir, "store_cache_dir": str(node.store_cache_dir)}
+        self.completions: dict[int, int] = {}  # completions answered, by the version that answered them
         self.service = load_service(Path(model_dir), settings.serve, version, fim=settings.model.fim)
         self.swapper = HotSwapper(self.service, store, loaded_from=model_dir, pool=pool)  # gates admission from now on
         self.reconciler = PoolReconciler(
@@ -203,12 +213,16 @@ class ModelReplica:
 
     async def complete(self, req: GenerateRequest) -> GenerateResult:
         self._ensure_reconciling()
-        return await self.service.complete(req)
+        return self._answered(await self.service.complete(req))
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         self._ensure_reconciling()
         async for r in self.service.stream(req):
-            yield r
+            yield self._answered(r) if r.done else r
+
+    def _answered(self, r: GenerateResult) -> GenerateResult:
+        self.completions[r.model_version] = self.completions.get(r.model_version, 0) + 1
+        return r
 
     def version(self) -> int:
         """The version served; an error while out of service (the ingress then routes no canary or
@@ -232,9 +246,17 @@ class ModelReplica:
         return await self.swapper.swap_report(version)
 
     def swap_status(self) -> dict:
-        """Served version, swap counts, the last swap's report or error, and the reconcile state
-        (the pool's target, a failing target and when it is retried, a database error)."""
-        return self.swapper.status() | {"pool": self.pool, "reconcile": self.reconciler.status()}
+        """Served version, swap counts, the last swap's report or error, the reconcile state (the
+        pool's target, a failing target and when it is retried, a database error), where this
+        replica runs (its Ray node, the folder it loaded, its payload cache) and how many
+        completions each version answered here."""
+        return self.swapper.status() | {
+            "pool": self.pool,
+            "reconcile": self.reconciler.status(),
+            "replica": self.reconciler.replica,
+            **self.where,
+            "completions": dict(self.completions),
+        }
 
 
 class RayReplica:
@@ -305,15 +327,19 @@ class Ingress:
             producer.close(timeout_s=5)
 
 
-def replica_options(eng: EngineSettings) -> dict:
-    """Ray Serve options for one model replica's resources.
+def replica_options(eng: EngineSettings, max_per_node: int | None = None) -> dict:
+    """Ray Serve options for one model replica's resources and placement.
 
-    One worker, or `mp` workers (the replica's child processes): the replica's actor holds them all.
+    One worker, or `mp` workers (the replica's child processes): the replica's actor holds them all,
+    and `max_per_node` (serve.max_replicas_per_node) caps a pool's replicas on one node.
     `ray` workers: a placement group per replica, one GPU bundle per worker, the replica's own CPUs
     in the first bundle beside worker 0 (Ray Serve puts the replica in bundle 0), as Ray Serve LLM
-    places vLLM; `placement_strategy` says whether the bundles may span nodes."""
+    places vLLM; `placement_strategy` says whether the bundles may span nodes (Ray Serve takes no
+    `max_per_node` beside a placement group: ServeSettings refuses the pair)."""
     if eng.executor != "ray" or eng.world_size == 1:
-        return {"ray_actor_options": {"num_cpus": eng.num_cpus, "num_gpus": eng.num_gpus * eng.world_size}}
+        spread = {} if max_per_node is None else {"max_replicas_per_node": max_per_node}
+        return {"ray_actor_options": {"num_cpus": eng.num_cpus, "num_gpus": eng.num_gpus * eng.world_size}} | spread
+    assert max_per_node is None, "ServeSettings refuses max_replicas_per_node beside placement groups"
     first = {"CPU": eng.num_cpus, "GPU": 1.0} if eng.num_cpus else {"GPU": 1.0}  # Ray refuses a 0 in a bundle
     bundles = [first] + [{"GPU": 1.0} for _ in range(eng.world_size - 1)]
     return {
@@ -326,12 +352,12 @@ def replica_options(eng: EngineSettings) -> dict:
 def build(settings: ServingSettings, model_dir: Path, version: int, routers: Sequence[RouterFactory] = ()):
     """The bound application, ready for `serve.run`: both pools start on `version` of `model_dir`;
     the ingress serves serving's routes and those of `routers`."""
-    eng = settings.serve.engine
+    cfg = settings.serve
     handles = {
         pool: ModelReplica.options(
             name=deployment_name(pool),
             num_replicas=n,
-            **replica_options(eng),
+            **replica_options(cfg.engine, cfg.max_replicas_per_node),
         ).bind(str(model_dir), settings, version, pool)
         for pool, n in pool_sizes(settings.serve).items()
     }
@@ -357,16 +383,27 @@ def start(
         progress("starting Ray" if not cfg.ray_address else f"joining Ray at {cfg.ray_address}")
         if not cfg.ray_address:
             _patient_local_serve()
-        ray.init(
-            address=cfg.ray_address or None,
-            num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            _metrics_export_port=None if cfg.ray_address else cfg.ray_metrics_port,
-            runtime_env={
-                "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}
-            },
-        )
+        try:
+            ray.init(
+                address=cfg.ray_address or None,
+                num_cpus=None if cfg.ray_address else cfg.ray_num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                _metrics_export_port=None if cfg.ray_address else cfg.ray_metrics_port,
+                runtime_env={
+                    "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, int(cfg.engine.kv_cache_gib))), **_passed_env()}
+                },
+            )
+        except ConnectionError as e:
+            if not cfg.ray_address:
+                raise
+            from feedback.core.errors import UserError
+
+            # Ray's own cause (a refused token, no GCS) is a multi-line message with a traceback in it
+            raise UserError(
+                f"cannot join the Ray cluster at serve.ray_address {cfg.ray_address}: {first_line(e)} (is it up? a "
+                "cluster with Ray's token authentication needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN here)"
+            ) from None
     if not cfg.ray_address:
         progress(f"vLLM dtype: {engine_precision(cfg)}")
     if urls := replica_metrics_urls():

@@ -116,6 +116,18 @@ class ServeSettings(Section):
     picks, printed at start and listed in Ray's `prom_metrics_service_discovery.json` (in its
     session folder, /tmp/ray by default). A cluster that Flywheel joins uses its own
     (`ray start --metrics-export-port`)."""
+    max_replicas_per_node: int | None = Field(default=None, ge=1, le=100)
+    """Most replicas of one pool (stable or canary, each counted on its own) that Ray Serve places
+    on one node; 1 spreads a pool's replicas over as many nodes. None: no limit, Ray Serve packs
+    them where resources allow. Not with replica placement groups (`engine.executor = "ray"` and
+    more than one model worker), which Ray Serve places by `engine.placement_strategy` instead."""
+    replica_dir: Path | None = None
+    """Where each model replica keeps its node's own files: the exported version it loads
+    (`served/v<N>`) and the payloads it fetched from an object-store weight store (`store/`).
+    A replica resolves it on the node it runs on: FLYWHEEL_SERVE__REPLICA_DIR in that node's
+    environment (the one `ray start` ran in) wins over this value. None: `<data_dir>/served`
+    and `store.cache_dir`, the same paths on every node (each node's own disk). Set it per node
+    where several Ray nodes share one disk."""
     model_dir: Path | None = None
     """Exported Hugging Face folder of the model to serve. Empty: the cached pretrained base."""
     model_version: int = Field(default=0, ge=0)
@@ -197,6 +209,17 @@ class ServeSettings(Section):
     """What one client may send and how often (section `[serve.limits]`)."""
     dashboard: DashboardLogin = DashboardLogin()
     """The ops dashboard's login session (section `[serve.dashboard]`)."""
+
+    @model_validator(mode="after")
+    def _spread_without_placement_groups(self) -> Self:
+        eng = self.engine
+        if self.max_replicas_per_node is not None and eng.executor == "ray" and eng.world_size > 1:
+            raise ValueError(
+                "serve.max_replicas_per_node cannot be combined with replica placement groups "
+                f'(engine.executor = "ray" with {eng.world_size} model workers): Ray Serve refuses both; '
+                "unset it (each replica's placement group takes whole GPUs already)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _budget_fits(self) -> Self:

@@ -37,3 +37,11 @@ def test_ray_workers_get_one_gpu_bundle_each_with_the_replica_in_the_first():
 def test_a_replica_without_cpus_of_its_own_puts_no_zero_in_a_bundle():
     eng = EngineSettings(executor="ray", num_gpus=1, num_cpus=0, tensor_parallel_size=2)
     assert all(v > 0 for b in replica_options(eng)["placement_group_bundles"] for v in b.values())
+
+
+def test_a_pool_spreads_over_nodes_with_max_replicas_per_node():
+    assert replica_options(EngineSettings(), max_per_node=1) == {
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0},
+        "max_replicas_per_node": 1,
+    }
+    assert "max_replicas_per_node" not in replica_options(EngineSettings())  # unset: Ray Serve packs

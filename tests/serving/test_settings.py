@@ -37,3 +37,14 @@ def test_what_an_executor_cannot_place_is_refused_saying_what_to_set(kwargs, say
 def test_expert_parallel_over_tensor_parallel_workers_is_accepted():
     eng = EngineSettings(executor="ray", num_gpus=1, tensor_parallel_size=4, enable_expert_parallel=True)
     assert eng.world_size == 4 and eng.enable_expert_parallel
+
+
+def test_max_replicas_per_node_is_refused_beside_replica_placement_groups():
+    from serving.settings import ServeSettings
+
+    with pytest.raises(ValidationError, match="max_replicas_per_node cannot be combined with replica placement groups"):
+        ServeSettings(max_replicas_per_node=1, engine={"executor": "ray", "num_gpus": 1, "tensor_parallel_size": 2})
+    with pytest.raises(ValidationError, match="max_replicas_per_node"):
+        ServeSettings(max_replicas_per_node=0)
+    # one model worker per replica (or mp workers inside it): no placement group, Ray Serve spreads them
+    assert ServeSettings(max_replicas_per_node=1, engine={"executor": "mp", "tensor_parallel_size": 2})
