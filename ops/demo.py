@@ -76,7 +76,7 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     rollout: RolloutSection = RolloutSection(
         auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0
     )
-    eval: EvalSection = EvalSection(sites=200)
+    eval: EvalSection = EvalSection(sites=200, token_accuracy=False)  # a 1536-token prompt's forward each
 
 
 def run(
