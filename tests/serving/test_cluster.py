@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,7 @@ import httpx
 import pytest
 import torch
 
-from feedback import bus, db
-from feedback.schemas import CompletionRecord
+from feedback import db
 from learner import store as S
 from learner.export import export_hf
 from learner.model import ModelArgs, Transformer
@@ -43,6 +41,7 @@ from tests.helpers import REPO, free_port, scaled, served_logprob_tolerance
 from tests.learner.test_delta import train_steps
 from tests.learner.test_export import spread_routers
 from tests.serving.test_hotswap import model_from
+from tests.serving.test_serve_e2e import _records as completion_records
 
 pytestmark = [pytest.mark.extended, pytest.mark.slow, pytest.mark.kafka]  # ~3.5 min on 2 loaded cores
 TOKEN = "cluster-editor-token"
@@ -297,19 +296,6 @@ def _flywheel_serve(config: Path, env: dict, log: Path):
         _stop(proc, scaled(120))
 
 
-def _records(kafka, ids: set[str]) -> dict[str, CompletionRecord]:
-    c = bus.consumer(kafka, bus.COMPLETIONS, group_id=f"t-{uuid.uuid4().hex}", consumer_timeout_ms=int(scaled(30_000)))
-    got = {}
-    for m in c:
-        rec = CompletionRecord.model_validate_json(m.value)
-        if rec.completion_id in ids:
-            got[rec.completion_id] = rec
-        if len(got) == len(ids):
-            break
-    c.close()
-    return got
-
-
 def test_two_nodes_each_fetch_from_s3_and_serve_v1_after_a_swap(
     tok, tmp_path, cluster, s3_server, s3_uri, kafka_settings
 ):
@@ -420,7 +406,7 @@ def test_two_nodes_each_fetch_from_s3_and_serve_v1_after_a_swap(
         )
 
     # every answer was v1's weights: the records' logprobs against the learner's v1 (and not v0)
-    records = _records(kafka_settings.kafka, {a["id"] for a in answers})
+    records = completion_records(kafka_settings, {a["id"] for a in answers})
     assert len(records) == len(answers) and {r.model_version for r in records.values()} == {1}
     s = ServingSettings(serve={"context_budget": 200, "summary_chunk_tokens": 64, "engine": {"max_model_len": 256}})
     seqs = [(r.prompt_token_ids, r.choices[0].token_ids) for r in records.values()]
