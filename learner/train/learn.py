@@ -595,7 +595,7 @@ class Learner:
         self.fmt = None if fmt == "off" else fmt
         self.fp4_targets = fp4.DEFAULT_FP4_TARGETS if self.fmt else ()
         self.tok = load_tokenizer(base / "hf")
-        self.format = read_format(base / "hf")
+        self.format = read_format(base / "hf", fim=self.s.model.fim)  # prompted as serving prompts it
         self.start_version = 0
 
     def _load_imported(self) -> None:

@@ -139,6 +139,18 @@ def test_start_publishes_the_base_as_v0_and_updates_save_everything(tmp_path, ba
     assert sorted(again.state.trained_ids) == reward_ids(lr.engine)[:8]
 
 
+def test_the_learner_prompts_its_own_base_as_model_fim_says(tmp_path, base):
+    """The gate replays the held-out sites in the format serving prompts with: `model.fim = "none"`
+    serves Flywheel's own base prefix-only, so the learner's format has no FIM template either."""
+    corpus, cache = base
+    s = tiny_learn_settings(tmp_path, corpus, cache / "..").model_copy(update={"cache_dir": cache})
+    plain = s.model_copy(update={"model": s.model.model_copy(update={"fim": "none"})})
+    for settings, fim in ((s, "qwen"), (plain, None)):
+        lr = Learner(settings, producer=ListProducer())
+        lr.start()
+        assert (lr.format.fim.name if lr.format.fim else None) == fim
+
+
 def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
     lr = started(tmp_path, base)
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
