@@ -253,11 +253,15 @@ class ReplayStats:
         """Mean length of the shown suggestions (abstentions are the suggestion rate's business)."""
         return self.completion_tokens / self.shown if self.shown else 0.0
 
+    def site_token_accuracies(self) -> list[float]:
+        """Per site scored teacher-forced, the share of the rest of the line's tokens the model
+        predicts ([] when not measured)."""
+        return [r.truth_hits / r.truth_tokens for r in self.results if r.truth_tokens]
+
     @property
     def token_accuracy(self) -> float | None:
-        """Mean over the sites scored teacher-forced of the share of the rest of the line's tokens
-        the model predicts (None: not measured)."""
-        scored = [r.truth_hits / r.truth_tokens for r in self.results if r.truth_tokens]
+        """Mean of `site_token_accuracies` (None: not measured)."""
+        scored = self.site_token_accuracies()
         return sum(scored) / len(scored) if scored else None
 
     @classmethod
@@ -286,7 +290,6 @@ class ReplayStats:
         def mean(values: list[float], aggregate: float) -> Interval:
             return t_interval(values, confidence) if per_site else Interval(aggregate, None, None, self.n, "t")
 
-        scored = [r.truth_hits / r.truth_tokens for r in self.results if r.truth_tokens]
         return {
             "accept_rate": wilson(self.accepted, self.shown, confidence),
             "accepted_chars_per_request": mean(
@@ -296,7 +299,7 @@ class ReplayStats:
             "exact_match": wilson(self.exact, self.n, confidence),
             "mean_reward": mean([r.reward for r in self.results], self.mean_reward),
             "latency_ms": mean([r.latency_s * 1e3 for r in self.results], float("nan")),
-            "token_accuracy": t_interval(scored, confidence),  # no value where not measured
+            "token_accuracy": t_interval(self.site_token_accuracies(), confidence),  # no value where not measured
         }
 
     def latency_percentiles_ms(self) -> dict[str, float | None]:
