@@ -734,13 +734,7 @@ def continue_pretraining(
 def _continue(model, args, tok, fmt, corpus, cfg: PretrainSection, base: dict, folder: Path, console, on_step) -> dict:
     """The training loop of `continue_pretraining` on `model` (resumed from `folder`'s checkpoint)."""
     seq_len = min(cfg.seq_len, fmt.window - 1)
-    data = Curriculum.of(
-        tok,
-        fmt,
-        corpus.train,
-        cfg.model_copy(update={"short_seq_len": min(cfg.short_seq_len, seq_len)}),
-        seq_len=seq_len,
-    )
+    data = Curriculum.of(tok, fmt, corpus.train, cfg, seq_len=seq_len)
     windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
     precision = resolve_precision(cfg.precision, device="cpu", setting="pretrain.precision")
