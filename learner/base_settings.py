@@ -20,9 +20,10 @@ class ModelSection(Section):
     to start from instead of Flywheel's pretrained base. `flywheel base import` makes it version 0
     of the weight store; the learner does so on its first start if nobody has. Serving then serves
     the store's versions of it."""
-    fim: str = Field(default="auto", pattern="^(auto|none|qwen|starcoder|deepseek|codestral)$")
-    """Fill-in-the-middle template (learner/formats.py). `auto`: detected from the vocabulary;
-    `none`: prefix-only completions, whatever tokens the model has."""
+    fim: str = Field(default="auto", pattern="^(auto|none|qwen|starcoder|deepseek|codestral|qwen-spm)$")
+    """Fill-in-the-middle template (learner/formats.py). `auto`: the one the model folder's
+    tokenizer_config.json names (`fim_template`, as Flywheel's own base does), else detected from
+    the vocabulary; `none`: prefix-only completions, whatever tokens the model has."""
     fp4: Literal["nvfp4", "mxfp4", "off"] = "nvfp4"
     """FP4 format the import quantizes the FP4 targets to (and the learner trains them in)."""
     fp4_targets: list[str] | None = None

@@ -68,9 +68,11 @@ def export_hf(
     *,
     dtype: torch.dtype = torch.bfloat16,
     weight_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    fim: str | None = None,
 ) -> Path:
     """Write a Qwen3MoeForCausalLM folder; returns its path. The weights go last, so a
-    folder with `model.safetensors` is complete (the weight store adds its own marker)."""
+    folder with `model.safetensors` is complete (the weight store adds its own marker).
+    `fim`: the FIM template the model was trained in, named in its tokenizer_config.json."""
     if tokenizer.get_vocab_size() > args.vocab_size:
         raise ValueError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {args.vocab_size}; "
@@ -80,7 +82,7 @@ def export_hf(
     folder.mkdir(parents=True, exist_ok=True)
     _write_json(folder / "config.json", args.to_hf_config(dtype) | special_token_ids(tokenizer))
     _write_json(folder / "generation_config.json", generation_config(tokenizer))
-    save_tokenizer(tokenizer, folder, model_max_length=args.max_seq_len)
+    save_tokenizer(tokenizer, folder, model_max_length=args.max_seq_len, fim=fim)
     tensors = checkpoint_tensors(model, dtype=dtype, weight_fn=weight_fn)
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     return folder

@@ -8,6 +8,10 @@ For the Qwen template (and Flywheel's own tokenizer, which has the same tokens):
 
     [<|file_sep|> path \\n] <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>
 
+and for the suffix-first `qwen-spm`, which Flywheel's own base is pretrained in:
+
+    [<|file_sep|> path \\n] <|fim_suffix|> suffix <|fim_prefix|> prefix
+
 The model writes the middle and ends it with an EOS token, where generation stops. The header
 carries the file path (and repository) the way the family was trained: a `<|file_sep|>` line
 before the FIM tokens for Qwen and StarCoder 2, a `# path` comment at the start of the prefix
@@ -78,6 +82,8 @@ def fim_layout(fmt: ModelFormat, header: list[int], prefix: list[int], suffix: l
     f = _fim(fmt)
     bos = list(fmt.bos_ids)
     if f.template.suffix_first:
+        if f.template.file_sep:  # repository layout: the files come first, the current one last
+            return [*bos, *header, f.suffix, *suffix, f.prefix, *prefix]
         return [*bos, f.suffix, *suffix, f.prefix, *header, *prefix]
     middle = [f.middle] if f.middle is not None else []
     if f.template.path_comment:  # the header is the first line of the prefix

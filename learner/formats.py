@@ -24,6 +24,13 @@ there) or chosen by name (`model.fim`):
     deepseek   <｜fim▁begin｜>[# path\\n]prefix<｜fim▁hole｜>suffix<｜fim▁end｜>   (DeepSeek-Coder: its
                repo-level data starts each file with a path comment)
     codestral  [SUFFIX]suffix[PREFIX]prefix   (suffix first; the model writes the middle next)
+    qwen-spm   [<|repo_name|>repo\\n] [<|file_sep|>path\\n] <|fim_suffix|>suffix<|fim_prefix|>prefix
+               Qwen's tokens, suffix first (SPM): Flywheel's own base since recipe 5. The prefix
+               ends the prompt, so writing the middle is continuing it, the skill a small model
+               learns first; in PSM the suffix stands between the prefix and the middle.
+
+A model folder may name its template: `fim_template` in tokenizer_config.json (Flywheel's own
+base does), which "auto" takes before looking at the vocabulary.
 
 The file path goes in the way the family was trained; a family with no known convention
 (Codestral) gets none. The model ends the middle with an EOS token; the template's own tokens
@@ -91,11 +98,24 @@ FIM_TEMPLATES: tuple[FimTemplate, ...] = (
     ),
     FimTemplate("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", path_comment=True),
     FimTemplate("codestral", "[PREFIX]", "[SUFFIX]", None, suffix_first=True),
+    # Qwen's tokens in suffix-prefix-middle order: the prefix ends the prompt, so the middle
+    # continues it directly. Flywheel's own base is pretrained in it (pretrain.fim_template) and
+    # says so in its tokenizer_config.json; the vocabulary alone never selects it.
+    FimTemplate(
+        "qwen-spm",
+        "<|fim_prefix|>",
+        "<|fim_suffix|>",
+        None,
+        suffix_first=True,
+        file_sep="<|file_sep|>",
+        repo_name="<|repo_name|>",
+        stops=("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ),
 )
 FIM_NAMES = tuple(t.name for t in FIM_TEMPLATES)
 
 CLIENT_TEMPLATES: tuple[FimTemplate, ...] = (
-    *FIM_TEMPLATES,
+    *(t for t in FIM_TEMPLATES if t.name != "qwen-spm"),  # Flywheel's own: no client renders it
     # Code Llama's: no model family here has it, but Twinny and Continue render it by default.
     FimTemplate("codellama", "<PRE>", "<SUF>", "<MID>"),
 )
@@ -178,7 +198,8 @@ class ModelFormat:
         fim: str = "auto",
     ) -> ModelFormat:
         """The format of a model from its tokenizer and its three JSON files (as dicts).
-        `fim`: "auto" (detect from the vocabulary), a template name, or "none" (prefix-only).
+        `fim`: "auto" (the template tokenizer_config's `fim_template` names, else detected
+        from the vocabulary), a template name, or "none" (prefix-only).
         ValueError when the files name no end-of-sequence token, or a token the vocabulary lacks."""
         gen, tcfg = generation_config or {}, tokenizer_config or {}
         vocab = tok.get_vocab_size()
@@ -205,6 +226,11 @@ class ModelFormat:
         window = config.get("max_position_embeddings")
         if not isinstance(window, int) or window < 16:
             raise ValueError(f"{CONFIG} has no usable max_position_embeddings (got {window!r})")
+        declared = tcfg.get("fim_template")
+        if fim == "auto" and declared is not None:
+            if declared not in FIM_NAMES:
+                raise ValueError(f"{TOKENIZER_CONFIG} names an unknown fim_template {declared!r}")
+            fim = declared
         return cls(
             eos_ids=tuple(eos),
             pad_id=pad,
@@ -331,15 +357,16 @@ def read_format(folder: str | Path, *, fim: str = "auto") -> ModelFormat:
     )
 
 
-def own_format(tok: Tokenizer, window: int) -> ModelFormat:
+def own_format(tok: Tokenizer, window: int, *, fim: str | None = None) -> ModelFormat:
     """The format of a model with Flywheel's own tokenizer (learner.tokenizer), exactly as
-    `read_format` reads its export: what pretraining uses before there is a folder."""
+    `read_format` reads its export (written with the same `fim` template name): what pretraining
+    uses before there is a folder. None: the one the vocabulary has (qwen)."""
     ids = special_token_ids(tok)
     return ModelFormat.of(
         tok,
         config={"max_position_embeddings": window, **ids},
         generation_config=ids,
-        tokenizer_config=tokenizer_config(window),
+        tokenizer_config=tokenizer_config(window, fim=fim),
     )
 
 

@@ -1,9 +1,12 @@
 """Prompt building: fill-in-the-middle in the model's template, and self-summarization past the budget.
 
-Layout (the model's FIM template, learner.fim; for Qwen's and Flywheel's own):
+Layout (the model's FIM template, learner.fim; for Qwen's):
 
     [<|file_sep|> other path \\n text ...]  [<|file_sep|> path]
     <|fim_prefix|> [<open> s_1 <close> ... s_k]  recent prefix  <|fim_suffix|> suffix <|fim_middle|>
+
+Flywheel's own base (qwen-spm) has the suffix first: `... <|fim_suffix|> suffix <|fim_prefix|>
+[summaries] recent prefix`, and writes the middle right after it.
 
 Other files of the repository (an editor's snippets) go before the current file, within the
 budget (`PromptBuilder._context`). A model without FIM tokens gets prefix-only prompts (the

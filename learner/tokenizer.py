@@ -80,9 +80,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict:
-    """The `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as is."""
-    return {
+def tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH, *, fim: str | None = None) -> dict:
+    """The `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as is;
+    `fim`: the FIM template the model was trained in (learner.formats reads it back as
+    `fim_template`), None to leave it to the vocabulary."""
+    return ({"fim_template": fim} if fim else {}) | {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": EOS,
@@ -105,12 +107,14 @@ def special_token_ids(tok: Tokenizer) -> dict[str, int]:
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
 
 
-def save_tokenizer(tok: Tokenizer, folder: str | Path, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
-    """Write `tokenizer.json` and `tokenizer_config.json` into `folder`."""
+def save_tokenizer(
+    tok: Tokenizer, folder: str | Path, *, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH, fim: str | None = None
+) -> None:
+    """Write `tokenizer.json` and `tokenizer_config.json` (see tokenizer_config) into `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = tokenizer_config(model_max_length)
+    config = tokenizer_config(model_max_length, fim=fim)
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

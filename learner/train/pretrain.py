@@ -76,7 +76,8 @@ from learner.train.pretrain_settings import PretrainSection
 CHECKPOINT, COMPLETE, METRICS, RUN_INFO = "checkpoint.pt", "COMPLETE", "metrics.json", "run.json"
 # Part of the cache key: bump it when the training recipe in code changes (data mix, loss),
 # so a cached base made by the old recipe is not reused.
-RECIPE_VERSION = 4  # 3: the FIM rows in Qwen's template, the path as `<|file_sep|>path`; 4: repository context
+RECIPE_VERSION = 5  # 3: the FIM rows in Qwen's template, the path as `<|file_sep|>path`; 4: repository context;
+# 5: suffix-first FIM (pretrain.fim_template), middles shaped like editors' requests (corpus.fim_span)
 
 
 # --- pure pieces ------------------------------------------------------------------------------------
@@ -363,7 +364,7 @@ def train(
     device = torch.device(cfg.device)
     tok = _tokenizer(folder, corpus.train, cfg, console)
     args = model_args(cfg)
-    fmt = own_format(tok, args.max_seq_len)
+    fmt = own_format(tok, args.max_seq_len, fim=cfg.fim_template)
     data = Curriculum.of(tok, fmt, corpus.train, cfg)
     windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), cfg.seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
@@ -462,7 +463,8 @@ def _finish(
     """Export, verify, evaluate the exported model against the bigram baseline, mark COMPLETE."""
     t0 = time.perf_counter()
     model = model.to("cpu")
-    hf = export_hf(model, args, tok, folder / "hf", weight_fn=fp4_dequantized(cfg.fp4) if cfg.fp4 != "off" else None)
+    weight_fn = fp4_dequantized(cfg.fp4) if cfg.fp4 != "off" else None
+    hf = export_hf(model, args, tok, folder / "hf", weight_fn=weight_fn, fim=cfg.fim_template)
     checked = 0
     if cfg.fp4 != "off":
         export_packed_fp4(model, args, folder / "fp4", fmt=cfg.fp4)

@@ -88,6 +88,10 @@ class PretrainSection(Section):
     `auto`: bf16 only where this machine runs it fast (feedback/core/precision.py measures it at start)."""
     fim_rate: float = Field(default=0.5, ge=0, le=1)
     """Fraction of training rows that are fill-in-the-middle examples."""
+    fim_template: Literal["qwen-spm", "qwen"] = "qwen-spm"
+    """The FIM layout the base is trained in, and which its exported tokenizer_config.json names
+    (learner/formats.py): `qwen-spm` puts the suffix first, so the middle continues the prefix;
+    `qwen` is Qwen's prefix-suffix-middle order (recipes before 5)."""
     context_rate: float = Field(default=0.3, ge=0, le=1)
     """Fraction of FIM examples that carry other files of the same folder before the file's header,
     laid out as serving lays out an editor's repository context (Tabby's snippets, llama.cpp's

@@ -296,7 +296,7 @@ def _base(settings: FlywheelSettings, cfg, console: Console):
     console.print(f"weights: {what}")
     data = TrainingData(
         tok,
-        own_format(tok, SEQ_LEN),
+        own_format(tok, SEQ_LEN, fim=cfg.fim_template),
         corpus.train,
         seq_len=SEQ_LEN,
         batch_size=BATCH,

@@ -221,7 +221,7 @@ def _bench_qat(settings, cfg, steps: int, base: Path | None) -> tuple[dict, Tran
         else train_tokenizer((f.text for f in corpus.train), cfg.vocab_size)
     )
     args = ModelArgs(vocab_size=tok.get_vocab_size(), max_seq_len=REDUCED_SEQ_LEN, **REDUCED)
-    fmt = own_format(tok, REDUCED_SEQ_LEN)
+    fmt = own_format(tok, REDUCED_SEQ_LEN, fim=cfg.fim_template)
     data = TrainingData(
         tok,
         fmt,

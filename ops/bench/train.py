@@ -60,7 +60,7 @@ def run_bench(s: PretrainSettings, console: Console, *, steps: int, warmup: int,
             tok, tok_from = train_tokenizer((f.text for f in corpus.train), cfg.vocab_size), "trained here"
         data = TrainingData(
             tok,
-            own_format(tok, model_args(cfg).max_seq_len),
+            own_format(tok, model_args(cfg).max_seq_len, fim=cfg.fim_template),
             corpus.train,
             seq_len=cfg.seq_len,
             batch_size=cfg.batch_size,

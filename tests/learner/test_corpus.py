@@ -101,3 +101,29 @@ def test_fim_rows_carry_other_files_of_the_folder_as_serving_lays_them_out(tmp_p
         checked += 1
     assert checked >= 3
     assert rows.shape == (16, 513)
+
+
+def test_fim_middles_are_mostly_shaped_like_editor_requests():
+    import random
+
+    from learner.corpus import fim_span
+
+    text = "import os\n\n\ndef f(x):\n    y = x + 1\n    return y\n\n\nclass A:\n    n = 2\n" * 4
+    rng, shapes = random.Random(0), {"line": 0, "lines": 0, "other": 0}
+    for _ in range(4000):
+        a, b = fim_span(text, rng)
+        assert 0 <= a <= b <= len(text)
+        middle, suffix = text[a:b], text[b:]
+        line_start = text.rfind("\n", 0, a) + 1
+        line = text[line_start : text.find("\n", a)]
+        cursor_in_code = bool(line.strip()) and a - line_start >= len(line) - len(line.lstrip())
+        if cursor_in_code and suffix.startswith("\n") and "\n" not in middle:
+            shapes["line"] += 1  # the rest of a line of code, the newline left to the suffix
+        elif cursor_in_code and suffix[:1] in ("\n", "") and 1 <= middle.count("\n") <= 3:
+            shapes["lines"] += 1
+        else:
+            shapes["other"] += 1
+    # 45% rest of line, 20% a few lines, 35% anywhere (some of which look like the others).
+    assert 0.42 <= shapes["line"] / 4000 <= 0.60, shapes
+    assert 0.15 <= shapes["lines"] / 4000 <= 0.30, shapes
+    assert 0.20 <= shapes["other"] / 4000 <= 0.36, shapes

@@ -81,3 +81,34 @@ def test_the_template_can_be_named_or_turned_off():
         ModelFormat.of(tok, config=config, fim="starcoder")
     with pytest.raises(ValueError, match="unknown FIM template"):
         ModelFormat.of(tok, config=config, fim="gpt")
+
+
+def test_flywheel_base_template_puts_the_suffix_first_so_the_middle_continues_the_prefix(tmp_path):
+    from learner.export import export_hf
+    from learner.formats import read_format
+    from learner.model import ModelArgs, Transformer
+
+    tok = train_tokenizer([CODE] * 4, 300)
+    fmt = own_format(tok, 256, fim="qwen-spm")
+    assert fmt.fim.name == "qwen-spm" and fmt.fim.middle is None
+    prompt = fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="pkg/add.py", repo="calc")
+    assert tok.decode(prompt, skip_special_tokens=False) == (
+        f"{REPO_NAME}calc\n{FILE_SEP}pkg/add.py\n{FIM_SUFFIX}{SUFFIX}{FIM_PREFIX}{PREFIX}"
+    )
+    ex = fim_example_ids(fmt, tok, PREFIX, MIDDLE, SUFFIX, path="pkg/add.py")
+    n = len(fim_prompt_ids(fmt, tok, PREFIX, SUFFIX, path="pkg/add.py"))
+    assert tok.decode(ex[n:-1]) == MIDDLE and ex[-1] == tok.token_to_id(EOS)
+    # The export names its template, and "auto" reads it back; a named template still wins.
+    args = ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=256)
+    export_hf(Transformer(args), args, tok, tmp_path, fim="qwen-spm")
+    assert read_format(tmp_path) == fmt
+    assert read_format(tmp_path, fim="qwen").fim.name == "qwen"
+    assert read_format(tmp_path, fim="none").fim is None
+
+
+def test_an_unknown_declared_template_is_refused():
+    tok = train_tokenizer([CODE] * 4, 300)
+    config = {"max_position_embeddings": 256, "eos_token_id": 0}
+    with pytest.raises(ValueError, match="unknown fim_template 'psm2'"):
+        ModelFormat.of(tok, config=config, tokenizer_config={"fim_template": "psm2"})
+    assert ModelFormat.of(tok, config=config, tokenizer_config={"fim_template": "psm2"}, fim="none").fim is None
