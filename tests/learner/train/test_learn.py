@@ -145,7 +145,7 @@ def test_the_learner_prompts_its_own_base_as_model_fim_says(tmp_path, base):
     corpus, cache = base
     s = tiny_learn_settings(tmp_path, corpus, cache / "..").model_copy(update={"cache_dir": cache})
     plain = s.model_copy(update={"model": s.model.model_copy(update={"fim": "none"})})
-    for settings, fim in ((s, "qwen"), (plain, None)):
+    for settings, fim in ((s, "qwen-spm"), (plain, None)):  # auto: the template the base's export names
         lr = Learner(settings, producer=ListProducer())
         lr.start()
         assert (lr.format.fim.name if lr.format.fim else None) == fim
