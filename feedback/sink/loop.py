@@ -156,8 +156,7 @@ def run_sink(
     consumer = metrics = None
     stats = SinkStats()
     try:
-        _wait_for_database(engine, cfg, stop)
-        db.upgrade(engine)
+        _start_database(engine, cfg, stop)
         consumer = _consumer(settings)
         metrics = serve_metrics(cfg)
         progress(
@@ -177,7 +176,25 @@ def run_sink(
     return stats
 
 
-def _wait_for_database(engine, cfg: SinkSection, stop: threading.Event) -> None:
+def _start_database(engine, cfg: SinkSection, stop: threading.Event, upgrade=db.upgrade) -> None:
+    """Wait for the database, then migrate it. A server that goes away between the two (it
+    crashed right after the sink's start: the soak's restarted sink met a PostgreSQL crash 5 s
+    later) is waited for again, within the same `db_start_wait_s`; a refusal is not."""
+    deadline = time.monotonic() + cfg.db_start_wait_s
+    while True:
+        _wait_for_database(engine, cfg, stop, deadline=deadline)
+        try:
+            upgrade(engine)
+            return
+        except UserError as e:
+            sqlite = engine.dialect.name == "sqlite"  # a file: waiting changes nothing
+            if sqlite or stop.is_set() or time.monotonic() >= deadline or _refused(str(e)):
+                raise
+            log.warning("database lost while migrating at start (%s); waiting for it again", e)
+            stop.wait(cfg.db_retry_s)
+
+
+def _wait_for_database(engine, cfg: SinkSection, stop: threading.Event, *, deadline: float | None = None) -> None:
     """A sink started while the database restarts waits for it, as a running sink waits out an
     outage (a supervisor restarts a killed sink at any moment, the database's own restart
     included). Only a server that does not answer at all is waited for, up to `db_start_wait_s`;
@@ -186,7 +203,7 @@ def _wait_for_database(engine, cfg: SinkSection, stop: threading.Event) -> None:
 
     if engine.dialect.name == "sqlite":
         return  # a file, not a server: nothing to wait for
-    deadline = time.monotonic() + cfg.db_start_wait_s
+    deadline = time.monotonic() + cfg.db_start_wait_s if deadline is None else deadline
     while not stop.is_set():
         try:
             with engine.connect():

@@ -270,3 +270,38 @@ def test_a_sink_started_while_the_database_does_not_answer_waits_a_refusal_does_
         _wait_for_database(refused, cfg, threading.Event())
         assert time.monotonic() - t0 < scaled(1.0)
         refused.dispose()
+
+
+def test_a_database_lost_while_the_sink_migrates_at_start_is_waited_for_again(monkeypatch):
+    """The soak's restarted sink met a PostgreSQL crash between its first connection and the
+    migration; it waits again (within db_start_wait_s) rather than exit. A refusal still ends it."""
+    import threading
+
+    from sqlalchemy import create_engine
+
+    from feedback.core.errors import UserError
+    from feedback.sink import loop
+    from tests.helpers import free_port
+
+    monkeypatch.setattr(loop, "_wait_for_database", lambda *a, **k: None)
+    cfg = loop.SinkSection(db_start_wait_s=scaled(30.0), db_retry_s=0.01)
+    engine = create_engine(f"postgresql+psycopg://flywheel:pw@127.0.0.1:{free_port()}/flywheel")
+    calls = []
+
+    def crashes_once(_engine):
+        calls.append(1)
+        if len(calls) == 1:
+            raise UserError("database is unreachable: server closed the connection unexpectedly")
+
+    loop._start_database(engine, cfg, threading.Event(), upgrade=crashes_once)
+    assert len(calls) == 2
+
+    def refuses(_engine):
+        calls.append(1)
+        raise UserError('database is unreachable: FATAL:  password authentication failed for user "flywheel"')
+
+    calls.clear()
+    with pytest.raises(UserError, match="password authentication failed"):
+        loop._start_database(engine, cfg, threading.Event(), upgrade=refuses)
+    assert len(calls) == 1
+    engine.dispose()
