@@ -320,13 +320,15 @@ def fim_span(text: str, rng: random.Random) -> tuple[int, int]:
     model to read the suffix.
     """
     u = rng.random()
-    starts = [0, *(i + 1 for i, c in enumerate(text) if c == "\n")] if u < 0.65 else []
-    lines = [(i, j) for i, j in zip(starts, [*starts[1:], len(text) + 1]) if text[i : j - 1].strip()]
+    lines, pos = [], 0  # (start, end) of each line with code; end: its newline, or the text's end
+    for piece in text.split("\n") if u < 0.65 else ():
+        if piece.strip():
+            lines.append((pos, pos + len(piece)))
+        pos += len(piece) + 1
     if not lines:
         a = rng.randrange(len(text))
         return a, rng.randint(a + 1, len(text))
     line, end = rng.choice(lines)
-    end -= 1  # the line's newline, or the end of the text
     indent = end - len(text[line:end].lstrip())
     a = rng.randint(indent, end)
     b = end
