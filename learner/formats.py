@@ -77,6 +77,8 @@ class FimTemplate:
     stops: tuple[str, ...] = ()  # further tokens that end a middle when the model writes them
 
 
+QWEN_STOPS = ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
 FIM_TEMPLATES: tuple[FimTemplate, ...] = (
     FimTemplate(
         "qwen",
@@ -85,7 +87,7 @@ FIM_TEMPLATES: tuple[FimTemplate, ...] = (
         "<|fim_middle|>",
         file_sep="<|file_sep|>",
         repo_name="<|repo_name|>",
-        stops=("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+        stops=QWEN_STOPS,
     ),
     FimTemplate(
         "starcoder",
@@ -109,7 +111,7 @@ FIM_TEMPLATES: tuple[FimTemplate, ...] = (
         suffix_first=True,
         file_sep="<|file_sep|>",
         repo_name="<|repo_name|>",
-        stops=("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+        stops=QWEN_STOPS,
     ),
 )
 FIM_NAMES = tuple(t.name for t in FIM_TEMPLATES)
