@@ -267,6 +267,11 @@ def describe_topics(k: KafkaSettings) -> list[TopicInfo]:
         client.close()
 
 
+# How often a consumer refreshes its cluster metadata: a topic's new partitions, or a lost refresh
+# that left a member without its partitions, are seen within this.
+METADATA_MAX_AGE_MS = 30_000
+
+
 def producer(k: KafkaSettings, **overrides) -> KafkaProducer:
     """A durable producer: a send counts once every in-sync replica has it, and it retries.
     KafkaRefused if the cluster refuses its TLS handshake or login."""
@@ -287,7 +292,14 @@ def producer(k: KafkaSettings, **overrides) -> KafkaProducer:
 
 def consumer(k: KafkaSettings, *topics: str, group_id: str, **overrides) -> KafkaConsumer:
     """A consumer-group member that commits offsets only when told (after its own work is durable).
-    KafkaRefused if the cluster refuses its TLS handshake or login."""
+    KafkaRefused if the cluster refuses its TLS handshake or login.
+
+    The partitions of `topics` are looked up before the member first joins its group. Without
+    them the group's leader assigns nothing ("No partition metadata for topic") and only a later
+    metadata refresh starts the rebalance that hands the partitions out. When that refresh was
+    lost, a sink in CI held no partitions for minutes while its topics filled. A refresh every
+    `METADATA_MAX_AGE_MS` (Kafka's default is 5 minutes) bounds such a wait too.
+    """
     check_security(k, k.request_timeout_ms / 1000)
     opts = dict(
         **security_options(k),
@@ -296,6 +308,13 @@ def consumer(k: KafkaSettings, *topics: str, group_id: str, **overrides) -> Kafk
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         request_timeout_ms=max(k.request_timeout_ms, 30_000),
+        metadata_max_age_ms=METADATA_MAX_AGE_MS,
     )
     opts.update(overrides)
-    return KafkaConsumer(*topics, **opts)
+    if "session_timeout_ms" in overrides and "heartbeat_interval_ms" not in overrides:
+        # Kafka's rule of thumb: three heartbeats per session, so one lost heartbeat is no eviction
+        opts["heartbeat_interval_ms"] = max(100, overrides["session_timeout_ms"] // 3)
+    c = KafkaConsumer(*topics, **opts)
+    for topic in topics:
+        c.partitions_for_topic(topic)
+    return c

@@ -135,6 +135,7 @@ class SinkStats:
     batches: int = 0
     counts: Counts = field(default_factory=Counts)
     lag: int | None = None
+    partitions: int = 0  # assigned to this member at the last progress line
 
     @property
     def dead_letters(self) -> int:
@@ -289,11 +290,11 @@ def _loop(settings: SinkSettings, engine, consumer, stop: threading.Event, stats
                 _retention(engine, cfg.retention_days, progress)
             _purge(engine, cfg, progress)  # also when text is kept forever: bookkeeping rows must not pile up
         if now_m - last_report >= cfg.progress_interval_s:
-            stats.lag = _lag(consumer)
+            stats.lag, stats.partitions = _lag(consumer)
             progress(_progress_line(stats, reported, now_m - last_report))
             last_report, reported = (
                 now_m,
-                SinkStats(stats.messages, stats.batches, Counts().add(stats.counts), stats.lag),
+                SinkStats(stats.messages, stats.batches, Counts().add(stats.counts), stats.lag, stats.partitions),
             )
 
 
@@ -537,17 +538,20 @@ def _record(stats: SinkStats, counts: Counts) -> None:
         DEAD_LETTERS.labels(reason).inc(n)
 
 
-def _lag(consumer) -> int | None:
+def _lag(consumer) -> tuple[int | None, int]:
+    """(messages between the positions and the ends of this member's partitions, how many
+    partitions it holds); the lag is None while a rebalance is in progress."""
     try:
+        assigned = consumer.assignment()
         total = 0
-        for tp in consumer.assignment():
+        for tp in assigned:
             high = consumer.highwater(tp)
             if high is not None:
                 total += max(0, high - consumer.position(tp, timeout_ms=200))
     except Exception:  # a rebalance in progress: report no number rather than a wrong one
-        return None
+        return None, 0
     LAG.set(total)
-    return total
+    return total, len(assigned)
 
 
 def _summary(s: SinkStats) -> str:
@@ -564,7 +568,9 @@ def _progress_line(now: SinkStats, before: SinkStats, dt: float) -> str:
     rows = lambda s: s.counts.completions + s.counts.events + s.counts.promoted  # noqa: E731
     rate = (rows(now) - rows(before)) / dt if dt > 0 else 0.0
     lag = "?" if now.lag is None else str(now.lag)
-    return f"sink: {rate:,.0f} rows/s, lag {lag} messages; total {_summary(now)}"
+    # a member with no partitions is rebalancing, or idle beside as many others as partitions
+    where = f"on {now.partitions} partitions" if now.partitions else "(no partitions assigned)"
+    return f"sink: {rate:,.0f} rows/s, lag {lag} messages {where}; total {_summary(now)}"
 
 
 def _install_signal_handlers(stop: threading.Event) -> Callable[[], None] | None:

@@ -1,5 +1,6 @@
 """Messages round-trip through the real Kafka broker with kafka-python."""
 
+import time
 import uuid
 
 import pytest
@@ -76,3 +77,23 @@ def test_same_key_same_partition_in_order(kafka_settings):
     seen = [decode(FeedbackEvent, m.value) for m in c if m.key == cid.encode()]
     c.close()
     assert [e.type for e in seen] == ["view", "select", "edit"]
+
+
+def test_a_new_group_member_gets_every_partition_at_its_first_join(kafka_settings, caplog):
+    """The member knows its topics' partitions before it joins, so the group's leader hands them
+    out at once. Without that it assigns nothing at the first join ("No partition metadata") and
+    waits for a metadata refresh to rebalance; the one time that refresh was lost, a sink sat
+    without partitions for minutes."""
+    k = kafka_settings.kafka
+    c = bus.consumer(k, bus.COMPLETIONS, bus.EVENTS, group_id=f"t-{uuid.uuid4().hex}", session_timeout_ms=6000)
+    try:
+        assert c.config["heartbeat_interval_ms"] == 2000 and c.config["metadata_max_age_ms"] == bus.METADATA_MAX_AGE_MS
+        with caplog.at_level("WARNING", logger="kafka.coordinator"):
+            deadline = time.monotonic() + scaled(30)
+            while not c.assignment() and time.monotonic() < deadline:
+                c.poll(timeout_ms=200)
+        want = {(t, p) for t in (bus.COMPLETIONS, bus.EVENTS) for p in range(bus.topic_specs(k)[t].partitions)}
+        assert {(tp.topic, tp.partition) for tp in c.assignment()} == want
+        assert not [r for r in caplog.records if "No partition metadata" in r.getMessage()]
+    finally:
+        c.close()
