@@ -49,7 +49,8 @@ test: install lint
 
 # The longest end-to-end runs, kept out of `make test` (CI's 45 minutes); cheaper tests there
 # cover their code paths: the 2-worker learner crash test, the benchmarks on their own stacks,
-# a tensor-parallel hot swap, the dense Qwen2 family's loop, the two-node Ray cluster's swap.
+# a tensor-parallel hot swap, the dense Qwen2 family's loop, the demo on an imported model,
+# the two-node Ray cluster's swap.
 test-extended: install
 	$(BIN)/python -m tests.s3_server
 	$(BIN)/pytest -m extended
@@ -58,8 +59,8 @@ test-extended: install
 test-families: install
 	$(BIN)/pytest -m families
 
-# The fault-injection soak's end-to-end test on SQLite and on PostgreSQL (tests/ops/soak/test_soak.py);
-# `make test` runs the PostgreSQL one, which injects every fault.
+# The fault-injection soak's end-to-end test on SQLite and on PostgreSQL (tests/ops/soak/test_soak.py),
+# about 10 minutes each: kept out of `make test` (CI's 45 minutes); each fault's recovery has its own test there.
 test-soak: install
 	$(BIN)/pytest tests/ops/soak/test_soak.py
 

@@ -166,6 +166,9 @@ def _json(v):
     return json.loads(v) if isinstance(v, str) else v
 
 
+# `make test-extended`: the families' loop (tests/ops/test_families_e2e.py) covers an imported model
+# from import to swap in `make test`; this is the demo's own handling of `model.base`, 5 minutes.
+@pytest.mark.extended
 def test_demo_runs_on_an_imported_model(tmp_path, kafka_settings):
     """`flywheel demo --base PATH`: the same loop on an imported Hugging Face model (a tiny Qwen3-MoE):
     no pretraining; the learner imports it as v0; serving serves the store's v0; learned versions
