@@ -89,6 +89,10 @@ def security_options(k: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
+# How a refused SASL login reads, whatever reason the broker gave (the producer logs it once).
+SASL_REFUSED = "refused the SASL login"
+
+
 def refusal(k: KafkaSettings, server: str, error: BaseException, *, in_login: bool = False) -> str | None:
     """What a refused connection to `server` means for the user, in one line; None when the
     error says only that the broker is unreachable (down, wrong port, still starting).
@@ -96,12 +100,12 @@ def refusal(k: KafkaSettings, server: str, error: BaseException, *, in_login: bo
     check = "check kafka.sasl_username, kafka.sasl_password (FLYWHEEL_KAFKA__SASL_PASSWORD) and kafka.sasl_mechanism"
     if isinstance(error, SaslAuthenticationFailedError):
         reason = str(error).rpartition("SaslAuthenticationFailedError: ")[2] or "authentication failed"
-        return f"Kafka at {server} refused the SASL login for user {k.sasl_username} ({k.sasl_mechanism}): {reason}; {check}"
+        return f"Kafka at {server} {SASL_REFUSED} for user {k.sasl_username} ({k.sasl_mechanism}): {reason}; {check}"
     if in_login and k.uses_sasl and isinstance(error, KafkaConnectionError) and "Handshake failed" not in str(error):
         # A broker closes the connection right after its "authentication failed" answer, and
         # kafka-python sometimes reads the close before the answer: the login was refused all the same.
         return (
-            f"Kafka at {server} refused the SASL login for user {k.sasl_username} ({k.sasl_mechanism}): "
+            f"Kafka at {server} {SASL_REFUSED} for user {k.sasl_username} ({k.sasl_mechanism}): "
             f"it closed the connection during the login; {check}"
         )
     if isinstance(error, UnsupportedSaslMechanismError):

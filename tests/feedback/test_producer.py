@@ -74,3 +74,39 @@ def test_the_byte_cap_comes_from_the_kafka_settings(tmp_path):
     finally:
         p.close(timeout_s=0.2)
     assert make_settings(tmp_path).kafka.producer_buffer_bytes == 64 * 2**20  # the default: 64 MiB
+
+
+def test_one_refused_login_is_logged_once_whatever_reason_each_try_gives(tmp_path, monkeypatch, caplog):
+    """A SASL broker answers a wrong password with an error on one try and closes the connection
+    on the next: CI logged the one refusal twice. Another refusal is logged again."""
+    import logging
+
+    s = make_settings(tmp_path, kafka={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    login = f"Kafka at {s.kafka.bootstrap} {bus.SASL_REFUSED} for user u (SCRAM-SHA-512): "
+    refusals = [
+        login + "it closed the connection during the login; check ...",
+        login + "Authentication failed due to invalid credentials; check ...",
+    ] * 3 + ["kafka.ssl_cafile /nowhere/ca.pem does not exist"] * 2
+    tries = iter(refusals)
+
+    def refused(*args, **kwargs):
+        raise bus.KafkaRefused(next(tries, refusals[-1]))
+
+    monkeypatch.setattr(bus, "producer", refused)
+    caplog.set_level(logging.ERROR, logger="feedback.producer")
+    p = BufferedProducer(s.kafka, retry_backoff_s=0.01)
+    try:
+        assert p.send(bus.EVENTS, FeedbackEvent(completion_id="c", type="view"))
+        deadline = time.monotonic() + scaled(10)
+        while time.monotonic() < deadline:
+            logged = [r.getMessage() for r in caplog.records if r.name == "feedback.producer"]
+            if len(logged) >= 2:
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)  # more retries, nothing more logged
+        logged = [r.getMessage() for r in caplog.records if r.name == "feedback.producer"]
+        assert len(logged) == 2, logged
+        assert bus.SASL_REFUSED in logged[0] and "ssl_cafile" in logged[1]
+        assert p.buffered == 1 and p.delivered == 0  # the record is kept
+    finally:
+        p.close(timeout_s=0.5)
