@@ -60,7 +60,8 @@ test-families: install
 	$(BIN)/pytest -m families
 
 # The fault-injection soak's end-to-end test on SQLite and on PostgreSQL (tests/ops/soak/test_soak.py),
-# about 10 minutes each: kept out of `make test` (CI's 45 minutes); each fault's recovery has its own test there.
+# about 10 minutes each: kept out of `make test` (CI's 45 minutes), where each fault's recovery but a
+# killed replica's has a cheaper test of its own.
 test-soak: install
 	$(BIN)/pytest tests/ops/soak/test_soak.py
 
