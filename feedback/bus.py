@@ -59,6 +59,15 @@ for _name in ("kafka.net.manager", "kafka.net.connection", "kafka.net.transport"
 class KafkaRefused(UserError):
     """A broker answered but refused this client: its TLS handshake or its SASL login."""
 
+    @property
+    def kind(self) -> str:
+        """The refusal without the broker's own reason, which varies between tries of one refusal
+        (a SASL broker answers a wrong password with an error on one try and just closes the
+        connection on the next): what a retrying client logs once."""
+        text = str(self)
+        before, found, _ = text.partition(SASL_REFUSED)
+        return before + found if found else text
+
 
 def security_options(k: KafkaSettings) -> dict[str, Any]:
     """The security options every client gets, in kafka-python's names."""
@@ -89,7 +98,7 @@ def security_options(k: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
-# How a refused SASL login reads, whatever reason the broker gave (the producer logs it once).
+# How a refused SASL login reads, whatever reason the broker gave (KafkaRefused.kind).
 SASL_REFUSED = "refused the SASL login"
 
 

@@ -170,11 +170,7 @@ class BufferedProducer:
             # A refused password or certificate, or a CA file not there yet: no retry fixes it,
             # but the records stay buffered (within the bounds) in case that side gets fixed.
             SEND_ERRORS.inc()
-            # Logged once per refusal, not per retry: a SASL broker answers one wrong password
-            # with an error on one try and just closes the connection on the next.
-            refusal = str(e)
-            if bus.SASL_REFUSED in refusal:
-                refusal = refusal.partition(bus.SASL_REFUSED)[0]
+            refusal = e.kind if isinstance(e, bus.KafkaRefused) else str(e)  # logged once, not per retry
             if refusal != self._last_refusal:
                 self._last_refusal = refusal
                 log.error("%s; %d records stay buffered", e, len(self._buf))
