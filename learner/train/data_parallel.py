@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from learner.model import ModelArgs, Transformer
-from learner.train.learn import Sample, make_batch, rl_update
+from learner.train.learn import Sample, make_batch, rl_update, train_only
 from learner.train.learn_settings import LearnSection
 
 # Metrics of rl_update that are means over tokens (the rest are means over samples, but these two).
@@ -98,6 +98,7 @@ class Replica:
         self.setup, self.cfg, self.args = setup, setup.cfg, setup.args
         self.device = torch.device(device)
         self.model = model.to(self.device)
+        train_only(self.model, self.cfg.train_weights)  # before DDP, which syncs only the trained weights
         ids = [self.device.index] if self.device.type == "cuda" else None
         # Constructing DDP broadcasts rank 0's weights: every replica starts equal, and the reference
         # (the base: rank 0 builds its replica before it loads a saved state) is copied from them.

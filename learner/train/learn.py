@@ -51,6 +51,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -296,6 +297,29 @@ def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
     return float(((torch.exp(d) - d - 1) * mask_BT).sum() / mask_BT.sum().clamp_min(1))
 
 
+def train_only(model: torch.nn.Module, patterns: Sequence[str]) -> tuple[int, int]:
+    """Let updates change only the weights whose names a pattern matches (re.search; the
+    learner's `learn.train_weights`), and freeze the rest: they get no gradient, so AdamW leaves
+    them (and their bytes in every published delta) as the base's. Returns (trained, all)
+    parameter counts; UserError when a pattern matches no weight of this model."""
+    from feedback.core.errors import UserError
+
+    compiled = [re.compile(p) for p in patterns]
+    names = [n for n, _ in model.named_parameters()]
+    unmatched = [p.pattern for p in compiled if not any(p.search(n) for n in names)]
+    if unmatched:
+        raise UserError(
+            f"learn.train_weights: {unmatched[0]!r} matches no weight of this model (its names look like {names[len(names) // 2]!r})"
+        )
+    trained = total = 0
+    for name, w in model.named_parameters():
+        on = any(p.search(name) for p in compiled)
+        w.requires_grad_(on)
+        trained += w.numel() if on else 0
+        total += w.numel()
+    return trained, total
+
+
 def rl_update(
     model: Transformer,
     ref: Transformer,
@@ -499,6 +523,14 @@ class Learner:
             self._load_imported()
         else:
             self._load_pretrained()
+        trained, total = train_only(self.model, self.cfg.train_weights)
+        if trained < total:
+            log.info(
+                "training %s of %s parameters (learn.train_weights %s); the rest stay the base's",
+                f"{trained:,}",
+                f"{total:,}",
+                self.cfg.train_weights,
+            )
         self.hook = fp4_hook(self.fmt, self.fp4_targets) if self.fmt else None
         if self.device is None:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)  # the reference policy: the base

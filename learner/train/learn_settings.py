@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from feedback.core.config import Seconds, Section
 from learner.train.pretrain_settings import PretrainSettings
@@ -69,6 +70,11 @@ class LearnSection(Section):
     lr: float = Field(default=1e-6, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
+    train_weights: list[str] = Field(default=[".*"], min_length=1)
+    """Which weights the updates change: regular expressions (re.search) over the checkpoint's
+    weight names; the others stay the base's, so they add nothing to a published delta. The FP4
+    experts alone: `['mlp\\.experts\\.']`; with the routers: `['\\.mlp\\.']`. A pattern that
+    matches no weight of the model stops the learner with an error."""
     grad_clip: float = Field(default=1.0, gt=0)
     max_staleness: int = Field(default=2, ge=0)
     """Drop samples whose behaviour version lags the learner's latest version by more than this."""
@@ -110,6 +116,16 @@ class LearnSection(Section):
     gpu: bool = False
     """With workers > 1: one GPU per worker (NCCL) instead of CPU workers (gloo)."""
     gate: GateSection = GateSection()
+
+    @field_validator("train_weights")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"train_weights: {pattern!r} is not a regular expression ({e})") from None
+        return v
 
     @model_validator(mode="after")
     def _batch_splits(self) -> Self:

@@ -7,12 +7,15 @@ One run, one process, the learner's own code path on simulated editor feedback:
         N updates: the FP4 policy (as served) samples completions at cursor sites of the
                    *training* files, the simulated editor judges them (learner.judge),
                    feedback.reward scores them as the sink would, learner.train.learn.rl_update trains
-        publish:   pack to FP4, then the evaluation (learner.eval.evaluate, as `flywheel eval`:
-                   eval.sites held-out sites, or --sites) of the served weights
+        publish:   pack to FP4, the delta against the previous version as the store encodes it
+                   (learner.delta, zstd at learn.zstd_level), then the evaluation
+                   (learner.eval.evaluate, as `flywheel eval`: eval.sites held-out sites, or
+                   --sites) of the served weights
 
-Reported per version: held-out reward, accept rate and accepted characters per request with their
-95% confidence intervals, suggestion rate, exact match and the KL to the base, each beside the
-base model's. No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e
+Only the weights `learn.train_weights` names are trained, as in the learner. Reported per version:
+held-out reward, accept rate and accepted characters per request with their 95% confidence
+intervals, suggestion rate, exact match, the KL to the base, and the delta's size as a share of
+the full checkpoint, each beside the base model's: the trade-off of learning against delta size. No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e
 test run the same learner on real traffic.
 """
 
@@ -52,6 +55,7 @@ def run_bench(
 
     from feedback.core.errors import UserError
     from feedback.reward import reward
+    from learner import delta as codec
     from learner import eval as E
     from learner import store as S
     from learner.decode import decode, room
@@ -59,7 +63,7 @@ def run_bench(
     from learner.judge import cursor_sites, judge
     from learner.languages import editor_stops
     from learner.tokenizer import load_tokenizer
-    from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update
+    from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update, train_only
     from learner.train.pretrain import (
         find_base_model,
         fp4_hook,
@@ -92,7 +96,8 @@ def run_bench(
 
     windows = heldout_windows(token_stream(model_format, tok, corpus.heldout), args.max_seq_len - 1, 16)[:, :-1]
 
-    base_served = model_from_packed(S.pack_checkpoint(master.state_dict(), fmt), args)
+    base_packed = S.pack_checkpoint(master.state_dict(), fmt)
+    base_served = model_from_packed(base_packed, args)
     t0 = time.perf_counter()
     base_stats = evaluate(base_served)
     console.print(f"base model: held-out replay of {base_stats.n} sites in {time.perf_counter() - t0:.0f} s")
@@ -106,11 +111,17 @@ def run_bench(
             "train_reward": None,
             "mismatch_kl_replay": None,
             "mismatch_kl_no_replay": None,
+            "delta_bytes": None,
+            "full_bytes": codec.checkpoint_nbytes(base_packed),
         }
     ]
     cfg = s.learn
     for lr in lrs:
         policy = copy.deepcopy(master).train()
+        trained, total = train_only(policy, cfg.train_weights)
+        if trained < total:
+            console.print(f"training {trained:,} of {total:,} parameters (learn.train_weights {cfg.train_weights})")
+        previous = base_packed
         ref = copy.deepcopy(master).eval().requires_grad_(False)
         opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         gen = torch.Generator().manual_seed(0)
@@ -149,7 +160,13 @@ def run_bench(
                         f"lr {lr:g}: version {v}/{versions}, update {step}: train reward {m['reward_mean']:+.3f}, "
                         f"mismatch {m['mismatch_kl_replay']:.4f} (replay) / {m['mismatch_kl_no_replay']:.4f} (none)"
                     )
-                served = model_from_packed(S.pack_checkpoint(policy.state_dict(), fmt), args)
+                packed = S.pack_checkpoint(policy.state_dict(), fmt)
+                # what the learner would publish: the delta against the previous version, as the store encodes it
+                delta_bytes = len(
+                    codec.encode(codec.diff(previous, packed), level=cfg.zstd_level, threads=cfg.zstd_threads)
+                )
+                previous = packed
+                served = model_from_packed(packed, args)
                 stats = evaluate(served)
                 rows.append(
                     {
@@ -161,6 +178,8 @@ def run_bench(
                         "train_reward": sum(rewards) / len(rewards),
                         "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
                         "mismatch_kl_no_replay": sum(mism_none) / len(mism_none),
+                        "delta_bytes": delta_bytes,
+                        "full_bytes": codec.checkpoint_nbytes(packed),
                     }
                 )
                 console.print(_row_text(rows[-1], rows[0]))
@@ -176,7 +195,9 @@ def run_bench(
         "KL to base",
         "train reward",
         "mismatch KL replay / none",
-        title=f"learning curve: {n_held} held-out sites (flywheel eval's replay), {cfg.batch_size} samples/update, {updates} updates/version",
+        "delta (share of full)",
+        title=f"learning curve: {n_held} held-out sites (flywheel eval's replay), {cfg.batch_size} samples/update, "
+        f"{updates} updates/version, training {cfg.train_weights}",
     )
     for r in rows:
         table.add_row(
@@ -193,6 +214,7 @@ def run_bench(
             ""
             if r["mismatch_kl_replay"] is None
             else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}",
+            "" if r["delta_bytes"] is None else _delta_share(r),
         )
     console.print(table)
     result = {
@@ -203,6 +225,8 @@ def run_bench(
         "temperature": temperature,
         "batch_size": cfg.batch_size,
         "updates_per_version": updates,
+        "train_weights": cfg.train_weights,
+        "zstd_level": cfg.zstd_level,
         "rows": rows,
     }
     if out:
@@ -223,6 +247,12 @@ def _summary(st) -> dict:
     }
 
 
+def _delta_share(row: dict) -> str:
+    """A version's delta against the previous one, as bytes and as the share of the full checkpoint."""
+    d, full = row["delta_bytes"], row["full_bytes"]
+    return f"{d:,} B (1/{full / d:.0f})" if d else "0 B (no weight changed)"
+
+
 def _with_interval(row: dict, name: str, fmt: str) -> Text:
     i = row["intervals"][name]
     if i["low"] is None or i["high"] is None:
@@ -234,5 +264,5 @@ def _row_text(r: dict, base: dict) -> str:
     return (
         f"lr {r['lr']:g} v{r['version']} ({r['updates']} updates): held-out reward {r['reward']:+.3f} (base {base['reward']:+.3f}), "
         f"accept {r['accept_rate']:.1%} (base {base['accept_rate']:.1%}), suggestions {r['suggestion_rate']:.1%} "
-        f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f}"
+        f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f}, delta {_delta_share(r)}"
     )

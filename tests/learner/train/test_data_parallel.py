@@ -4,7 +4,9 @@ parameters after a few steps with 1 and with 2 ranks, and a checkpoint of 2 rank
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
+import re
 
 import pytest
 import torch
@@ -130,6 +132,15 @@ def test_two_ranks_train_like_one_process(tmp_path, job):
     for a, b in zip(got["metrics"], want_metrics, strict=True):  # the batch's metrics, not rank 0's share's
         assert a.keys() == b.keys() and a["tokens"] == b["tokens"]
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+
+
+def test_two_ranks_train_only_the_weights_train_weights_names(tmp_path, job):
+    experts = r"mlp\.experts\."
+    setup = job["setup"]
+    only = job | {"setup": dataclasses.replace(setup, cfg=setup.cfg.model_copy(update={"train_weights": [experts]}))}
+    got = ranks(tmp_path, only, 2)["weights"]
+    moved = {k for k in got if not torch.equal(got[k], job["weights"][k])}
+    assert moved and all(re.search(experts, k) for k in moved), sorted(moved)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, job):

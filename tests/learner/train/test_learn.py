@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from rich.console import Console
 
 from feedback import db
+from feedback.core.errors import UserError
+from learner import delta as codec
 from learner import store as S
 from learner.model import ModelArgs
 from learner.train.learn import (
@@ -238,6 +241,31 @@ def test_publish_gates_stores_a_delta_records_and_announces(tmp_path, base):
     served = S.to_hf_tensors(lr.store.materialize(1))
     mine = S.to_hf_tensors(S.pack_checkpoint(lr.model.state_dict()))
     assert all(torch.equal(served[k], mine[k]) for k in served)
+
+
+def test_only_the_weights_train_weights_names_change_and_only_they_are_in_the_delta(tmp_path, base):
+    """learn.train_weights freezes the rest: the updates leave it as the base's, bit for bit, so a
+    published version differs from its parent only in the trained tensors."""
+    experts = r"mlp\.experts\."
+    lr = started(tmp_path, base, min_samples=8, publish_every=0.01, lr=1e-3, train_weights=[experts])
+    before = {k: v.clone() for k, v in lr.model.state_dict().items()}
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(8))
+    lr.poll()
+    assert lr.update() is not None and lr.update() is not None
+    after = lr.model.state_dict()
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed and all(re.search(experts, k) for k in changed), sorted(changed)
+    info = lr.publish()
+    assert info["version"] == 1 and info["kind"] == "delta", info
+    old, new = (codec.tensor_hashes(lr.store.materialize(v)) for v in (0, 1))
+    in_delta = {k for k in new if new[k] != old[k]}
+    assert in_delta and all(re.search(experts, k) for k in in_delta), sorted(in_delta)
+
+
+def test_a_train_weights_pattern_that_matches_no_weight_stops_the_learner(tmp_path, base):
+    with pytest.raises(UserError, match=r"learn.train_weights: 'lora_' matches no weight of this model"):
+        started(tmp_path, base, train_weights=["experts", "lora_"])
 
 
 class PaysForAbstaining:

@@ -46,3 +46,17 @@ def test_workers_default_to_one_and_must_fit_the_batch():
         LearnSection(workers=0)
     with pytest.raises(ValidationError, match="learn.gpu applies to data-parallel workers"):
         LearnSection(gpu=True)
+
+
+def test_train_weights_must_be_regular_expressions():
+    import pytest
+    from pydantic import ValidationError
+
+    from learner.train.learn_settings import LearnSection
+
+    assert LearnSection().train_weights == [".*"]  # every weight trains by default
+    assert LearnSection(train_weights=[r"mlp\.experts\."]).train_weights == [r"mlp\.experts\."]
+    with pytest.raises(ValidationError, match=r"train_weights: 'experts\(' is not a regular expression"):
+        LearnSection(train_weights=["experts("])
+    with pytest.raises(ValidationError):
+        LearnSection(train_weights=[])

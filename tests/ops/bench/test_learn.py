@@ -55,3 +55,6 @@ def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
     assert base_row["intervals"]["suggestion_rate"] == pytest.approx(here.intervals()["suggestion_rate"].as_dict())
     assert v1["intervals"]["accept_rate"]["method"] == "wilson" and v1["intervals"]["latency_ms"]["n"] == 6
     assert "accept rate [95% CI]" in out.getvalue() and (tmp_path / "curve.json").is_file()
+    # Each version's delta against the one before, as the store would publish it.
+    assert base_row["delta_bytes"] is None and 0 < v1["delta_bytes"] < v1["full_bytes"] == base_row["full_bytes"]
+    assert f"(1/{v1['full_bytes'] / v1['delta_bytes']:.0f})" in out.getvalue()
