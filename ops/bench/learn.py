@@ -15,8 +15,9 @@ One run, one process, the learner's own code path on simulated editor feedback:
 Only the weights `learn.train_weights` names are trained, as in the learner. Reported per version:
 held-out reward, accept rate and accepted characters per request with their 95% confidence
 intervals, suggestion rate, exact match, the KL to the base, and the delta's size as a share of
-the full checkpoint, each beside the base model's: the trade-off of learning against delta size. No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e
-test run the same learner on real traffic.
+the full checkpoint, each beside the base model's: the trade-off of learning against delta size.
+No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e test run the
+same learner on real traffic.
 """
 
 from __future__ import annotations
