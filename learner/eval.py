@@ -493,7 +493,7 @@ def heldout_replay(
                 prompt,
                 room(window, len(prompt), max_tokens),
                 stop_ids=fmt.eos_ids,
-                stop=editor_stops(site.language),
+                stop=editor_stops(site.language, site.prefix),
                 fp4=hook,
             )
             latency = time.perf_counter() - started

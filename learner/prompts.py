@@ -38,10 +38,11 @@ from learner.fim import context_block_ids, encode, fim_header_ids, fim_layout, p
 from learner.formats import ModelFormat
 
 EDITOR_STOP = "\n\n"
-"""Where an editor's suggestion ends when the client names no stop: at the first blank line (a
-completion in an editor is the rest of a line or a short block); with the language's own stops in
-learner.languages.editor_stops, which serving adds to editor-shaped requests and the held-out
-replay cuts its greedy middles at, so both see the same text."""
+"""Where an editor's suggestion that starts a line ends when the client names no stop: at the
+first blank line (a completion in an editor is the rest of a line or a short block); with the
+language's own stops in learner.languages.editor_stops, which serving adds to editor-shaped
+requests and the held-out replay cuts its greedy middles at, so both see the same text. A cursor
+after code on its line ends at the newline instead (learner.languages.LINE_STOP)."""
 
 CONTEXT_BUDGET = 1536
 """Prompt tokens a completion may use (the default of serve.context_budget); longer prefixes

@@ -146,7 +146,7 @@ def run_bench(
                             stop_ids=model_format.eos_ids,
                             temperature=temperature,
                             generator=gen,
-                            stop=editor_stops(train[i].language),
+                            stop=editor_stops(train[i].language, train[i].prefix),
                         )
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
                         batch.append(

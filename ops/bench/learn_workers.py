@@ -131,7 +131,7 @@ def _samples(s: LearnSettings, console: Console, *, n: int, temperature: float) 
                 stop_ids=model_format.eos_ids,
                 temperature=temperature,
                 generator=gen,
-                stop=editor_stops(site.language),
+                stop=editor_stops(site.language, site.prefix),
             )
             r, parts = reward(E.editor_feedback(c.text, judge(c.text, site.truth)))
             samples.append(Sample(i, f"b{i}", 0, 0, prompt, c.ids, c.logprobs, r, parts["outcome"]))

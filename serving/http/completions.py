@@ -238,20 +238,20 @@ def _tabby_request(st: ApiState, body: TabbyCompletionRequest, completion_id: st
             "at the cursor (mode: standard)",
         )
     seg, lang = body.segments, language(body.language)
+    prefix, suffix = lf(seg.prefix), lf(seg.suffix or "")
     temperature = body.temperature if body.temperature is not None else 0.2
     spec = SamplingSpec(
         n=1,
         max_tokens=st.cfg.default_max_tokens,
         temperature=temperature,
         seed=body.seed,
-        stop=editor_stops(body.language),
+        stop=editor_stops(body.language, prefix),
     )
     context = tuple((d.filepath, lf(d.body)) for d in seg.declarations or ())
     for snippets in (seg.relevant_snippets_from_changed_files, seg.relevant_snippets_from_recently_opened_files):
         # Tabby's agent ranks them; a score, where it sends one, ranks them here too.
         ranked = sorted(snippets or (), key=lambda s: -(s.score or 0.0))
         context += tuple((s.filepath, lf(s.body)) for s in ranked)
-    prefix, suffix = lf(seg.prefix), lf(seg.suffix or "")
     check_prompt_size(st, prefix, suffix, context)
     return GenerateRequest(
         completion_id,

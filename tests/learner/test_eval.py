@@ -22,9 +22,8 @@ from learner.decode import decode
 from learner.fim import fim_prompt_ids
 from learner.formats import own_format
 from learner.judge import Site, judge
-from learner.languages import editor_stops
+from learner.languages import LINE_STOP, editor_stops
 from learner.model import ModelArgs, Transformer
-from learner.prompts import EDITOR_STOP
 from learner.tokenizer import EOS, train_tokenizer
 from learner.train import gate as G
 from learner.train.pretrain import fp4_hook
@@ -145,7 +144,7 @@ def test_replay_suggestions_are_the_decoders_greedy_middles(tok, fmt, sites):
     st = E.heldout_replay(model, tok, fmt, sites[:4], max_tokens=MAX_TOKENS)
     builder = E.prompt_builder(tok, fmt, WINDOW)
     for site, r in zip(sites, st.results):
-        stops = editor_stops(site.language)
+        stops = editor_stops(site.language, site.prefix)
         c = decode(model, tok, E.site_prompt(builder, site)[0], MAX_TOKENS, stop_ids=fmt.eos_ids, stop=stops)
         assert (r.text, r.tokens, r.finish) == (c.text, len(c.content_ids), c.finish)
         assert not any(s in r.text for s in stops)
@@ -255,7 +254,8 @@ def test_replay_prompts_equal_servings_for_editor_requests(tok, fmt, sites):
             language=site.language, segments={"prefix": site.prefix, "suffix": site.suffix, "filepath": site.path}
         )
         req = _tabby_request(SimpleNamespace(cfg=cfg), body, "c-1")
-        assert req.spec.stop == editor_stops(site.language) and EDITOR_STOP in req.spec.stop
+        # Each site's cursor follows code on its line: the suggestion is the rest of the line.
+        assert req.spec.stop == editor_stops(site.language, site.prefix) == (LINE_STOP,)
         asyncio.run(service.complete(req))
         ids, truncated = E.site_prompt(builder, site)
         assert engine.prompts[-1] == ids, site.path

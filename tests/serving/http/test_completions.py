@@ -131,6 +131,17 @@ def test_tabby_crlf_file_gets_a_crlf_suggestion(tok):
     assert "\r" not in tok.decode(engine.calls[0][0]) and r.json()["choices"][0]["text"] == "a = 1\r\nb = 2"
 
 
+def test_tabby_cursor_after_code_gets_the_rest_of_the_line(tok):
+    # After code on the cursor's line the suggestion ends at the newline (CRLF files too); at the
+    # start of a line (TABBY_BODY: only indentation before the cursor) it may be a block.
+    client, _, engine = make_client(tok)
+    for prefix in ("def total(items):\n    return sum(", "def total(items):\r\n    return sum("):
+        body = {"language": "python", "segments": {"prefix": prefix, "suffix": ")\n"}}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert engine.calls[-1][1].stop == ("\n",)
+
+
 def test_tabby_next_edit_suggestion_is_refused_clearly(tok):
     client, sink, engine = make_client(tok)
     r = client.post("/v1/completions", json={**TABBY_BODY, "mode": "next_edit_suggestion"})
