@@ -2,9 +2,9 @@
 
 An editor's suggestion is the rest of a line or a short block (`editor_stops`):
 - With code before the cursor on its line, it is the rest of that line: it ends at the newline,
-  as editors' single-line completions do (the model does not learn in pretraining to stop where
-  the suffix goes on; without this it wrote to the token cap, past the line, on 437 of 500
-  held-out sites).
+  as editors' single-line completions do (the base does not learn in pretraining to stop where
+  the suffix goes on; without this it writes past the line to the token cap, see the README's
+  "The line stop").
 - At the start of a line (nothing but indentation before the cursor) it may be a block. Besides
   the blank line (learner.prompts.EDITOR_STOP), it ends where the model starts the next
   top-level definition: a newline followed by one of the language's top-level keywords
