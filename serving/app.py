@@ -277,7 +277,10 @@ class RayReplica:
         return await self.handle.version.remote()
 
 
-@serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
+# The ingress awaits replicas and the producer: what bounds a request is the pool's queue
+# (serve.max_queued_requests), not a cap here, so it takes what the proxy sends it (Ray Serve
+# LLM's ingress does the same).
+@serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress()  # the app is built in the replica, after __init__: __serve_build_asgi_app__
 class Ingress:
     def __init__(
@@ -349,6 +352,16 @@ def replica_options(eng: EngineSettings, max_per_node: int | None = None) -> dic
     }
 
 
+def queue_options(cfg: ServeSettings) -> dict:
+    """How many requests Ray Serve lets one model replica hold, and how many wait for one: the
+    engine batches what it holds, and a completion beyond the queue gets 503 at once (serving/http/
+    completions.py: replica_error) instead of waiting behind the others."""
+    return {
+        "max_ongoing_requests": cfg.max_ongoing_requests or cfg.engine.max_num_seqs,
+        "max_queued_requests": cfg.max_queued_requests,
+    }
+
+
 def build(settings: ServingSettings, model_dir: Path, version: int, routers: Sequence[RouterFactory] = ()):
     """The bound application, ready for `serve.run`: both pools start on `version` of `model_dir`;
     the ingress serves serving's routes and those of `routers`."""
@@ -357,6 +370,7 @@ def build(settings: ServingSettings, model_dir: Path, version: int, routers: Seq
         pool: ModelReplica.options(
             name=deployment_name(pool),
             num_replicas=n,
+            **queue_options(cfg),
             **replica_options(cfg.engine, cfg.max_replicas_per_node),
         ).bind(str(model_dir), settings, version, pool)
         for pool, n in pool_sizes(settings.serve).items()

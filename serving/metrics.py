@@ -32,6 +32,12 @@ LATENCY = Histogram(
     ["route"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+STAGE_LATENCY = Histogram(
+    "flywheel_http_stage_seconds",
+    "Where a request's time went, by stage (serving/http/timing.py; its Server-Timing header)",
+    ["route", "stage"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+)
 COMPLETIONS = Counter("flywheel_completions_total", "Completions served", ["version", "shape"])
 TOKENS = Counter("flywheel_tokens_total", "Tokens processed", ["kind"])  # prompt | completion
 EMPTY = Counter("flywheel_empty_completions_total", "Completions with no suggestion (abstained)", ["version"])
@@ -53,7 +59,7 @@ EVENTS = Counter("flywheel_events_total", "Feedback events accepted", ["type"])
 # COMPLETIONS and EMPTY above. `pool` is stable or canary; `reason` one of ERROR_REASONS. At
 # most KEEP_VERSIONS x 2 pools x buckets series per histogram.
 KEEP_VERSIONS = 8
-ERROR_REASONS = ("replica_failed", "stream_failed")
+ERROR_REASONS = ("replica_failed", "busy", "stream_failed")
 _SECONDS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)
 COMPLETION_LATENCY = Histogram(
     "flywheel_completion_seconds",

@@ -53,7 +53,8 @@ class GenerateResult:
     truncated_tokens: int = 0
     summary_fallback: bool = False
     context_files: int = 0
-    latency_ms: float = 0.0
+    latency_ms: float = 0.0  # in the replica: from the request's arrival to this result
+    prompt_ms: float = 0.0  # the part of latency_ms spent building the prompt
     first_token_ms: float | None = None  # prompt building + the engine's time to first token, when it reports it
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache held (a warm-up or an earlier request ran them)
     done: bool = True
@@ -153,6 +154,7 @@ class CompletionService:
             summary_fallback=prompt.fallback,
             context_files=prompt.context_files,
             latency_ms=(time.perf_counter() - t0) * 1000,
+            prompt_ms=built_ms,
             first_token_ms=built_ms + first * 1000 if first is not None else None,
             cached_tokens=(samples[0].cached_tokens or 0) if samples else 0,
             done=done,

@@ -139,6 +139,14 @@ class ServeSettings(Section):
     canary_replicas: int = Field(default=1, ge=0)
     """Model replicas of the canary pool, which serves the users a rollout assigns to it. 0: no canary
     pool (then `flywheel swap` moves everyone at once, and rollouts have nowhere to send users)."""
+    max_ongoing_requests: int | None = Field(default=None, ge=1)
+    """Requests Ray Serve lets one model replica hold at once (its `max_ongoing_requests`); the
+    engine batches them. None: `engine.max_num_seqs`, what one engine step can batch (Ray Serve's
+    own default, 5, would queue the rest in front of an engine with room for more)."""
+    max_queued_requests: int = Field(default=64, ge=-1)
+    """Requests the ingress lets wait for a model replica with room, per pool; beyond it a
+    completion gets 503 with Retry-After at once instead of queueing (Ray Serve's
+    `max_queued_requests`). -1: no limit."""
     pool_poll_s: float = Field(default=1.0, gt=0)
     """How often replicas and the ingress read the target versions (table `serving_pools`): a
     replica swaps in place to its pool's new target within about this long."""

@@ -14,11 +14,12 @@ import asyncio
 import statistics
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from feedback.core.stats import percentile
 from serving.engine import SamplingSpec
+from serving.http.timing import STAGES, parse_header
 
 # (prefix, suffix): fill-in-the-middle, what editors send.
 PROMPTS = [
@@ -41,6 +42,8 @@ class Side:
     p50_ms: float
     p99_ms: float
     errors: int
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Where a request's time went: {stage: {"mean_ms", "p50_ms"}} (see `breakdown`)."""
 
     @property
     def rps(self) -> float:
@@ -49,6 +52,27 @@ class Side:
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds
+
+
+def breakdown(timings: list[dict[str, float]], client_ms: list[float]) -> dict[str, dict[str, float]]:
+    """Mean and median ms per stage over the requests that reported them (`Server-Timing`, or the
+    bare side's own), and `client` (what the benchmark's client measured). On Flywheel's side
+    `proxy` is what the client measured beyond the ingress's `total`: Ray Serve's HTTP proxy and
+    the connection. Means add up (`total` is the sum of the stages but `ttft`, which lies in
+    `engine`); medians do not."""
+    out = {}
+    per_stage: dict[str, list[float]] = {}
+    for t, c in zip(timings, client_ms):
+        for k, v in t.items():
+            per_stage.setdefault(k, []).append(v)
+        if "total" in t:
+            per_stage.setdefault("proxy", []).append(max(0.0, c - t["total"]))
+    per_stage["client"] = list(client_ms)
+    order = [*STAGES, "total", "proxy", "client"]
+    for k in sorted(per_stage, key=lambda k: order.index(k) if k in order else len(order)):
+        v = per_stage[k]
+        out[k] = {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v), "n": len(v)}
+    return out
 
 
 async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int, int]:
@@ -83,19 +107,36 @@ async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tok
         max_tokens=max_tokens, temperature=0.0, stream=False
     )  # as the replica asks for non-streaming requests
 
+    timings: list[dict[str, float]] = []
+
     async def one(prefix: str, suffix: str) -> int:
+        t0 = time.perf_counter()
+        ids = fim_prompt_ids(fmt, tok, prefix, suffix)
+        t1 = time.perf_counter()
         final = []
-        async for final in engine.generate(fim_prompt_ids(fmt, tok, prefix, suffix), spec, uuid.uuid4().hex):
+        async for final in engine.generate(ids, spec, uuid.uuid4().hex):
             pass
+        t = {"prompt": (t1 - t0) * 1000, "engine": (time.perf_counter() - t1) * 1000}
+        if final and final[0].first_token_s is not None:
+            t["ttft"] = final[0].first_token_s * 1000
+        timings.append(t)
         return len(final[0].token_ids)
 
     try:
         await _drive(concurrency, concurrency, one)  # warm-up
+        timings.clear()
         secs, lat, tokens, errors = await _drive(n, concurrency, one)
     finally:
         engine.shutdown()
     return Side(
-        "bare vLLM AsyncLLM (in-process)", n, secs, tokens, statistics.median(lat), percentile(lat, 0.99), errors
+        "bare vLLM AsyncLLM (in-process)",
+        n,
+        secs,
+        tokens,
+        statistics.median(lat),
+        percentile(lat, 0.99),
+        errors,
+        breakdown(timings, lat) if len(timings) == len(lat) else {},
     )
 
 
@@ -103,15 +144,18 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
     import httpx
 
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
+        timings: list[dict[str, float]] = []
 
         async def one(prefix: str, suffix: str) -> int:
             r = await client.post(
                 "/v1/completions", json={"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0}
             )
             r.raise_for_status()
+            timings.append(parse_header(r.headers.get("server-timing", "")))
             return r.json()["usage"]["completion_tokens"]
 
         await _drive(concurrency, concurrency, one)
+        timings.clear()
         secs, lat, tokens, errors = await _drive(n, concurrency, one)
     return Side(
         "Flywheel: HTTP -> Ray Serve -> vLLM (+ Kafka record)",
@@ -121,6 +165,7 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
         statistics.median(lat),
         percentile(lat, 0.99),
         errors,
+        breakdown(timings, lat) if len(timings) == len(lat) else {},
     )
 
 

@@ -297,9 +297,35 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         )
     console.print(t)
     console.print(f"throughput ratio Flywheel / bare vLLM: {r['throughput_ratio']:.2f}")
+    console.print(stage_table(r["bare"]["stages"], r["flywheel"]["stages"]))
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=2))
     return 0
+
+
+def stage_table(bare: dict, fly: dict):
+    """Where a request's time goes, per stage, on both sides (ops/bench/serving.py: breakdown)."""
+    from rich.table import Table
+
+    t = Table(
+        "stage",
+        "bare mean ms",
+        "Flywheel mean ms",
+        "Flywheel p50 ms",
+        "share of Flywheel's client time",
+        title="where a request's time goes (serving/http/timing.py; means add up, ttft lies within engine)",
+    )
+    client = fly.get("client", {}).get("mean_ms") or 0.0
+    for stage in dict.fromkeys([*fly, *bare]):
+        b, f = bare.get(stage), fly.get(stage)
+        t.add_row(
+            stage,
+            f"{b['mean_ms']:.1f}" if b else "",
+            f"{f['mean_ms']:.1f}" if f else "",
+            f"{f['p50_ms']:.1f}" if f else "",
+            f"{f['mean_ms'] / client:.0%}" if f and client and stage not in ("client", "ttft") else "",
+        )
+    return t
 
 
 def cmd_bench_implicit(args: argparse.Namespace) -> int:

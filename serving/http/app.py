@@ -5,7 +5,8 @@ health/models/metrics) are always there; other route groups (the ops dashboard a
 routes) are added by whoever builds the app: `flywheel serve` through serving/app.py's
 ingress, the demo, benchmarks and tests. Every
 error answers `{"error": {"message", "type"}}` (OpenAI's shape), and every request is
-counted and timed by route in Prometheus. A body larger than serve.limits.max_body_bytes
+counted and timed by route in Prometheus, and says where its time went in a `Server-Timing`
+header (serving/http/timing.py). A body larger than serve.limits.max_body_bytes
 gets 413 on every route, before it is parsed (feedback/core/web.py).
 
 The app's `state` is an `AppState`: routes read its `api` (an ApiState), the token checks
@@ -16,7 +17,6 @@ dashboard its `dashboard` settings.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 
 from fastapi import APIRouter, FastAPI, Request
@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from feedback.core.web import BodyLimit, http_limits
-from serving import metrics
 from serving.http import completions, events, info, llamacpp, ollama
 from serving.http.deps import AppState
+from serving.http.timing import RequestTiming
 
 
 def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
@@ -38,18 +38,9 @@ def build_app(routers: Iterable[APIRouter] = ()) -> FastAPI:
         description="Code completion that learns from its users. OpenAI-, Tabby-, llama.cpp- and Ollama-compatible.",
     )
     app.state = AppState()
-    # Inside the request metrics below, so a refused body is counted too.
+    # Inside the request timing below, so a refused body is counted too.
     app.add_middleware(BodyLimit, limit=lambda scope: http_limits(app.state).max_body_bytes)
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.REQUESTS.labels(path, str(response.status_code)).inc()
-        metrics.LATENCY.labels(path).observe(time.perf_counter() - t0)
-        return response
+    app.add_middleware(RequestTiming)  # added last: the outermost, so its clock starts first
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):

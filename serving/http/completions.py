@@ -28,6 +28,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Discriminator, Tag
+from ray.serve.exceptions import BackPressureError
 
 from feedback import bus
 from feedback.schemas import CompletionChoice, CompletionRecord, cursor_context
@@ -36,6 +37,7 @@ from learner.languages import editor_stops, language
 from serving import metrics
 from serving.engine import SamplingSpec
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
+from serving.http.timing import Stages, stages
 from serving.replica import GenerateRequest, GenerateResult
 from serving.schemas import (
     Choice,
@@ -93,11 +95,23 @@ async def completions(body: CompletionBody, st: StateDep, token: CompletionsToke
         is_pinned(getattr(body, "model", None)),
         cursor_context(gen.prefix, gen.suffix),
     )
+    timing = stages(request)
+    if timing is not None:
+        timing.add("parse", (started - timing.arrived) * 1000)
+        timing.add("route", (time.perf_counter() - started) * 1000)
     if isinstance(body, OpenAICompletionRequest) and body.stream:
         return StreamingResponse(_sse(st, replica, gen, meta, created), media_type="text/event-stream")
+    called = time.perf_counter()
     r = await complete(st, meta, replica, gen)
+    answered = time.perf_counter()
     record(st, r, meta)
-    return _response(st, r, body, created, crlf=crlf)
+    if timing is not None:
+        mark_replica_stages(timing, r, (answered - called) * 1000)
+        timing.add("record", (time.perf_counter() - answered) * 1000)
+    response = _response(st, r, body, created, crlf=crlf)
+    if timing is not None:
+        timing.returned = time.perf_counter()
+    return response
 
 
 # --- what every completion route shares ----------------------------------------------------------
@@ -165,12 +179,21 @@ def max_tokens_for(st: ApiState, n: int | None) -> int:
     return st.cfg.max_tokens_limit if n < 0 else min(n, st.cfg.max_tokens_limit)
 
 
+def mark_replica_stages(timing: Stages, r: GenerateResult, call_ms: float) -> None:
+    """The replica call's share of a request's stages (serving/http/timing.py): the replica's own
+    prompt building and engine time, and the rest of the call as the hop to it and back."""
+    timing.add("hop", call_ms - r.latency_ms)
+    timing.add("prompt", r.prompt_ms)
+    timing.add("engine", r.latency_ms - r.prompt_ms)
+    if r.first_token_ms is not None:
+        timing.add("ttft", r.first_token_ms - r.prompt_ms)
+
+
 async def complete(st: ApiState, meta: RecordMeta, replica: ReplicaClient, gen: GenerateRequest) -> GenerateResult:
     try:
         return await replica.complete(gen)
     except Exception as e:  # the engine or its replica is down: the client may retry
-        count_error(st, meta.pool, "replica_failed")
-        raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
+        raise replica_error(st, meta.pool, e) from e
 
 
 WARM_UP = SamplingSpec(max_tokens=1, temperature=0.0, stream=False)
@@ -191,6 +214,24 @@ async def warm_up(replica: ReplicaClient, gen: GenerateRequest) -> GenerateResul
         return await replica.complete(dataclasses.replace(gen, spec=WARM_UP))
     except Exception as e:  # the engine or its replica is down: the client may retry
         raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
+
+
+BUSY_RETRY_S = 1
+"""Retry-After when the pool's queue is full: a CPU replica finishes a completion in about that long."""
+
+
+def replica_error(st: ApiState, pool: str, e: Exception) -> HTTPException:
+    """503 for a failed replica call, counted: "busy" with Retry-After when the pool's queue is
+    full (serve.max_queued_requests; Ray Serve's BackPressureError), else "unavailable"."""
+    if isinstance(e, BackPressureError):
+        count_error(st, pool, "busy")
+        return HTTPException(
+            503,
+            f"the {pool} replicas are at capacity (serve.max_queued_requests waiting); retry shortly",
+            headers={"Retry-After": str(BUSY_RETRY_S)},
+        )
+    count_error(st, pool, "replica_failed")
+    return HTTPException(503, f"model replica unavailable: {type(e).__name__}")
 
 
 def count_error(st: ApiState, pool: str, reason: str) -> None:

@@ -42,6 +42,7 @@ from serving.http.completions import (
     new_warm_up_id,
     pick,
     record,
+    replica_error,
     warm_up,
 )
 from serving.http.deps import ApiState, CompletionsToken, ReplicaClient, StateDep
@@ -89,8 +90,7 @@ async def infill(body: InfillRequest, st: StateDep, token: CompletionsToken):
             async for r in _generation(replica, gen, body.t_max_predict_ms):
                 pass
         except Exception as e:  # the engine or its replica is down: the client may retry
-            count_error(st, pool, "replica_failed")
-            raise HTTPException(503, f"model replica unavailable: {type(e).__name__}") from e
+            raise replica_error(st, pool, e) from e
         if r is None:  # a stream that ended without a result: the replica went away
             count_error(st, pool, "replica_failed")
             raise HTTPException(503, "model replica unavailable: it answered nothing")

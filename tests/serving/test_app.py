@@ -45,3 +45,14 @@ def test_a_pool_spreads_over_nodes_with_max_replicas_per_node():
         "max_replicas_per_node": 1,
     }
     assert "max_replicas_per_node" not in replica_options(EngineSettings())  # unset: Ray Serve packs
+
+
+def test_a_replica_holds_what_its_engine_batches_and_the_queue_is_bounded():
+    from serving.app import queue_options
+    from serving.settings import ServeSettings
+
+    # Ray Serve's own default (5 ongoing) would queue requests in front of an engine with room.
+    assert queue_options(ServeSettings()) == {"max_ongoing_requests": 64, "max_queued_requests": 64}
+    cfg = ServeSettings(engine=EngineSettings(max_num_seqs=16), max_queued_requests=-1)
+    assert queue_options(cfg) == {"max_ongoing_requests": 16, "max_queued_requests": -1}
+    assert queue_options(ServeSettings(max_ongoing_requests=8))["max_ongoing_requests"] == 8
