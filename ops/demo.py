@@ -209,6 +209,7 @@ def run(
         "shown": stats.shown,
         "accepted": stats.accepted,
         "latency": stats.latency_summary(),
+        "stages": stats.stage_summary(),
     }
     summary["precision"] = {"serving": serving_dtype.dtype, "pretraining": trained_in}
     summary["events"] = events
@@ -239,6 +240,8 @@ def print_machine_report(console: Console, stats, serving_dtype, trained_in: str
     for v, row in lat.items():
         t.add_row(v, str(int(row["n"])), f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}")
     console.print(t)
+    if stages := stats.stage_summary():
+        console.print(stage_table(stages))
     console.print(
         f"simulated editors: {stats.requests} requests over HTTP, {stats.failed_completions} failed"
         + (f" ({stats.skipped} planned ones not started: time was up)" if stats.skipped else "")
@@ -258,6 +261,22 @@ def print_machine_report(console: Console, stats, serving_dtype, trained_in: str
             f"[yellow]this machine is struggling[/]: {'; '.join(struggling)}. Fewer simulated users (simulate.users, "
             "simulate.rate) or a longer simulate.timeout_s would ease it."
         )
+
+
+def stage_table(stages: dict) -> Table:
+    """Mean ms per stage (serving/http/timing.py) over every answered completion and over the
+    slowest 5%: whether the tail waited in the engine, in Ray Serve or in the HTTP front."""
+    everyone, slowest = stages["all"], stages["slowest"]
+    t = Table(
+        "stage",
+        f"all {everyone['client']['n']} (mean ms)",
+        f"slowest {slowest['client']['n']} (mean ms)",
+        title="where completion time went (Server-Timing; ttft lies within engine)",
+    )
+    for stage, row in everyone.items():
+        tail = slowest.get(stage)
+        t.add_row(stage, f"{row['mean_ms']:.0f}", f"{tail['mean_ms']:.0f}" if tail else "")
+    return t
 
 
 def _at_most_every_second(until: Callable[[], bool] | None) -> Callable[[], bool] | None:

@@ -40,6 +40,7 @@ from feedback.core.config import FlywheelSettings, Section
 from feedback.core.stats import percentile
 from feedback.reward import Event
 from learner.judge import Site, editor_events, judge
+from serving.http.timing import breakdown, parse_header
 
 
 class SimulateSection(Section):
@@ -105,6 +106,8 @@ class SimStats:
     failures: Counter = field(default_factory=Counter)  # "completion: timeout", "event: HTTP 503", ... -> count
     by_version: dict[str, dict[str, int]] = field(default_factory=dict)
     latency_ms: dict[str, list[float]] = field(default_factory=dict)  # answered completions, per served version
+    stages: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    """Answered completions as (latency ms, the API's Server-Timing stages: serving/http/timing.py)."""
     calls: list[Call] = field(default_factory=list)  # every call, in the order they ended
 
     @property
@@ -128,6 +131,18 @@ class SimStats:
     def failure_line(self) -> str:
         """ "3 completion: timeout, 1 event: HTTP 503", most frequent first; "none" when nothing failed."""
         return ", ".join(f"{n} {k}" for k, n in self.failures.most_common()) or "none"
+
+    def stage_summary(self, slowest: float = 0.05) -> dict[str, dict[str, dict[str, float]]]:
+        """Where the answered completions' time went, by stage: over all of them, and over the
+        slowest `slowest` share (at least one), the requests behind the p99."""
+        timed = [(ms, t) for ms, t in self.stages if t]
+        if not timed:
+            return {}
+        tail = sorted(timed, key=lambda x: x[0])[-max(1, round(len(timed) * slowest)) :]
+        return {
+            "all": breakdown([t for _, t in timed], [ms for ms, _ in timed]),
+            "slowest": breakdown([t for _, t in tail], [ms for ms, _ in tail]),
+        }
 
     def latency_summary(self) -> dict[str, dict[str, float]]:
         """Per version: answered requests, p50 and p99 completion latency in ms (nearest rank)."""
@@ -263,6 +278,7 @@ async def run_sessions(
             version = body.get("system_fingerprint") or "?"
             elapsed_ms = (time.perf_counter() - t0) * 1000
             stats.latency_ms.setdefault(version, []).append(elapsed_ms)
+            stats.stages.append((elapsed_ms, parse_header(r.headers.get("server-timing", ""))))
             per = stats.by_version.setdefault(version, {"requests": 0, "shown": 0, "accepted": 0, "accepted_chars": 0})
             per["requests"] += 1
             verdict = judge(text, site.truth)

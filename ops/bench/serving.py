@@ -19,7 +19,7 @@ from pathlib import Path
 
 from feedback.core.stats import percentile
 from serving.engine import SamplingSpec
-from serving.http.timing import STAGES, parse_header
+from serving.http.timing import breakdown, parse_header
 
 # (prefix, suffix): fill-in-the-middle, what editors send.
 PROMPTS = [
@@ -52,27 +52,6 @@ class Side:
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.seconds
-
-
-def breakdown(timings: list[dict[str, float]], client_ms: list[float]) -> dict[str, dict[str, float]]:
-    """Mean and median ms per stage over the requests that reported them (`Server-Timing`, or the
-    bare side's own), and `client` (what the benchmark's client measured). On Flywheel's side
-    `proxy` is what the client measured beyond the ingress's `total`: Ray Serve's HTTP proxy and
-    the connection. Means add up (`total` is the sum of the stages but `ttft`, which lies in
-    `engine`); medians do not."""
-    out = {}
-    per_stage: dict[str, list[float]] = {}
-    for t, c in zip(timings, client_ms):
-        for k, v in t.items():
-            per_stage.setdefault(k, []).append(v)
-        if "total" in t:
-            per_stage.setdefault("proxy", []).append(max(0.0, c - t["total"]))
-    per_stage["client"] = list(client_ms)
-    order = [*STAGES, "total", "proxy", "client"]
-    for k in sorted(per_stage, key=lambda k: order.index(k) if k in order else len(order)):
-        v = per_stage[k]
-        out[k] = {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v), "n": len(v)}
-    return out
 
 
 async def _drive(n: int, concurrency: int, one) -> tuple[float, list[float], int, int]:

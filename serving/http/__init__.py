@@ -7,4 +7,5 @@ events.py       POST /v1/events
 info.py         GET /v1/health, /v1/models, /metrics
 app.py          build_app(routers): serving's routes, error bodies, request metrics, and
                 the route groups the caller passes in (`flywheel serve` adds the ops routes)
+timing.py       where a request's time goes: Server-Timing stages, request metrics
 """

@@ -27,6 +27,7 @@ the ingress) and the connection itself.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -73,6 +74,27 @@ def parse_header(value: str) -> dict[str, float]:
                 except ValueError:
                     pass
     return out
+
+
+def breakdown(timings: list[dict[str, float]], client_ms: list[float]) -> dict[str, dict[str, float]]:
+    """Mean and median ms per stage over requests (their `Server-Timing` stages, or a caller's own,
+    paired with `client_ms`, what the client measured), and `client`. Where a request reported its
+    `total`, `proxy` is what the client measured beyond it: Ray Serve's HTTP proxy and the
+    connection. Means add up (`total` is the sum of the stages but `ttft`, which lies in `engine`);
+    medians do not."""
+    per_stage: dict[str, list[float]] = {}
+    for t, c in zip(timings, client_ms, strict=True):
+        for k, v in t.items():
+            per_stage.setdefault(k, []).append(v)
+        if "total" in t:
+            per_stage.setdefault("proxy", []).append(max(0.0, c - t["total"]))
+    if client_ms:
+        per_stage["client"] = list(client_ms)
+    order = [*STAGES, "total", "proxy", "client"]
+    return {
+        k: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v), "n": len(v)}
+        for k, v in sorted(per_stage.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+    }
 
 
 class RequestTiming:

@@ -81,3 +81,18 @@ def test_the_published_table_shows_each_versions_mismatch_with_and_without_servi
     assert (first["mismatch_kl_replay"], first["recorded_routing"]) == (1e-4, 0.9)
     assert summary["published"][1]["mismatch_kl_replay"] is None  # a version without updates says nothing
     engine.dispose()
+
+
+def test_the_machine_report_shows_where_the_slowest_completions_spent_their_time():
+    from ops.simulate import SimStats
+
+    stats = SimStats(requests=20, latency_ms={"v0": [100.0] * 19 + [900.0]})
+    fast = {"parse": 1.0, "hop": 2.0, "engine": 80.0, "total": 90.0}
+    slow = {"parse": 1.0, "hop": 700.0, "engine": 100.0, "total": 810.0}
+    stats.stages = [(100.0, fast)] * 19 + [(900.0, slow)]
+    out = io.StringIO()
+    demo.print_machine_report(Console(file=out, width=200), stats, "bfloat16", "bfloat16", timeout_s=30)
+    text = out.getvalue()
+    assert "where completion time went" in text
+    hop = next(line for line in text.splitlines() if line.strip("│┃ ").startswith("hop"))
+    assert "700" in hop  # the slowest one waited in Ray Serve, not in the engine

@@ -92,6 +92,10 @@ def test_editors_survive_a_replica_slower_than_their_timeout(tmp_path):
     assert stats.accepted == 3 and stats.events == 3 * 3  # view, select, edit for each answered one
     assert "3 completion: timeout" in stats.failure_line() and max(seen) == 6  # the progress line saw them as they came
     assert stats.latency_summary()["v0"]["n"] == 3
+    # Where the answered ones' time went, as the API's Server-Timing said (the demo prints it).
+    stages = stats.stage_summary()
+    assert stages["all"]["engine"]["n"] == 3 and stages["slowest"]["client"]["n"] == 1
+    assert stages["slowest"]["client"]["mean_ms"] == max(stats.latency_ms["v0"])
 
 
 def test_editors_record_every_call_and_retry_an_event_under_its_own_id(tmp_path):

@@ -1,8 +1,8 @@
-"""`flywheel bench serve`'s per-stage breakdown (ops/bench/serving.py: breakdown)."""
+"""How per-request stage times add up (serving/http/timing.py: breakdown), for `flywheel bench serve` and the demo."""
 
 import pytest
 
-from ops.bench.serving import breakdown
+from serving.http.timing import breakdown
 
 
 def test_stages_are_averaged_and_the_proxy_is_what_the_client_saw_beyond_the_ingress():
