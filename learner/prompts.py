@@ -19,7 +19,9 @@ newest few summaries fit, so chunks are summarized newest first until the room i
 `max_summaries` were written for this request; older chunks are left out and counted.
 Summaries are cached by chunk hash, for the version that wrote them and a few after it
 (`SummaryCache`). If summarizing fails, the prefix is
-truncated to the budget instead, and the fallback is counted.
+truncated to the budget instead, and the fallback is counted. Serving writes missing summaries
+off the request's path (`build(defer=...)`): a request whose summaries are not all cached is
+truncated, and the file's next request finds them.
 
 Everything here is pure except `build()`, which awaits the summarizer it is given.
 """
@@ -59,6 +61,15 @@ budget (the default of serve.repo_context_tokens)."""
 log = logging.getLogger(__name__)
 
 Summarizer = Callable[[str], Awaitable[list[int]]]  # chunk text -> summary token ids
+Deferrer = Callable[[str, str], None]
+"""(chunk hash, chunk text) -> None: a summary to write later, off the request's path."""
+
+
+class _Deferred(Exception):
+    """Summaries this prompt needs are not cached and were handed to the deferrer."""
+
+    def __init__(self, n: int):
+        self.n = n
 
 
 @dataclass
@@ -73,6 +84,9 @@ class Prompt:
     truncated_tokens: int = 0
     fallback: bool = False
     """Summarization failed and the prefix was truncated instead."""
+    summaries_deferred: int = 0
+    """Summaries this prompt needed that were not cached: handed to be written later, and the
+    prefix truncated for this request (`build(defer=...)`)."""
     context_files: int = 0
     """Other files of the repository the prompt carries (whole or cut)."""
 
@@ -161,12 +175,15 @@ class PromptBuilder:
         repo: str | None = None,
         context: Sequence[tuple[str, str]] = (),
         comment: str = "#",
+        defer: Deferrer | None = None,
     ) -> Prompt:
         """A FIM prompt within `budget` tokens (plain left-to-right when `suffix` is None or the
         model has no FIM tokens). `path`, `repo`: the file's, for the template's header.
         `context`: other files as (path, text), the most relevant first, for the room
         `_context` gives them; `comment`: the language's line comment, for templates that
-        mark a file by a commented header."""
+        mark a file by a commented header. `defer`: when given, summaries that are not cached
+        are not written while the request waits: they go to `defer`, and this prompt is
+        truncated (the file's next request finds them cached)."""
         fim = suffix is not None and self.fmt.fim is not None
         suffix_ids = (
             self.encode(suffix)[: self.budget // 4] if fim and suffix else []
@@ -191,10 +208,13 @@ class PromptBuilder:
             summarize = None
         room = self.budget - (len(assemble([])) if fim else len(self.fmt.bos_ids))
 
+        deferred = 0
         if summarize is not None:
             try:
-                body, stats = await self._summarized(prefix, room, summarize)
+                body, stats = await self._summarized(prefix, room, summarize, defer)
                 return Prompt(assemble(body), context_files=context_files, **stats)
+            except _Deferred as d:
+                deferred = d.n
             except Exception as e:  # any summarizer failure degrades to truncation, never fails the request
                 log.warning("self-summarization failed (%s: %s); truncating the prefix instead", type(e).__name__, e)
         kept = prefix_ids[-room:]
@@ -202,8 +222,20 @@ class PromptBuilder:
             assemble(kept),
             context_files=context_files,
             truncated_tokens=len(prefix_ids) - len(kept),
-            fallback=summarize is not None,
+            fallback=summarize is not None and not deferred,
+            summaries_deferred=deferred,
         )
+
+    def _defer_missing(self, spans: list[tuple[int, int]], lines: list[str], defer: Deferrer) -> int:
+        """Hand the chunks of `spans` (newest first) that have no cached summary to `defer`; how many."""
+        n = 0
+        for a, b in spans:
+            text = "".join(lines[a:b])
+            key = chunk_hash(text)
+            if self.cache.get(key, self.version) is None:
+                defer(key, text)
+                n += 1
+        return n
 
     def _context(self, files: Sequence[tuple[str, str]], file_tokens: int, comment: str) -> tuple[list[int], int]:
         """Other files laid out for the prompt, and how many made it. They get what the current
@@ -243,7 +275,9 @@ class PromptBuilder:
             n -= 1
         return None
 
-    async def _summarized(self, prefix: str, room: int, summarize: Summarizer) -> tuple[list[int], dict]:
+    async def _summarized(
+        self, prefix: str, room: int, summarize: Summarizer, defer: Deferrer | None = None
+    ) -> tuple[list[int], dict]:
         lines = prefix.splitlines(keepends=True)
         counts = [len(ids) for ids in (e.ids for e in self.tok.encode_batch(lines, add_special_tokens=False))]
         # The recent tail gets ~60% of the room, verbatim; summaries of older chunks share the rest.
@@ -257,13 +291,21 @@ class PromptBuilder:
         # Newest chunk first, while its summary fits: only the newest few can, so the older ones
         # cost no generation (a prefix of 200,000 characters has hundreds of chunks).
         left, kept = room - len(recent), []
-        cached = generated = 0
-        for a, b in reversed(spans):
+        cached = generated = deferred = 0
+        newest_first = list(reversed(spans))
+        for i, (a, b) in enumerate(newest_first):
             if left <= len(markers.open_ids) + len(markers.close_ids):  # full: no room for a marked summary
                 break
             text = "".join(lines[a:b])
             key = chunk_hash(text)
             ids = self.cache.get(key, self.version)
+            if ids is None and defer is not None:
+                # Queue what is missing of the newest max_summaries chunks (the per-request cap
+                # inline); this request uses the summaries before the gap, or truncates.
+                deferred = self._defer_missing(newest_first[i : self.max_summaries], lines, defer)
+                if not kept:
+                    raise _Deferred(deferred)
+                break
             if ids is None:
                 if generated == self.max_summaries:
                     break
@@ -286,5 +328,6 @@ class PromptBuilder:
             summaries_cached=cached,
             summaries_generated=generated,
             summaries_skipped=len(left_out),
+            summaries_deferred=deferred,
             truncated_tokens=sum(sum(counts[a:b]) for a, b in left_out),
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import secrets
 import threading
@@ -61,6 +62,10 @@ class DemoSection(Section):
     """Publish a deliberately degraded version once a learned one is promoted, to show a rollback."""
     dashboard: Path | None = None
     """Where the static dashboard goes. Empty: <data_dir>/dashboard.html."""
+    background_nice: int = Field(default=10, ge=0, le=19)
+    """Niceness of the demo's own background threads (the learner, the sink, the rollout
+    controller; Linux schedules threads, and a thread's niceness is its own), so that on one
+    shared machine they yield the CPU to serving. In production they run elsewhere. 0: as is."""
 
 
 class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSettings, EvalSettings, RolloutSettings):
@@ -119,7 +124,8 @@ def run(
     engine = db.make_engine(s.database_url)
     stop = threading.Event()
     events: list[str] = []
-    threads = [_background("sink", console, events, run_sink, s, stop=stop, progress=lambda m: log.info(m))]
+    nice = s.demo.background_nice
+    threads = [_background("sink", console, events, run_sink, s, stop=stop, progress=lambda m: log.info(m), nice=nice)]
     threads[0].start()
     torch.set_num_threads(1)  # the learner shares two cores with two vLLM engines
     learner = Learner(s, progress=lambda p: p.event.startswith("published") and _say(console, events, describe(p)))
@@ -145,7 +151,7 @@ def run(
     sim = s.simulate
     n = max(1, int(s.demo.minutes * 60 * sim.rate))
     sites = cursor_sites(learner.heldout, n, random.Random(sim.seed))
-    threads.append(_background("learner", console, events, learner.run, stop))
+    threads.append(_background("learner", console, events, learner.run, stop, nice=nice))
     threads.append(
         _background(
             "rollout controller",
@@ -155,6 +161,7 @@ def run(
             s,
             stop,
             progress=lambda m: _say(console, events, m),
+            nice=nice,
         )
     )
     if s.demo.degraded_candidate:
@@ -356,10 +363,12 @@ def _base_precision(model_dir: Path) -> str | None:
         return None
 
 
-def _background(name: str, console: Console, events: list[str], fn, *args, **kwargs) -> threading.Thread:
-    """A daemon thread running `fn`; if it stops with an error, the demo says so and goes on without it."""
+def _background(name: str, console: Console, events: list[str], fn, *args, nice: int = 0, **kwargs) -> threading.Thread:
+    """A daemon thread running `fn` at niceness `nice`; if it stops with an error, the demo says so
+    and goes on without it."""
 
     def run() -> None:
+        lower_priority(nice)
         try:
             fn(*args, **kwargs)
         except Exception as e:
@@ -367,6 +376,18 @@ def _background(name: str, console: Console, events: list[str], fn, *args, **kwa
             _say(console, events, f"{name} stopped: {type(e).__name__}: {e}")
 
     return threading.Thread(target=run, name=name, daemon=True)
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness to `nice` (Linux; threads it starts inherit it)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:  # never lower it: only privileged users may
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as e:  # a container may refuse it; the demo runs on at the same priority
+        log.warning("could not lower the priority of %s: %s", threading.current_thread().name, e)
 
 
 def _say(console: Console, events: list[str], line: str) -> None:

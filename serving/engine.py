@@ -188,13 +188,17 @@ class VLLMEngine:
 @contextlib.contextmanager
 def _cpu_workers_bound(cfg: EngineSettings):
     """vLLM binds each CPU worker's threads to a NUMA node and refuses more workers than nodes. On
-    one node, the workers split this process's cores instead, unless the user bound them; set only
-    while the engine starts its worker processes, so this process's later engines are unaffected."""
+    one node, the workers split this process's cores instead, unless the user bound them; and
+    `engine.cpu_binding` other than `auto` is passed on as it is. Set only while the engine starts
+    its worker processes, so this process's later engines are unaffected."""
     key = "VLLM_CPU_OMP_THREADS_BIND"
-    if cfg.num_gpus > 0 or cfg.world_size == 1 or key in os.environ:
+    if cfg.num_gpus > 0 or key in os.environ or (cfg.world_size == 1 and cfg.cpu_binding == "auto"):
         yield
         return
-    os.environ[key] = cpu_binding(sorted(os.sched_getaffinity(0)), cfg.world_size)
+    if cfg.cpu_binding != "auto":
+        os.environ[key] = cfg.cpu_binding
+    else:
+        os.environ[key] = cpu_binding(sorted(os.sched_getaffinity(0)), cfg.world_size)
     try:
         yield
     finally:

@@ -41,7 +41,8 @@ STAGE_LATENCY = Histogram(
 COMPLETIONS = Counter("flywheel_completions_total", "Completions served", ["version", "shape"])
 TOKENS = Counter("flywheel_tokens_total", "Tokens processed", ["kind"])  # prompt | completion
 EMPTY = Counter("flywheel_empty_completions_total", "Completions with no suggestion (abstained)", ["version"])
-# cached | generated: used in a prompt; skipped: older chunks left out (no room, or the per-request cap)
+# cached | generated: used in a prompt; skipped: older chunks left out (no room, or the per-request cap);
+# deferred: not cached, queued to be written in the background (serve.summarize_in_background)
 SUMMARIES = Counter("flywheel_summaries_total", "Self-summaries of prompt chunks", ["source"])
 SUMMARY_FALLBACKS = Counter("flywheel_summary_fallbacks_total", "Prompts truncated because self-summarization failed")
 TRUNCATED_TOKENS = Counter("flywheel_prompt_truncated_tokens_total", "Prompt tokens cut to fit the context budget")

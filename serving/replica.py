@@ -8,10 +8,12 @@ files (learner.formats.ModelFormat), never from fixed ids.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,7 @@ class GenerateResult:
     summaries_cached: int = 0
     summaries_generated: int = 0
     summaries_skipped: int = 0
+    summaries_deferred: int = 0  # not cached: queued to be written in the background, prefix truncated
     truncated_tokens: int = 0
     summary_fallback: bool = False
     context_files: int = 0
@@ -77,6 +80,8 @@ class CompletionService:
             max_summaries=cfg.max_summaries_per_request,
             context_tokens=cfg.repo_context_tokens,
         )
+        self._deferred: OrderedDict[str, str] = OrderedDict()  # chunk hash -> text, newest last
+        self._writer: asyncio.Task | None = None
 
     async def summarize(self, chunk: str) -> list[int]:
         """The model's own summary of `chunk` (greedy), prompted as Flywheel's pretraining taught
@@ -100,6 +105,34 @@ class CompletionService:
             return self.prompts.encode(final[0].text.strip("\n"))
         return [t for t in final[0].token_ids if t not in stops]
 
+    # --- summaries written off the request's path (serve.summarize_in_background) ------------------
+
+    def defer_summary(self, key: str, chunk: str) -> None:
+        """Queue `chunk`'s summary to be written in the background (newest first; the oldest
+        dropped beyond serve.summary_queue), and start the writer if it is not running."""
+        self._deferred.pop(key, None)
+        self._deferred[key] = chunk
+        while len(self._deferred) > self.cfg.summary_queue:
+            self._deferred.popitem(last=False)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_deferred(), name="summaries")
+
+    async def _write_deferred(self) -> None:
+        """Write queued summaries one at a time, so they take at most one sequence of each engine
+        step from the completions beside them."""
+        while self._deferred:
+            key, chunk = self._deferred.popitem(last=True)
+            if self.prompts.cache.get(key, self.version) is not None:
+                continue
+            version = self.version  # the weights it starts on; a swap drains it first (serving/hotswap.py)
+            try:
+                ids = await self.summarize(chunk)
+            except Exception as e:  # the next request of that file truncates again and queues it again
+                log.warning("a background summary failed (%s: %s)", type(e).__name__, e)
+                continue
+            if ids:
+                self.prompts.cache.put(key, version, ids)
+
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Cumulative results as tokens arrive; the last one has `done=True`."""
         t0 = time.perf_counter()
@@ -111,6 +144,7 @@ class CompletionService:
             repo=req.repo,
             context=req.context,
             comment=req.comment,
+            defer=self.defer_summary if self.cfg.summarize_in_background else None,
         )
         spec = req.spec
         # Generation ends at the model's EOS tokens; a middle also at its FIM template's own tokens.
@@ -150,6 +184,7 @@ class CompletionService:
             summaries_cached=prompt.summaries_cached,
             summaries_generated=prompt.summaries_generated,
             summaries_skipped=prompt.summaries_skipped,
+            summaries_deferred=prompt.summaries_deferred,
             truncated_tokens=prompt.truncated_tokens,
             summary_fallback=prompt.fallback,
             context_files=prompt.context_files,

@@ -39,6 +39,13 @@ class EngineSettings(Section):
     """GPUs per model worker (Ray resource); 0 on CPU machines. A replica has `world_size` workers."""
     num_cpus: float = Field(default=1, ge=0)
     """CPUs per replica (Ray resource)."""
+    cpu_binding: str = Field(default="auto", pattern=r"^(auto|nobind|[0-9,|-]+)$")
+    """Where a CPU replica's model threads run (vLLM's `VLLM_CPU_OMP_THREADS_BIND`, unless that is
+    set). `auto`: vLLM pins them to one NUMA node's cores less one it leaves to everything else,
+    as if the engine had the node to itself; every replica on a node pins the same cores.
+    `nobind`: not pinned, so the kernel spreads the replicas and other work over the cores (as
+    many threads as the replica's CPUs, `num_cpus`). Or explicit core lists, `0-3` (one worker)
+    or `0-3|4-7` (one list per worker)."""
     log_stats: bool = True
     """vLLM's engine statistics: time to first token, queue, prefill and decode time, KV-cache use,
     running and waiting requests (exported through Ray's metrics, see `serve.ray_metrics_port`), and
@@ -210,6 +217,16 @@ class ServeSettings(Section):
     summarized newest first until the summaries fill their room or this many were written; older
     chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0: truncate.
     A model without Flywheel's summary tokens is prompted with plain-text markers."""
+    summarize_in_background: bool = True
+    """Write missing summaries off the request's path: a completion whose summaries are not all
+    cached is answered with its prefix truncated, and the replica writes them in the background,
+    one at a time, newest first, for the file's next request (an editor asks again at every
+    pause). Counted as `flywheel_summaries_total{source="deferred"}`. False: the request waits
+    while up to `max_summaries_per_request` are written (in `make demo` on 2 cores that was a
+    mean of 2.2 s per request, 10 s for the slowest 5%)."""
+    summary_queue: int = Field(default=64, ge=1)
+    """Summaries waiting to be written in the background, per replica; beyond it the oldest are
+    dropped (their files were edited longest ago)."""
 
     producer_buffer: int = Field(default=10_000, ge=1)
     """Records held in memory while Kafka is unreachable; beyond that they are dropped and counted."""

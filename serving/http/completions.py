@@ -420,6 +420,7 @@ def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
     metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)
+    metrics.SUMMARIES.labels("deferred").inc(r.summaries_deferred)
     metrics.TRUNCATED_TOKENS.inc(r.truncated_tokens)
     if r.summary_fallback:
         metrics.SUMMARY_FALLBACKS.inc()

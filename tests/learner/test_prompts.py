@@ -153,6 +153,28 @@ def test_summarizes_newest_chunks_first_and_stops_at_the_cap(tok, fmt):
     assert len(again.summary_ids) == 6 and again.summary_ids[-3:] == p.summary_ids
 
 
+def test_a_deferring_request_truncates_and_queues_the_newest_missing_chunks(tok, fmt):
+    async def summarize(chunk):
+        raise AssertionError("a deferring request writes no summary itself")
+
+    queued = []
+    cache = SummaryCache(100)
+    b = builder(tok, fmt, cache=cache, max_summaries=3)
+    p = run(b.build(NUMBERED, "", summarize, defer=lambda key, text: queued.append((key, text))))
+    assert p.summaries_deferred == 3 and len(queued) == 3 and not p.summary_ids and not p.fallback
+    assert p.truncated_tokens > 0 and len(p.ids) <= 256
+    starts = [NUMBERED.index(text) for _, text in queued]
+    assert starts == sorted(starts, reverse=True)  # newest first, as they would be written inline
+
+    # Written in the background; the file's next request uses them and queues the next ones.
+    for key, _ in queued:
+        cache.put(key, b.version, tok.encode("x", add_special_tokens=False).ids)
+    queued.clear()
+    again = run(b.build(NUMBERED, "", summarize, defer=lambda key, text: queued.append((key, text))))
+    assert again.summaries_cached == 3 and len(again.summary_ids) == 3 and again.summaries_generated == 0
+    assert queued == []  # the newest three are cached: nothing older is queued beyond the cap
+
+
 def test_summarizing_stops_when_the_room_is_full(tok, fmt):
     calls = []
 

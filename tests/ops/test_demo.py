@@ -96,3 +96,20 @@ def test_the_machine_report_shows_where_the_slowest_completions_spent_their_time
     assert "where completion time went" in text
     hop = next(line for line in text.splitlines() if line.strip("│┃ ").startswith("hop"))
     assert "700" in hop  # the slowest one waited in Ray Serve, not in the engine
+
+
+def test_a_background_thread_yields_the_cpu_and_the_caller_keeps_its_priority():
+    import os
+    import threading
+
+    seen = {}
+
+    def work():
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = demo._background("learner", Console(file=io.StringIO()), [], work, nice=min(19, before + 5))
+    t.start()
+    t.join()
+    assert seen["nice"] == min(19, before + 5)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # only that thread

@@ -176,7 +176,7 @@ def test_engine_failure_is_503_not_500(tok):
 
 
 def test_a_prefix_at_the_size_cap_costs_a_bounded_number_of_engine_calls(tok):
-    client, sink, engine = make_client(tok, max_summaries_per_request=3)
+    client, sink, engine = make_client(tok, max_summaries_per_request=3, summarize_in_background=False)
     cap = client.app.state.api.cfg.max_prompt_chars
     lines = "".join(f"value_{i} = compute({i})\n" for i in range(cap // 10))  # distinct: no cached summary
     prefix = lines[: cap - 1]
@@ -186,3 +186,28 @@ def test_a_prefix_at_the_size_cap_costs_a_bounded_number_of_engine_calls(tok):
     assert len(summaries) == 3 and len(engine.calls) == 4  # three summaries, then the completion
     rec = sink.sent[0][1]
     assert len(rec.summary_ids) == 3 and len(rec.prompt_token_ids) <= client.app.state.api.cfg.context_budget
+
+
+def test_missing_summaries_are_written_after_the_answer_and_the_files_next_request_uses_them(tok):
+    """serve.summarize_in_background: the first request of a long file is answered at once with its
+    prefix truncated; the replica then writes the summaries, and the next request carries them."""
+    import time
+
+    client, sink, engine = make_client(tok, max_summaries_per_request=3)
+    lines = "".join(f"value_{i} = compute({i})\n" for i in range(2000))
+    body = {"prompt": lines, "suffix": "\n", "max_tokens": 4}
+    with client:  # one event loop for both requests, as a served app has
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        first = sink.sent[0][1]
+        assert first.summary_ids == [] and len(first.prompt_token_ids) <= client.app.state.api.cfg.context_budget
+        assert not [c for c in engine.calls[:1] if c[2].startswith("sum-")]  # the answer came first
+        deadline = time.monotonic() + 30
+        while sum(c[2].startswith("sum-") for c in engine.calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sum(c[2].startswith("sum-") for c in engine.calls) == 3
+        calls = len(engine.calls)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    second = sink.sent[1][1]
+    assert len(second.summary_ids) == 3 and len(engine.calls) == calls + 1  # cached: only the completion
