@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pydantic import Field, SecretStr
 
 from feedback.core.config import FlywheelSettings, Section
+from feedback.core.server_timing import breakdown, parse_header
 from feedback.core.stats import percentile
 from feedback.reward import Event
 from learner.judge import Site, editor_events, judge
-from serving.http.timing import breakdown, parse_header
 
 
 class SimulateSection(Section):

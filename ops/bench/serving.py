@@ -17,9 +17,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from feedback.core.server_timing import breakdown, parse_header
 from feedback.core.stats import percentile
 from serving.engine import SamplingSpec
-from serving.http.timing import breakdown, parse_header
 
 # (prefix, suffix): fill-in-the-middle, what editors send.
 PROMPTS = [

@@ -1,8 +1,9 @@
-"""How per-request stage times add up (serving/http/timing.py: breakdown), for `flywheel bench serve` and the demo."""
+"""Reading Server-Timing back and adding its stages up (feedback/core/server_timing.py), as
+`flywheel bench serve` and the simulated editors do."""
 
 import pytest
 
-from serving.http.timing import breakdown
+from feedback.core.server_timing import breakdown, parse_header
 
 
 def test_stages_are_averaged_and_the_proxy_is_what_the_client_saw_beyond_the_ingress():
@@ -17,3 +18,7 @@ def test_stages_are_averaged_and_the_proxy_is_what_the_client_saw_beyond_the_ing
 def test_the_bare_side_has_no_proxy():
     out = breakdown([{"prompt": 1.0, "engine": 9.0}], [10.0])
     assert set(out) == {"prompt", "engine", "client"}
+
+
+def test_the_header_parser_keeps_durations_and_skips_the_rest():
+    assert parse_header("hop;dur=1.5, cache;desc=miss, total;dur=3, bad;dur=x") == {"hop": 1.5, "total": 3.0}
