@@ -61,8 +61,9 @@ budget (the default of serve.repo_context_tokens)."""
 log = logging.getLogger(__name__)
 
 Summarizer = Callable[[str], Awaitable[list[int]]]  # chunk text -> summary token ids
-Deferrer = Callable[[str, str], None]
-"""(chunk hash, chunk text) -> None: a summary to write later, off the request's path."""
+Deferrer = Callable[[list[tuple[str, str]]], None]
+"""[(chunk hash, chunk text), ...], newest chunk first -> None: summaries to write later, off the
+request's path."""
 
 
 class _Deferred(Exception):
@@ -227,15 +228,17 @@ class PromptBuilder:
         )
 
     def _defer_missing(self, spans: list[tuple[int, int]], lines: list[str], defer: Deferrer) -> int:
-        """Hand the chunks of `spans` (newest first) that have no cached summary to `defer`; how many."""
-        n = 0
-        for a, b in spans:
-            text = "".join(lines[a:b])
-            key = chunk_hash(text)
-            if self.cache.get(key, self.version) is None:
-                defer(key, text)
-                n += 1
-        return n
+        """Hand the chunks of `spans` (newest first) that have no cached summary to `defer`, in
+        one batch, newest first; how many."""
+        texts = ("".join(lines[a:b]) for a, b in spans)
+        missing = [
+            (key, text)
+            for key, text in ((chunk_hash(t), t) for t in texts)
+            if self.cache.get(key, self.version) is None
+        ]
+        if missing:
+            defer(missing)
+        return len(missing)
 
     def _context(self, files: Sequence[tuple[str, str]], file_tokens: int, comment: str) -> tuple[list[int], int]:
         """Other files laid out for the prompt, and how many made it. They get what the current

@@ -107,11 +107,14 @@ class CompletionService:
 
     # --- summaries written off the request's path (serve.summarize_in_background) ------------------
 
-    def defer_summary(self, key: str, chunk: str) -> None:
-        """Queue `chunk`'s summary to be written in the background (newest first; the oldest
-        dropped beyond serve.summary_queue), and start the writer if it is not running."""
-        self._deferred.pop(key, None)
-        self._deferred[key] = chunk
+    def defer_summaries(self, chunks: list[tuple[str, str]]) -> None:
+        """Queue one request's missing summaries, (hash, text) newest chunk first, to be written in
+        the background, and start the writer if it is not running. The latest request's newest
+        chunk is written first (a prompt uses no summary older than a missing one); beyond
+        serve.summary_queue the oldest queued are dropped."""
+        for key, chunk in reversed(chunks):
+            self._deferred.pop(key, None)
+            self._deferred[key] = chunk
         while len(self._deferred) > self.cfg.summary_queue:
             self._deferred.popitem(last=False)
         if self._writer is None or self._writer.done():
@@ -144,7 +147,7 @@ class CompletionService:
             repo=req.repo,
             context=req.context,
             comment=req.comment,
-            defer=self.defer_summary if self.cfg.summarize_in_background else None,
+            defer=self.defer_summaries if self.cfg.summarize_in_background else None,
         )
         spec = req.spec
         # Generation ends at the model's EOS tokens; a middle also at its FIM template's own tokens.

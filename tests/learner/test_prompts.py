@@ -160,7 +160,7 @@ def test_a_deferring_request_truncates_and_queues_the_newest_missing_chunks(tok,
     queued = []
     cache = SummaryCache(100)
     b = builder(tok, fmt, cache=cache, max_summaries=3)
-    p = run(b.build(NUMBERED, "", summarize, defer=lambda key, text: queued.append((key, text))))
+    p = run(b.build(NUMBERED, "", summarize, defer=queued.extend))
     assert p.summaries_deferred == 3 and len(queued) == 3 and not p.summary_ids and not p.fallback
     assert p.truncated_tokens > 0 and len(p.ids) <= 256
     starts = [NUMBERED.index(text) for _, text in queued]
@@ -170,7 +170,7 @@ def test_a_deferring_request_truncates_and_queues_the_newest_missing_chunks(tok,
     for key, _ in queued:
         cache.put(key, b.version, tok.encode("x", add_special_tokens=False).ids)
     queued.clear()
-    again = run(b.build(NUMBERED, "", summarize, defer=lambda key, text: queued.append((key, text))))
+    again = run(b.build(NUMBERED, "", summarize, defer=queued.extend))
     assert again.summaries_cached == 3 and len(again.summary_ids) == 3 and again.summaries_generated == 0
     assert queued == []  # the newest three are cached: nothing older is queued beyond the cap
 

@@ -1,6 +1,7 @@
 """The HTTP API with a fake engine: shapes, records, auth, bad input."""
 
 import json
+import re
 
 import pytest
 
@@ -205,7 +206,10 @@ def test_missing_summaries_are_written_after_the_answer_and_the_files_next_reque
         deadline = time.monotonic() + 30
         while sum(c[2].startswith("sum-") for c in engine.calls) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert sum(c[2].startswith("sum-") for c in engine.calls) == 3
+        written = [c[0] for c in engine.calls if c[2].startswith("sum-")]
+        assert len(written) == 3
+        newest = [max(int(n) for n in re.findall(r"value_(\d+)", tok.decode(ids))) for ids in written]
+        assert newest == sorted(newest, reverse=True)  # the chunk nearest the cursor first
         calls = len(engine.calls)
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
