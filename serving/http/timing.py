@@ -33,9 +33,6 @@ class Stages:
     def add(self, stage: str, ms: float) -> None:
         self.ms[stage] = self.ms.get(stage, 0.0) + max(0.0, ms)
 
-    def since_arrival(self) -> float:
-        return (time.perf_counter() - self.arrived) * 1000
-
     def header(self, total_ms: float) -> str:
         return ", ".join(f"{k};dur={v:.2f}" for k, v in (*self.ms.items(), ("total", total_ms)))
 
