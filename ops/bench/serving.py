@@ -45,6 +45,14 @@ class Side:
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
     """Where a request's time went: {stage: {"mean_ms", "p50_ms"}} (see `breakdown`)."""
 
+    @classmethod
+    def measured(
+        cls, name: str, n: int, secs: float, tokens: int, lat: list[float], errors: int, timings: list[dict]
+    ) -> Side:
+        """A side from its run: latencies in ms and, per answered request, its stage times."""
+        stages = breakdown(timings, lat) if len(timings) == len(lat) else {}  # not when some failed
+        return cls(name, n, secs, tokens, statistics.median(lat), percentile(lat, 0.99), errors, stages)
+
     @property
     def rps(self) -> float:
         return self.requests / self.seconds
@@ -107,16 +115,7 @@ async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tok
         secs, lat, tokens, errors = await _drive(n, concurrency, one)
     finally:
         engine.shutdown()
-    return Side(
-        "bare vLLM AsyncLLM (in-process)",
-        n,
-        secs,
-        tokens,
-        statistics.median(lat),
-        percentile(lat, 0.99),
-        errors,
-        breakdown(timings, lat) if len(timings) == len(lat) else {},
-    )
+    return Side.measured("bare vLLM AsyncLLM (in-process)", n, secs, tokens, lat, errors, timings)
 
 
 async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_tokens: int) -> Side:
@@ -136,16 +135,7 @@ async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_toke
         await _drive(concurrency, concurrency, one)
         timings.clear()
         secs, lat, tokens, errors = await _drive(n, concurrency, one)
-    return Side(
-        "Flywheel: HTTP -> Ray Serve -> vLLM (+ Kafka record)",
-        n,
-        secs,
-        tokens,
-        statistics.median(lat),
-        percentile(lat, 0.99),
-        errors,
-        breakdown(timings, lat) if len(timings) == len(lat) else {},
-    )
+    return Side.measured("Flywheel: HTTP -> Ray Serve -> vLLM (+ Kafka record)", n, secs, tokens, lat, errors, timings)
 
 
 def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int, progress) -> dict:
