@@ -225,9 +225,11 @@ def replica_error(st: ApiState, pool: str, e: Exception) -> HTTPException:
     full (serve.max_queued_requests; Ray Serve's BackPressureError), else "unavailable"."""
     if isinstance(e, BackPressureError):
         count_error(st, pool, "busy")
+        # A pool that has not reported its version yet is starting (or too busy to answer the poll).
+        why = "at capacity" if st.routing.serving.get(pool) is not None else "not ready yet (starting, or at capacity)"
         return HTTPException(
             503,
-            f"the {pool} replicas are at capacity (serve.max_queued_requests waiting); retry shortly",
+            f"the {pool} replicas are {why}: serve.max_queued_requests are waiting; retry shortly",
             headers={"Retry-After": str(BUSY_RETRY_S)},
         )
     count_error(st, pool, "replica_failed")

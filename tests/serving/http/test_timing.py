@@ -58,8 +58,19 @@ def test_a_full_queue_is_503_with_retry_after_at_once(tok):
     )
     r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4})
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert "at capacity" in r.json()["error"]["message"] and sink.sent == []
+    assert "replicas are at capacity" in r.json()["error"]["message"] and sink.sent == []
     after = REGISTRY.get_sample_value(
         "flywheel_completion_errors_total", {"version": "3", "pool": STABLE, "reason": "busy"}
     )
     assert after == before + 1
+
+
+def test_a_full_queue_in_front_of_a_pool_that_never_reported_says_it_may_be_starting(tok):
+    from feedback.pools import STABLE
+
+    client, _, _ = make_client(tok)
+    client.app.state.api.replicas[STABLE] = FullPool()
+    client.app.state.api.routing.serving[STABLE] = None  # no version reported yet
+    r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 4})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert "not ready yet (starting" in r.json()["error"]["message"]
