@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AfterValidator, Field, SecretStr, model_validator
 
 from feedback.core.auth import DashboardLogin
 from feedback.core.config import FlywheelSettings, Section
@@ -15,6 +15,12 @@ from feedback.core.files import open_private, private_dir
 from feedback.core.web import HttpLimits
 from learner.base_settings import ModelSection
 from learner.prompts import CONTEXT_BUDGET, CONTEXT_TOKENS, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
+
+
+def _queue_limit(n: int) -> int:
+    if n < 1 and n != -1:
+        raise ValueError("must be -1 (no limit) or at least 1")
+    return n
 
 
 class EngineSettings(Section):
@@ -150,7 +156,7 @@ class ServeSettings(Section):
     """Requests Ray Serve lets one model replica hold at once (its `max_ongoing_requests`); the
     engine batches them. None: `engine.max_num_seqs`, what one engine step can batch (Ray Serve's
     own default, 5, would queue the rest in front of an engine with room for more)."""
-    max_queued_requests: int = Field(default=64, ge=-1)
+    max_queued_requests: Annotated[int, AfterValidator(_queue_limit)] = 64
     """Requests the ingress lets wait for a model replica with room, per pool; beyond it a
     completion gets 503 with Retry-After at once instead of queueing (Ray Serve's
     `max_queued_requests`). -1: no limit."""

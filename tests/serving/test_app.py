@@ -56,3 +56,13 @@ def test_a_replica_holds_what_its_engine_batches_and_the_queue_is_bounded():
     cfg = ServeSettings(engine=EngineSettings(max_num_seqs=16), max_queued_requests=-1)
     assert queue_options(cfg) == {"max_ongoing_requests": 16, "max_queued_requests": -1}
     assert queue_options(ServeSettings(max_ongoing_requests=8))["max_ongoing_requests"] == 8
+
+
+def test_a_queue_limit_of_zero_is_refused_as_ray_serve_would():
+    import pytest
+    from pydantic import ValidationError
+
+    from serving.settings import ServeSettings
+
+    with pytest.raises(ValidationError, match="max_queued_requests"):
+        ServeSettings(max_queued_requests=0)
