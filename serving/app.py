@@ -192,7 +192,14 @@ class ModelReplica:
         self.where = {"node_id": _node_id(), "model_dir": model_dir, "store_cache_dir": str(node.store_cache_dir)}
         self.completions: dict[int, int] = {}  # completions answered, by the version that answered them
         self.service = load_service(Path(model_dir), settings.serve, version, fim=settings.model.fim)
-        self.swapper = HotSwapper(self.service, store, loaded_from=model_dir, pool=pool)  # gates admission from now on
+        preempt = settings.serve.swap_preempt_after_ms
+        self.swapper = HotSwapper(  # gates admission from now on
+            self.service,
+            store,
+            loaded_from=model_dir,
+            pool=pool,
+            preempt_after_s=preempt / 1000 if preempt >= 0 else None,
+        )
         self.reconciler = PoolReconciler(
             make_engine(settings.database_url), pool=pool, replica=_replica_id(), swapper=self.swapper
         )

@@ -18,13 +18,18 @@
                   `CompletionService.version` and reopen admission
     Steps 1-3 run in a thread while the replica keeps serving N; only step 4 pauses it.
 
-In-flight requests finish on the old weights. Admission closes at the replica's engine
-(`GatedEngine`): requests that arrive during the pause wait, then run on N+1. A request's
-tokens therefore all come from one version, and the version a result carries is the one
-that produced it: outputs are only produced while no swap is in progress. (vLLM's own
-`pause_generation(mode="keep")` would make the pause shorter, but a frozen request would
-then continue on new weights over a KV cache built by the old ones: tokens of neither
-version.) The pause is the drain (at most the longest in-flight request) plus the reload.
+Admission closes at the replica's engine (`GatedEngine`): requests that arrive during the
+pause wait, then run on N+1. In-flight requests get `preempt_after_s` (`serve.swap_preempt_after_ms`)
+to finish on the old weights. Then those whose client has seen nothing yet (every non-streamed
+request, a stream before its first token) are aborted in the engine and run again, whole, on
+N+1 once it is loaded: counted in `flywheel_swap_restarts_total`. A stream that has sent tokens
+always finishes on N. A request's tokens therefore all come from one version, and the version
+a result carries is the one that produced it: outputs are only produced while no swap is in
+progress. (vLLM's own `pause_generation(mode="keep")` would make the pause shorter still, but a
+frozen request would then continue on new weights over a KV cache built by the old ones: tokens
+of neither version.) The pause is the wait (at most `preempt_after_s`, or the longest stream in
+flight) plus the reload; without preemption (`preempt_after_s` None) it was the longest request
+in flight, which under load is the slowest completion, seconds on a busy CPU.
 
 A failed swap (bad plan, corrupt delta, checksum mismatch, drain timeout, worker error)
 leaves the replica on N: it is logged, kept in `last_swap_error` and counted in
@@ -61,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import re
 import shutil
@@ -82,6 +88,12 @@ SWAP_PAUSE = ReplicaMetric(
     "Time admission was closed for a weight swap (drain + reload)",
     ("pool",),
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+RESTARTS = ReplicaMetric(
+    "counter",
+    "flywheel_swap_restarts_total",
+    "In-flight requests a weight swap aborted before their client saw anything, and ran again on the new version",
+    ("pool",),
 )
 CORRUPT = ReplicaMetric(
     "counter",
@@ -185,8 +197,24 @@ def reload_set(changed, names) -> list[str]:
 # --- admission ---------------------------------------------------------------------------------
 
 
+class _Flight:
+    """One request in the engine: the id the engine knows it by, and whether its client saw output."""
+
+    __slots__ = ("engine_id", "stream", "seen", "restart")
+
+    def __init__(self, engine_id: str, stream: bool):
+        self.engine_id, self.stream, self.seen, self.restart = engine_id, stream, False, False
+
+    @property
+    def restartable(self) -> bool:
+        """Nothing of it reached the client: a non-streamed request (only its last output is
+        returned) or a stream before its first output."""
+        return not (self.stream and self.seen)
+
+
 class GatedEngine:
-    """An `Engine` whose admission can close while in-flight requests drain (see the module docstring)."""
+    """An `Engine` whose admission can close while in-flight requests drain or restart (see the
+    module docstring)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -195,44 +223,73 @@ class GatedEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self.inflight = 0
+        self._flights: dict[str, _Flight] = {}  # by the caller's request id
         self.refusing: str | None = None  # why it serves nothing (set by HotSwapper), else None
 
     async def generate(self, prompt_ids, spec, request_id) -> AsyncIterator:
-        while not self._open.is_set():  # re-check: a new pause may start before this task runs
-            await self._open.wait()
-        if self.refusing is not None:
-            raise OutOfService(self.refusing)
-        self.inflight += 1
-        self._idle.clear()
-        try:
-            async for out in self.inner.generate(prompt_ids, spec, request_id):
-                yield out
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
+        for attempt in itertools.count():
+            while not self._open.is_set():  # re-check: a new pause may start before this task runs
+                await self._open.wait()
+            if self.refusing is not None:
+                raise OutOfService(self.refusing)
+            # a restart gets an id of its own: vLLM may still hold the aborted one's state
+            flight = _Flight(request_id if attempt == 0 else f"{request_id}~{attempt}", spec.stream)
+            self._flights[request_id] = flight
+            self.inflight += 1
+            self._idle.clear()
+            try:
+                async for out in self.inner.generate(prompt_ids, spec, flight.engine_id):
+                    if flight.restart:  # an output of the old weights after the abort: dropped
+                        continue
+                    flight.seen = True
+                    yield out
+            finally:
+                self._flights.pop(request_id, None)
+                self.inflight -= 1
+                if self.inflight == 0:
+                    self._idle.set()
+            if not flight.restart:
+                return
 
     async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
+        flight = self._flights.get(request_id)
+        await self.inner.abort(flight.engine_id if flight is not None else request_id)
 
     @property
     def admitting(self) -> bool:
         return self._open.is_set()
 
     @contextlib.asynccontextmanager
-    async def paused(self, drain_timeout_s: float):
-        """Close admission and wait until nothing is in flight; reopen on exit, whatever happens."""
+    async def paused(self, drain_timeout_s: float, preempt_after_s: float | None = None):
+        """Close admission and wait until nothing is in flight; reopen on exit, whatever happens.
+        With `preempt_after_s`, the requests still in flight after that long whose client saw
+        nothing are aborted and wait to run again once admission reopens. Yields a dict whose
+        `restarted` says how many."""
         self._open.clear()
+        info = {"restarted": 0}
         try:
+            if preempt_after_s is not None and self.inflight:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), preempt_after_s)
+                info["restarted"] = await self._restart_unseen()
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
             except TimeoutError:
                 raise SwapError(
                     f"{self.inflight} in-flight request(s) did not finish within {drain_timeout_s:g} s"
                 ) from None
-            yield
+            yield info
         finally:
             self._open.set()
+
+    async def _restart_unseen(self) -> int:
+        """Abort every in-flight request whose client saw nothing; each runs again after the pause."""
+        chosen = [f for f in self._flights.values() if f.restartable and not f.restart]
+        for f in chosen:
+            f.restart = True
+        for f in chosen:  # vLLM ends an aborted request's stream with a final "abort" output
+            await self.inner.abort(f.engine_id)
+        return len(chosen)
 
     def __getattr__(self, name):  # update_weights, shutdown, ...
         return getattr(self.inner, name)
@@ -252,7 +309,8 @@ class SwapReport:
     reload_bytes: int = 0
     prepare_s: float = 0.0  # plan + fetch + verify + write, while serving continues
     pause_s: float = 0.0  # admission closed: drain + reload
-    drain_s: float = 0.0
+    drain_s: float = 0.0  # the wait for in-flight requests: to finish, or to be aborted for a restart
+    restarted: int = 0  # in-flight requests aborted to run again on the new version
     reload_s: float = 0.0
     error: str | None = None
 
@@ -286,13 +344,16 @@ class HotSwapper:
         store,
         *,
         drain_timeout_s: float = 60.0,
+        preempt_after_s: float | None = 0.02,
         loaded_from: str | Path | None = None,
         pool: str = "",
     ):
         """`store`: a learner.store.Store, or its URI (opened on first use). `loaded_from`: the
         model folder the engine loaded; if its weights equal the store's copy of the version the
         replica started on, the first swap reloads only what changed (see `_recognize`). `pool`:
-        the replica's pool, for the metrics ("" outside one)."""
+        the replica's pool, for the metrics ("" outside one). `preempt_after_s`: how long in-flight
+        requests may finish before those whose client saw nothing are restarted on the new
+        version (the module docstring); None waits for every one."""
         self.service = service
         self.pool = pool
         self.loaded_from = Path(loaded_from) if loaded_from is not None else None
@@ -300,6 +361,7 @@ class HotSwapper:
             service.engine = GatedEngine(service.engine)
         self._store = store
         self.drain_timeout_s = drain_timeout_s
+        self.preempt_after_s = preempt_after_s
         self._served: _Served | None = None
         self._lock = asyncio.Lock()
         self.last_swap_error: str | None = None
@@ -378,13 +440,14 @@ class HotSwapper:
             SWAPS.inc(pool=self.pool, outcome="ok")
             self.last_swap_error, self.last_report = None, report
             log.info(
-                "swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s)",
+                "swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s); %d request(s) restarted",
                 frm,
                 version,
                 report.tensors_reloaded,
                 report.pause_s,
                 report.drain_s,
                 report.reload_s,
+                report.restarted,
             )
             return report
 
@@ -460,9 +523,11 @@ class HotSwapper:
     async def _switch(self, p: _Prepared, report: SwapReport) -> None:
         t0 = time.perf_counter()
         try:
-            async with self.gate.paused(self.drain_timeout_s):
+            async with self.gate.paused(self.drain_timeout_s, self.preempt_after_s) as waited:
                 t1 = time.perf_counter()
-                report.drain_s = t1 - t0
+                report.drain_s, report.restarted = t1 - t0, waited["restarted"]
+                if report.restarted:
+                    RESTARTS.inc(report.restarted, pool=self.pool)
                 if p.changed:
                     await self._reload(p)
                 report.reload_s = time.perf_counter() - t1

@@ -163,6 +163,14 @@ class ServeSettings(Section):
     pool_poll_s: float = Field(default=1.0, gt=0)
     """How often replicas and the ingress read the target versions (table `serving_pools`): a
     replica swaps in place to its pool's new target within about this long."""
+    swap_preempt_after_ms: int = Field(default=20, ge=-1)
+    """How long a hot swap lets in-flight requests finish on the old weights before it aborts
+    those whose client has seen nothing yet (every non-streamed completion, a stream before its
+    first token) and runs them again, whole, on the new version once it is loaded
+    (`flywheel_swap_restarts_total`). Admission is closed meanwhile, so the swap's pause is about
+    this plus the reload, instead of the slowest request in flight (seconds on a busy CPU); a
+    restarted request pays what it had run. Streams that have sent tokens always finish on the
+    old version. -1: wait for every request to finish."""
     engine: EngineSettings = EngineSettings()
 
     auth_tokens: list[SecretStr] = []

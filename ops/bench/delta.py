@@ -18,9 +18,11 @@ vLLM loads, side by side in one run:
   zipnn         ZipNN delta mode (XOR, byte grouping, Huffman) per tensor
 
 With `swap`, the versions of the first learning rate are also published to a temporary
-weight store and swapped into a vLLM engine (serving.hotswap) while simulated clients keep
-requesting completions: the pause of each swap (drain + reload), request latency p50/p99
-in steady state against requests that overlapped a swap, and failed requests.
+weight store and swapped into a vLLM engine (serving.hotswap) `swaps` times while simulated
+clients keep requesting completions, alternating between the two ways a swap treats in-flight
+requests (`wait` for them, or `restart` them after `serve.swap_preempt_after_ms`) on the same
+engine and load: the pause of each swap (wait + reload), request latency p50/p99 in steady
+state against requests that overlapped each mode's swaps, restarted and failed requests.
 
 Sizes are reported as full / delta (1/x: larger is better). Throughput is MB/s of full
 checkpoint bytes: encode from the two in-memory checkpoints (hashing included where the
@@ -322,6 +324,7 @@ def run_bench(
     repeats: int = 3,
     methods: tuple[str, ...] = METHODS,
     swap: bool = False,
+    swaps: int = 8,
     out: str | Path | None = None,
     command: str = "flywheel bench delta",
 ) -> dict:
@@ -376,7 +379,9 @@ def run_bench(
     if swap:
         with console.status("swap: starting vLLM, then swaps under load"):
             results["swap"] = asyncio.run(
-                bench_swap(model.args, tok, series[0], [f.text for f in corpus.heldout], settings, lr=lrs[0])
+                bench_swap(
+                    model.args, tok, series[0], [f.text for f in corpus.heldout], settings, lr=lrs[0], swaps=swaps
+                )
             )
     results["wall_s"] = time.perf_counter() - t0
     console.print(_table(results))
@@ -462,6 +467,58 @@ def _notes(r: dict) -> list[str]:
 # --- swaps under load --------------------------------------------------------------------------
 
 
+SWAP_MODES = ("wait", "restart")
+"""How a swap treats in-flight requests (serving.hotswap): `wait` lets every one finish on the
+old weights; `restart` gives them `serve.swap_preempt_after_ms`, then aborts those whose client
+saw nothing and runs them again on the new version."""
+
+
+def swap_plan(swaps: int, versions: int) -> list[tuple[int, str]]:
+    """(target version, mode) of each swap: back and forth over the versions (v1, v2, ..., v0,
+    v1, ...: each swap is one version's change), with the modes in ABBA order (wait, restart,
+    restart, wait, ...), so each mode gets as many of each direction and of the run's early and
+    late load."""
+    if versions < 2:
+        raise ValueError("swaps need at least 2 versions")
+    abba = ("wait", "restart", "restart", "wait")
+    return [((i + 1) % versions, abba[i % 4]) for i in range(swaps)]
+
+
+def swap_summary(done: list[tuple[float, float, bool, int]], swaps: list[dict], t_first: float) -> dict:
+    """Per mode: the swaps' pause, wait for in-flight requests and reload (median and max, as a
+    replica's p99 over a handful of swaps is its max), requests restarted, and the latency of the
+    requests that overlapped that mode's swaps; and the steady latency before the first swap.
+    `done`: (start, end, ok, version) per request; `swaps`: dicts with mode, start, end, pause_s,
+    drain_s, reload_s and restarted."""
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+
+    def latencies(windows: list[tuple[float, float]]) -> list[float]:
+        return [e - s for s, e, ok, _ in done if ok and any(s < we and e > ws for ws, we in windows)]
+
+    steady = [e - s for s, e, ok, _ in done if ok and e < t_first]
+    modes = {}
+    for mode in SWAP_MODES:
+        mine = [w for w in swaps if w["mode"] == mode]
+        if not mine:
+            continue
+        during = latencies([(w["start"], w["end"]) for w in mine])
+        modes[mode] = {
+            "swaps": len(mine),
+            "pause_p50_s": pct([w["pause_s"] for w in mine], 50),
+            "pause_max_s": max(w["pause_s"] for w in mine),
+            "drain_p50_s": pct([w["drain_s"] for w in mine], 50),
+            "reload_p50_s": pct([w["reload_s"] for w in mine], 50),
+            "restarted": sum(w["restarted"] for w in mine),
+            "during": {"n": len(during), "p50_s": pct(during, 50), "p99_s": pct(during, 99)},
+        }
+    out = {"steady": {"n": len(steady), "p50_s": pct(steady, 50), "p99_s": pct(steady, 99)}, "modes": modes}
+    if len(modes) == 2:
+        w, r = modes["wait"], modes["restart"]
+        out["pause_ratio"] = w["pause_max_s"] / r["pause_max_s"] if r["pause_max_s"] > 0 else float("inf")
+        out["during_p99_ratio"] = w["during"]["p99_s"] / r["during"]["p99_s"] if r["during"]["n"] else float("nan")
+    return out
+
+
 async def bench_swap(
     args: ModelArgs,
     tok,
@@ -472,11 +529,13 @@ async def bench_swap(
     lr: float,
     clients: int = 8,
     max_tokens: int = 32,
+    swaps: int = 8,
     steady_s: float = 8.0,
     gap_s: float = 3.0,
 ) -> dict:
     """Publish `packed` (v0, v1, ...) to a temporary store, serve v0 with vLLM, keep `clients`
-    concurrent greedy completions going, swap to each later version in turn, and measure."""
+    concurrent greedy completions going, and swap `swaps` times (`swap_plan`), alternating
+    between waiting for in-flight requests and restarting them, on the same engine and load."""
     from learner.export import export_hf
     from learner.formats import read_format
     from learner.store import open_store
@@ -486,6 +545,8 @@ async def bench_swap(
     from serving.settings import EngineSettings, ServeSettings
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    serve = getattr(settings, "serve", None) or ServeSettings()
+    preempt_s = max(0, serve.swap_preempt_after_ms) / 1000  # `restart` mode even where the setting says -1
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-swap-"))
     store = open_store(tmp / "store")
     for v, c in enumerate(packed):
@@ -503,6 +564,7 @@ async def bench_swap(
     t_start = time.perf_counter()
     engine = VLLMEngine(folder, cfg.engine)
     started_s = time.perf_counter() - t_start
+    plan = swap_plan(swaps, len(packed))
     try:
         service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
         swapper = HotSwapper(service, store)
@@ -528,66 +590,78 @@ async def bench_swap(
         await service.complete(GenerateRequest("warmup", prompts[0], None, None, spec))
         tasks = [asyncio.create_task(client(c)) for c in range(clients)]
         await asyncio.sleep(steady_s)
-        windows, reports = [], []
-        for v in range(1, len(packed)):
+        rows = []
+        for v, mode in plan:
+            swapper.preempt_after_s = preempt_s if mode == "restart" else None
             t0 = time.perf_counter()
-            reports.append(await swapper.swap_to(v))
-            windows.append((t0, time.perf_counter()))
+            r = await swapper.swap_to(v)
+            rows.append(
+                {
+                    "mode": mode,
+                    "frm": r.from_version,
+                    "to": r.target,
+                    "start": t0,
+                    "end": time.perf_counter(),
+                    "tensors": r.tensors_reloaded,
+                    "reload_bytes": r.reload_bytes,
+                    "prepare_s": r.prepare_s,
+                    "pause_s": r.pause_s,
+                    "drain_s": r.drain_s,
+                    "reload_s": r.reload_s,
+                    "restarted": r.restarted,
+                }
+            )
             await asyncio.sleep(gap_s)
         stop.set()
         await asyncio.gather(*tasks)
     finally:
         engine.shutdown()
 
-    def overlaps(s: float, e: float) -> bool:
-        return any(s < we and e > ws for ws, we in windows)
-
-    during = [e - s for s, e, ok, _ in done if ok and overlaps(s, e)]
-    steady = [e - s for s, e, ok, _ in done if ok and s > t_start and e < windows[0][0]] if windows else []
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
     return {
         "lr": lr,
         "clients": clients,
         "max_tokens": max_tokens,
+        "preempt_after_ms": preempt_s * 1000,
         "engine_start_s": started_s,
         "requests": len(done),
         "failed": sum(not ok for *_, ok, _ in done),
-        "steady": {"n": len(steady), "p50_s": pct(steady, 50), "p99_s": pct(steady, 99)},
-        "during_swap": {"n": len(during), "p50_s": pct(during, 50), "p99_s": pct(during, 99)},
-        "swaps": [
-            {
-                "to": r.target,
-                "tensors": r.tensors_reloaded,
-                "reload_bytes": r.reload_bytes,
-                "prepare_s": r.prepare_s,
-                "pause_s": r.pause_s,
-                "drain_s": r.drain_s,
-                "reload_s": r.reload_s,
-            }
-            for r in reports
-        ],
+        "swaps": rows,
+        **swap_summary(done, rows, rows[0]["start"] if rows else float("inf")),
     }
 
 
 def _swap_table(s: dict) -> Table:
     t = Table(
-        title=f"swaps under load: {s['clients']} clients, {s['max_tokens']}-token greedy completions, lr {s['lr']:g} versions"
+        title=f"swaps under load: {s['clients']} clients, {s['max_tokens']}-token greedy completions, lr {s['lr']:g} "
+        f"versions; `wait` lets in-flight requests finish, `restart` restarts them after {s['preempt_after_ms']:g} ms"
     )
-    for name in ("swap", "tensors", "MB", "prepare s", "pause s", "drain s", "reload s"):
+    for name in ("swap", "mode", "tensors", "MB", "prepare s", "pause s", "drain s", "reload s", "restarted"):
         t.add_column(name, justify="right")
     for w in s["swaps"]:
         t.add_row(
-            f"v{w['to'] - 1}->v{w['to']}",
+            f"v{w['frm']}->v{w['to']}",
+            w["mode"],
             str(w["tensors"]),
             f"{w['reload_bytes'] / 1e6:.2f}",
             f"{w['prepare_s']:.3f}",
             f"{w['pause_s']:.3f}",
             f"{w['drain_s']:.3f}",
             f"{w['reload_s']:.3f}",
+            str(w["restarted"]),
         )
-    st, du = s["steady"], s["during_swap"]
-    t.caption = (
-        f"latency p50/p99: steady {st['p50_s']:.2f}/{st['p99_s']:.2f} s (n={st['n']}), overlapping a swap "
-        f"{du['p50_s']:.2f}/{du['p99_s']:.2f} s (n={du['n']}); failed {s['failed']} of {s['requests']}"
-    )
+    st = s["steady"]
+    lines = [f"steady latency p50/p99 {st['p50_s']:.2f}/{st['p99_s']:.2f} s (n={st['n']})"]
+    for mode, m in s["modes"].items():
+        du = m["during"]
+        lines.append(
+            f"{mode}: pause p50 {m['pause_p50_s'] * 1000:.0f} ms, max {m['pause_max_s'] * 1000:.0f} ms (target 100); "
+            f"requests overlapping its swaps p50/p99 {du['p50_s']:.2f}/{du['p99_s']:.2f} s (n={du['n']}); "
+            f"{m['restarted']} restarted"
+        )
+    if "pause_ratio" in s:
+        lines.append(
+            f"wait / restart: max pause x{s['pause_ratio']:.1f}, p99 of overlapping requests x{s['during_p99_ratio']:.2f}"
+        )
+    lines.append(f"failed {s['failed']} of {s['requests']} requests")
+    t.caption = "\n".join(lines)
     return t

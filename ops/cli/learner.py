@@ -156,6 +156,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--swap", action="store_true", help="also swap the versions into vLLM under load: pause, p99, failures"
     )
+    d.add_argument(
+        "--swaps",
+        type=int,
+        default=8,
+        help="swaps with --swap, alternately waiting for in-flight requests and restarting them (default 8)",
+    )
     d.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(d)
     d.set_defaults(fn=cmd_bench_delta)
@@ -418,6 +424,7 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
         level=args.level,
         threads=args.threads,
         swap=args.swap,
+        swaps=args.swaps,
         out=args.out,
         command=shlex.join(["flywheel", *sys.argv[1:]]),
     )

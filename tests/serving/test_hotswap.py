@@ -5,6 +5,7 @@ weights the way vLLM does (it loads the update file by path) and tags every toke
 weights that produced it. The slow test does it with vLLM itself and checks the logprobs."""
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -41,20 +42,27 @@ def sync(fn):
 
 class WeightsEngine:
     """A fake engine with weights: `update_weights` loads the file as vLLM's worker does, and
-    every generated token id is the version of the weights that produced it."""
+    every generated token id is the version of the weights that produced it. `abort` ends a
+    request's stream with a final output (finish reason "abort"), as vLLM's AsyncLLM does."""
 
     def __init__(self, weights: dict, version: int, token_delay_s: float = 0.0):
         self.weights, self.version, self.delay = dict(weights), version, token_delay_s
         self.reloads: list[list[str]] = []
         self.fail_reloads = 0
         self.hold: asyncio.Event | None = None  # when set up, requests wait for it before each token
+        self.aborted: set[str] = set()
+        self.started: list[str] = []  # request ids, as the engine got them
 
     async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
+        self.started.append(request_id)
         ids = []
         for k in range(spec.max_tokens):
             await asyncio.sleep(self.delay)
-            if self.hold is not None:
-                await self.hold.wait()
+            while self.hold is not None and not self.hold.is_set() and request_id not in self.aborted:
+                await asyncio.sleep(0.002)
+            if request_id in self.aborted:
+                yield [Sample(index=0, token_ids=list(ids), logprobs=[0.0] * len(ids), text="", finish_reason="abort")]
+                return
             ids.append(self.version)
             done = k == spec.max_tokens - 1
             yield [
@@ -68,7 +76,7 @@ class WeightsEngine:
             ]
 
     async def abort(self, request_id):
-        pass
+        self.aborted.add(request_id)
 
     async def update_weights(self, path: str, sha256: str, version: int) -> dict:
         with open(path, "rb") as f:
@@ -229,7 +237,7 @@ async def test_in_flight_requests_finish_on_old_weights_new_ones_wait(tok, publi
     root, ckpts = published
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0, token_delay_s=0.03)
     service = make_service(tok, engine)
-    swapper = HotSwapper(service, S.open_store(root))
+    swapper = HotSwapper(service, S.open_store(root), preempt_after_s=None)  # wait for every request
     swapper.adopt(0)
 
     old = [asyncio.create_task(service.complete(request(i, max_tokens=20))) for i in range(3)]
@@ -246,6 +254,75 @@ async def test_in_flight_requests_finish_on_old_weights_new_ones_wait(tok, publi
         assert set(r.samples[0].token_ids) == {r.model_version}, (r.model_version, r.samples[0].token_ids)
     assert [r.model_version for r in results] == [0, 0, 0, 1, 1, 1]
     assert report.pause_s >= report.drain_s > (0.01 if draining else 0)
+
+
+def streamed_request(i: int, max_tokens: int) -> GenerateRequest:
+    r = request(i, max_tokens)
+    return dataclasses.replace(r, spec=dataclasses.replace(r.spec, stream=True))
+
+
+async def collect(results: list, agen) -> None:
+    async for r in agen:
+        results.append(r)
+
+
+@sync
+async def test_a_swap_restarts_requests_whose_client_saw_nothing_and_lets_started_streams_finish(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0, token_delay_s=0.01)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root), preempt_after_s=0.02, pool="canary")
+    swapper.adopt(0)
+    before = REGISTRY.get_sample_value("flywheel_swap_restarts_total", {"pool": "canary"}) or 0
+
+    streamed: list = []
+    stream_req = streamed_request(0, max_tokens=30)
+    stream = asyncio.create_task(collect(streamed, service.stream(stream_req)))
+    while not streamed:  # the stream's client has seen tokens of v0
+        await asyncio.sleep(0.001)
+    # non-streamed: 400 tokens at 10 ms or more each, seconds from done when the swap starts
+    long = [asyncio.create_task(service.complete(request(1 + i, max_tokens=400))) for i in range(3)]
+    await asyncio.sleep(0.05)
+    report = await swapper.swap_to(1)
+    results = await asyncio.gather(*long)
+    await stream
+
+    assert report.restarted == 3
+    for r in results:  # run again, whole, on v1: every token, and the result's version
+        assert r.model_version == 1 and r.samples[0].token_ids == [1] * 400
+    final = streamed[-1]  # the stream kept its version: all 30 tokens of v0
+    assert final.done and final.model_version == 0 and final.samples[0].token_ids == [0] * 30
+    # the pause waited for the stream (30 tokens), not for the 400-token requests
+    assert report.drain_s < 2.0, report
+    assert REGISTRY.get_sample_value("flywheel_swap_restarts_total", {"pool": "canary"}) == before + 3
+    assert [i for i in engine.started if "~" in i] == ["c1~1", "c2~1", "c3~1"]  # a restart's own engine id
+
+
+@sync
+async def test_a_stream_that_has_sent_nothing_is_restarted_and_a_client_abort_reaches_the_restart(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    engine.hold = asyncio.Event()  # no token comes out until it is set
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root), preempt_after_s=0.0)
+    swapper.adopt(0)
+    streamed: list = []
+    req = streamed_request(0, max_tokens=3)
+    stream = asyncio.create_task(collect(streamed, service.stream(req)))
+    gone = asyncio.create_task(service.complete(request(1, max_tokens=3)))
+    while len(engine.started) < 2:
+        await asyncio.sleep(0.001)
+    report = await swapper.swap_to(1)  # would wait for ever without the restart: the tokens are held
+    assert report.restarted == 2 and not streamed
+    while len(engine.started) < 4:  # both run again
+        await asyncio.sleep(0.001)
+    await swapper.gate.abort("c1")  # the client of c1 left: the abort reaches the engine id it runs under
+    assert "c1~1" in engine.aborted
+    engine.hold.set()
+    await stream
+    assert streamed[-1].model_version == 1 and streamed[-1].samples[0].token_ids == [1, 1, 1]
+    assert all(r.model_version == 1 for r in streamed)  # nothing of v0 reached the stream's client
+    assert (await gone).samples[0].finish_reason == "abort"
 
 
 @sync
@@ -279,7 +356,7 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
     report = await swapper.swap_report(9)
     assert not report["ok"] and report["version"] == 1 and "not in the store" in report["error"]
     engine.hold = asyncio.Event()
-    swapper.drain_timeout_s = 0.05
+    swapper.drain_timeout_s, swapper.preempt_after_s = 0.05, None
     stuck = asyncio.create_task(service.complete(request(2, max_tokens=3)))
     await asyncio.sleep(0.01)
     with pytest.raises(SwapError, match="did not finish"):

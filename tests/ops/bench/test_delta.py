@@ -1,0 +1,58 @@
+"""`flywheel bench delta --swap`: the swap plan and the per-mode summary (the swaps themselves run
+vLLM under load; serving.hotswap's tests cover what each mode does)."""
+
+import math
+
+import pytest
+
+from ops.bench.delta import swap_plan, swap_summary
+
+
+def test_the_swaps_go_back_and_forth_and_the_modes_are_balanced():
+    plan = swap_plan(8, 2)
+    assert [v for v, _ in plan] == [1, 0, 1, 0, 1, 0, 1, 0]  # every swap changes the weights
+    assert [m for _, m in plan] == ["wait", "restart", "restart", "wait"] * 2
+    for mode in ("wait", "restart"):  # as many of each direction in each mode
+        assert sorted(v for v, m in plan if m == mode) == [0, 0, 1, 1]
+    assert [v for v, _ in swap_plan(6, 3)] == [1, 2, 0, 1, 2, 0]
+    with pytest.raises(ValueError):
+        swap_plan(4, 1)
+
+
+def swap(mode: str, start: float, end: float, pause: float, restarted: int = 0) -> dict:
+    return {
+        "mode": mode,
+        "start": start,
+        "end": end,
+        "pause_s": pause,
+        "drain_s": pause - 0.01,
+        "reload_s": 0.01,
+        "restarted": restarted,
+    }
+
+
+def test_each_mode_gets_its_pauses_and_the_requests_that_overlapped_its_swaps():
+    swaps = [swap("wait", 10.0, 11.0, 0.8), swap("restart", 20.0, 20.2, 0.05, restarted=3)]
+    done = [
+        (1.0, 1.5, True, 0),  # steady, before the first swap
+        (2.0, 2.2, True, 0),
+        (10.5, 12.0, True, 1),  # overlaps the wait swap
+        (19.9, 21.0, True, 0),  # overlaps the restart swap
+        (19.95, 20.5, False, -1),  # failed: in no latency
+        (30.0, 30.1, True, 0),  # after both
+    ]
+    s = swap_summary(done, swaps, t_first=10.0)
+    assert s["steady"]["n"] == 2 and s["steady"]["p50_s"] == pytest.approx(0.35)
+    w, r = s["modes"]["wait"], s["modes"]["restart"]
+    assert (w["swaps"], w["pause_max_s"], w["restarted"], w["during"]["n"]) == (1, 0.8, 0, 1)
+    assert w["during"]["p99_s"] == pytest.approx(1.5)
+    assert (r["pause_max_s"], r["restarted"], r["during"]["n"]) == (0.05, 3, 1)
+    assert r["during"]["p99_s"] == pytest.approx(1.1)
+    assert s["pause_ratio"] == pytest.approx(16.0)
+    assert s["during_p99_ratio"] == pytest.approx(1.5 / 1.1)
+
+
+def test_one_mode_alone_has_no_ratio():
+    s = swap_summary([(0.0, 1.0, True, 0)], [swap("restart", 5.0, 5.1, 0.1)], t_first=5.0)
+    assert set(s["modes"]) == {"restart"} and "pause_ratio" not in s
+    assert s["modes"]["restart"]["during"]["n"] == 0 and math.isnan(s["modes"]["restart"]["during"]["p50_s"])
