@@ -14,7 +14,8 @@ batch written directly).
   stored row is what the sink alone sustains. The producer's own rate is reported too.
 - producer -> Kafka -> sink: events go through the real buffered producer (acks=all) to an
   events topic while the sink runs, as fast as the producer sends (the lag then includes
-  any backlog), then paced at half that rate (the lag of a pipeline that keeps up).
+  any backlog), then paced at half that rate for 10 s (the lag of a pipeline that keeps up), or
+  at `paced_rate` for `paced_s` (e.g. 5,000 events/s for 60 s: the rate a deployment must hold).
 
 The events are handed to `send_events(list[FeedbackEvent])`, by default the Kafka producer.
 An HTTP sender (POST /v1/events/batch) plugs in there; the API then produces to
@@ -270,6 +271,16 @@ def _wait_for(
     raise RuntimeError(f"only {got} of {n} {table} arrived within {timeout_s:.0f}s")
 
 
+def _queue(producer, topic: str, msgs, room_bytes: int) -> None:
+    """Queue `msgs`, first waiting while the producer holds more than half of `room_bytes` (its
+    buffer's size): a run queues more than the buffer holds (300,000 events and their 75,000
+    completions per phase are hundreds of MB), and a full buffer drops records."""
+    for m in msgs:
+        while producer.buffered_bytes > room_bytes // 2:
+            time.sleep(0.002)
+        producer.send(topic, m)
+
+
 def _send_paced(send: EventSender, cids: list[str], n: int, rate: float | None, offset: int, chunk: int = 100) -> None:
     t0 = time.monotonic()
     for start in range(0, n, chunk):
@@ -291,6 +302,8 @@ def run_ingest_bench(
     send_chunk: int = 100,
     refused: Callable[[], int] = lambda: 0,
     paced: bool = True,
+    paced_rate: float | None = None,
+    paced_s: float = 10.0,
     progress: Callable[[str], None] = lambda m: None,
     timeout_s: float = 600.0,
     stall_s: float = 30.0,
@@ -322,7 +335,8 @@ def run_ingest_bench(
     own_topics = [c_topic, e_topic]  # a sender's topic too: it is the run's own
     _create_topics(settings, own_topics)
     producer = BufferedProducer(settings.kafka, max_buffered=max(100_000, 2 * n_events))
-    direct_send = lambda evs: [producer.send(e_topic, e) for e in evs]  # noqa: E731
+    room = settings.kafka.producer_buffer_bytes
+    direct_send = lambda evs: _queue(producer, e_topic, evs, room)  # noqa: E731
     send = send_events or direct_send
     chunk = send_chunk if send_events else 100
     log = open(bench_dir / f"sink-{run}.log", "wb")
@@ -340,8 +354,7 @@ def run_ingest_bench(
     sink = start_sink()
     try:
         # Every phase's completions first, so that the timed phases store events only.
-        for cid in (c for phase in phases for c in ids[phase]):
-            producer.send(c_topic, make_completion(cid))
+        _queue(producer, c_topic, (make_completion(c) for phase in phases for c in ids[phase]), room)
         producer.flush(timeout_s)
         for phase in phases:
             _wait_for(engine, f"b{phase}{run}-", n_comp, sink, timeout_s, table="completions")
@@ -383,13 +396,14 @@ def run_ingest_bench(
 
         kafka_paced = None
         if paced:
-            rate = kafka.events_per_s / 2
-            n_paced = max(100, min(n_events, int(rate * 10)))
-            progress(f"kafka: {n_paced} events paced at {rate:,.0f}/s")
+            rate = paced_rate or kafka.events_per_s / 2
+            n_paced = max(100, min(n_events, int(rate * paced_s)))
+            progress(f"kafka: {n_paced} events paced at {rate:,.0f}/s ({n_paced / rate:.0f} s)")
             _send_paced(send, ids["p"], n_paced, rate, 0, chunk)
             producer.flush(timeout_s)
             _wait_for(engine, f"bp{run}-", n_paced, sink, timeout_s, stall_s=stall_s)
-            kafka_paced = measure(engine, f"bp{run}-", "same, paced at half", offered=rate, lost_of=n_paced)
+            label = f"same, paced at {rate:,.0f}/s" if paced_rate else "same, paced at half"
+            kafka_paced = measure(engine, f"bp{run}-", label, offered=rate, lost_of=n_paced)
     finally:
         producer.close()
         _stop(sink)

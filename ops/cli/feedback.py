@@ -72,6 +72,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="events per HTTP request (default 100; 1 sends each alone to POST /v1/events)",
     )
     b.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients (default 8)")
+    b.add_argument(
+        "--paced-rate",
+        type=float,
+        metavar="EVENTS_PER_S",
+        help="rate of the paced phase (default: half the flat-out rate); at most --events are sent",
+    )
+    b.add_argument(
+        "--paced-seconds", type=float, default=10.0, metavar="S", help="length of the paced phase (default 10)"
+    )
     add_config_args(b)
     b.set_defaults(fn=cmd_bench_ingest)
 
@@ -155,6 +164,8 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
     print_config(s, "flywheel bench ingest")
     _logging()
     progress = lambda m: console.print(m, markup=False, soft_wrap=True)  # noqa: E731
+    if (args.paced_rate is not None and args.paced_rate <= 0) or args.paced_seconds <= 0:
+        raise UserError("--paced-rate and --paced-seconds must be positive")
     sender = None
     if args.via == "http":
         from ops.bench.ingest_http import HttpEventSender
@@ -177,6 +188,8 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
             events_topic=sender.topic if sender else None,
             send_chunk=sender.chunk if sender else 100,
             refused=(lambda: sender.errors) if sender else (lambda: 0),
+            paced_rate=args.paced_rate,
+            paced_s=args.paced_seconds,
         )
     finally:
         if sender is not None:
