@@ -85,7 +85,7 @@ SWAPS = ReplicaMetric("counter", "flywheel_swaps_total", "In-place weight swaps 
 SWAP_PAUSE = ReplicaMetric(
     "histogram",
     "flywheel_swap_pause_seconds",
-    "Time admission was closed for a weight swap (drain + reload)",
+    "Time admission was closed for a weight swap (the wait for in-flight requests, then the reload)",
     ("pool",),
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
@@ -308,7 +308,7 @@ class SwapReport:
     tensors_reloaded: int = 0
     reload_bytes: int = 0
     prepare_s: float = 0.0  # plan + fetch + verify + write, while serving continues
-    pause_s: float = 0.0  # admission closed: drain + reload
+    pause_s: float = 0.0  # admission closed: the wait for in-flight requests + the reload
     drain_s: float = 0.0  # the wait for in-flight requests: to finish, or to be aborted for a restart
     restarted: int = 0  # in-flight requests aborted to run again on the new version
     reload_s: float = 0.0

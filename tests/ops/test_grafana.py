@@ -85,6 +85,7 @@ def test_every_query_reads_metrics_flywheel_exports(dashboard):
         "ray_vllm_num_requests_waiting",
         "ray_flywheel_swap_pause_seconds_bucket",
         "ray_flywheel_swaps_total",
+        "ray_flywheel_swap_restarts_total",
     } <= used
 
 
