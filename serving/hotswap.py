@@ -198,18 +198,20 @@ def reload_set(changed, names) -> list[str]:
 
 
 class _Flight:
-    """One request in the engine: the id the engine knows it by, and whether its client saw output."""
+    """One request in the engine: the id the engine knows it by, whether its client saw output,
+    and whether its last output (every sample finished) came out."""
 
-    __slots__ = ("engine_id", "stream", "seen", "restart")
+    __slots__ = ("engine_id", "stream", "seen", "finished", "restart")
 
     def __init__(self, engine_id: str, stream: bool):
-        self.engine_id, self.stream, self.seen, self.restart = engine_id, stream, False, False
+        self.engine_id, self.stream = engine_id, stream
+        self.seen = self.finished = self.restart = False
 
     @property
     def restartable(self) -> bool:
-        """Nothing of it reached the client: a non-streamed request (only its last output is
-        returned) or a stream before its first output."""
-        return not (self.stream and self.seen)
+        """Nothing of it reached the client, and it is not done: a non-streamed request (only its
+        last output is returned) or a stream before its first output, either still generating."""
+        return not self.finished and not (self.stream and self.seen)
 
 
 class GatedEngine:
@@ -242,6 +244,7 @@ class GatedEngine:
                     if flight.restart:  # an output of the old weights after the abort: dropped
                         continue
                     flight.seen = True
+                    flight.finished = bool(out) and all(s.finish_reason is not None for s in out)
                     yield out
             finally:
                 self._flights.pop(request_id, None)

@@ -22,7 +22,7 @@ from learner import store as S
 from learner.formats import own_format, read_format
 from learner.model import ModelArgs, Transformer
 from serving.engine import Sample, SamplingSpec
-from serving.hotswap import HotSwapper, OutOfService, SwapError, reload_set, vllm_layer
+from serving.hotswap import GatedEngine, HotSwapper, OutOfService, SwapError, reload_set, vllm_layer
 from serving.replica import CompletionService, GenerateRequest
 from serving.settings import EngineSettings, ServeSettings
 from tests.helpers import served_logprob_tolerance
@@ -323,6 +323,24 @@ async def test_a_stream_that_has_sent_nothing_is_restarted_and_a_client_abort_re
     assert streamed[-1].model_version == 1 and streamed[-1].samples[0].token_ids == [1, 1, 1]
     assert all(r.model_version == 1 for r in streamed)  # nothing of v0 reached the stream's client
     assert (await gone).samples[0].finish_reason == "abort"
+
+
+@sync
+async def test_a_request_whose_last_output_came_out_is_not_restarted(published):
+    root, ckpts = published
+    gate = GatedEngine(WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0))
+    outs = gate.generate([1], SamplingSpec(max_tokens=2, stream=False), "r")
+    last = [await outs.__anext__(), await outs.__anext__()][-1]
+    assert last[0].finish_reason == "length"  # done, its generator not yet closed
+
+    async def rest() -> list:
+        await asyncio.sleep(0.01)
+        return [o async for o in outs]
+
+    rest_task = asyncio.create_task(rest())
+    async with gate.paused(5.0, preempt_after_s=0.0) as waited:
+        pass
+    assert waited["restarted"] == 0 and await rest_task == []  # not run again
 
 
 @sync
