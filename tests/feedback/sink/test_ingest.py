@@ -6,12 +6,14 @@ import socket
 import threading
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pytest
 from sqlalchemy import select
 
 from feedback import db
 from feedback.core.errors import UserError
 from feedback.reward import RewardWeights
+from feedback.routing import encode_routing
 from feedback.schemas import FeedbackEvent, encode
 from feedback.sink import ingest
 from feedback.sink.ingest import Batch, Origin
@@ -201,6 +203,57 @@ def test_code_and_model_output_with_nul_are_stored_with_it_spelled_out(engine):
         ev = conn.execute(select(db.events)).one()
     assert (c.prompt_text, c.filepath, ch.text, ev.kept_text) == ("a\\x00b", "f\\x00.py", "x\\x00y", "x\\x00")
     assert ch.n_chars == 3 and list(ch.token_ids) == rec.choices[0].token_ids  # as served; the ids are exact
+
+
+def test_a_batch_stores_the_same_values_as_rows_written_one_by_one(engine):
+    """Several rows go to the database in one statement (on PostgreSQL, an array per column), one
+    row alone as a VALUES: both store the same values, JSON (lists, dicts, null), NUL spelled out,
+    bytes, timestamps, and both skip a row already there."""
+    o = Offsets()
+
+    routing = encode_routing(np.array([[[1, 2]] * 3]))
+
+    def records(tag):
+        return [
+            completion(
+                f"{tag}{i}",
+                f"x{i}\x00",
+                created_at=T0 + timedelta(seconds=i),
+                summary_ids=[f"s{i}", "t"][: i + 1],
+                routing=routing if i else None,
+                session_id=None if i else "sess",
+            )
+            for i in range(3)
+        ]
+
+    batch = write(engine, completions=[o(r) for r in records("b")])
+    for r in records("s"):
+        write(engine, completions=[o(r)])
+    assert batch.completions == 3
+    again = write(engine, completions=[o(r) for r in records("b") + records("n")])
+    assert again.completions == 3  # only the new ones
+    dead = [ingest.dead_letter_row(Origin("t", 0, i, b"k\x00", b"\x00\xff"), "malformed", "e", T0) for i in range(2)]
+    with engine.begin() as conn:
+        assert len(ingest.insert_new(conn, db.dead_letters, dead, returning=db.dead_letters.c.id)) == 2
+        assert ingest.insert_new(conn, db.dead_letters, dead, returning=db.dead_letters.c.id) == []
+
+    def stored(tag):
+        with engine.connect() as conn:
+            c, ch = db.completions, db.completion_choices
+            rows = conn.execute(
+                select(c, ch.c.token_ids, ch.c.logprobs, ch.c.routing, ch.c.text, ch.c.n_chars)
+                .join(ch, ch.c.completion_id == c.c.completion_id)
+                .where(c.c.completion_id.like(f"{tag}%"))
+                .order_by(c.c.completion_id)
+            ).mappings()
+            return [{k: v for k, v in r.items() if k not in ("id", "completion_id", "ingested_at")} for r in rows]
+
+    assert stored("b") == stored("s") == stored("n")
+    assert [r["routing"] for r in stored("b")] == [None, routing, routing]
+    assert [r["summary_ids"] for r in stored("b")] == [["s0"], ["s1", "t"], ["s2", "t"]]
+    assert [r["text"] for r in stored("b")] == ["x0\\x00", "x1\\x00", "x2\\x00"]
+    with engine.connect() as conn:
+        assert [(d.key, d.payload) for d in conn.execute(select(db.dead_letters))] == [("k\\x00", b"\x00\xff")] * 2
 
 
 @pytest.mark.postgres
