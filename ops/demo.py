@@ -78,8 +78,17 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     learn: LearnSection = LearnSection(
         publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
     )
+    # A few dozen shown choices per arm and step: far from the ~1,200 per arm the default
+    # non-inferiority rule needs to promote, so the demo promotes on "no significant harm"
+    # and its summary says so.
     rollout: RolloutSection = RolloutSection(
-        auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0
+        auto=True,
+        weights=[25.0, 50.0, 100.0],
+        interval_s=20.0,
+        min_samples=8,
+        max_holds=8,
+        poll_s=2.0,
+        promote_rule="no_harm",
     )
     eval: EvalSection = EvalSection(sites=200, token_accuracy=False)  # a 1536-token prompt's forward each
 

@@ -55,6 +55,13 @@ class RolloutSection(Section):
     (rolls back) whenever it has the samples."""
     thresholds: Thresholds = Thresholds()
     """Tolerances of the guarded metrics (section `[rollout.thresholds]`)."""
+    promote_rule: Literal["non_inferior", "no_harm"] = "non_inferior"
+    """What the last step needs to promote. `non_inferior`: the canary's accept rate shown to be within
+    `thresholds.accept_rate_drop` of stable's (the upper confidence bound of its drop below that margin;
+    the step holds until it is, and rolls back after `max_holds` holds). At a 10% accept rate and a
+    2-point margin that takes about 1,200 shown choices per arm. `no_harm`: no metric significantly
+    worse, however few the samples beyond `min_samples` (the older rule; `flywheel demo` uses it, its
+    minutes cannot gather that many)."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the controller checks the active rollout (and, in auto mode, the versions topic)."""
     auto: bool = False
@@ -83,6 +90,7 @@ class RolloutSection(Section):
             max_holds=self.max_holds,
             require_reward=self.require_reward,
             max_per_user=self.max_per_user,
+            promote_rule=self.promote_rule,
             **self.thresholds.model_dump(),
         )
 

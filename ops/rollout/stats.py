@@ -32,6 +32,16 @@ Tests (one-sided: "is the canary worse than stable by more than the tolerance?")
           rolled harmless candidates back; the test weighs the whole distribution and its
           sample size instead. The p99 of each arm stays in the evidence.
 
+Promotion (after the last step) needs more than "no significant harm" under the default rule
+`non_inferior`: the canary's accept rate must be shown to be within `accept_rate_drop` of stable's,
+that is, the one-sided (1 - alpha) upper confidence bound of its drop (stable minus canary, Wald
+standard error on Agresti and Caffo's adjusted rates) must lie below the margin. "No significant harm" alone let a step of a few dozen
+shown choices promote a canary whose accept rate looked lower (10.7% of 28 against 13.3% of 105):
+absence of evidence of harm, not evidence of its absence. Until the bound is below the margin
+the last step holds, gathering traffic; after `max_holds` holds it rolls back ("not shown
+non-inferior"). At a 10% accept rate and a 2-point margin that takes about 1,200 shown choices
+per arm. `no_harm` keeps the older rule (a short demo, or a team that accepts the risk).
+
 Each metric is tested at `alpha` on its own (no multiple-comparison correction): a false
 alarm costs one rolled-back version, a missed regression costs users, so the controller errs
 towards rolling back. The tolerances keep an equal candidate far from the rejection region.
@@ -41,9 +51,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 ADVANCE, HOLD, PROMOTE, ROLLBACK = "advance", "hold", "promote", "rollback"
+NON_INFERIOR, NO_HARM = "non_inferior", "no_harm"
+PROMOTE_RULES = (NON_INFERIOR, NO_HARM)
 
 
 # --- distributions ------------------------------------------------------------------------------
@@ -206,6 +219,13 @@ class Policy:
     max_per_user: int = 20
     """Most samples of each kind (completions, choices, shown choices, rewards) one user
     contributes to an arm in a step (ops/rollout/arms.py): no single client decides a rollout."""
+    promote_rule: str = NON_INFERIOR
+    """What the last step needs to promote: `non_inferior` (the accept rate shown to be within
+    `accept_rate_drop` of stable's) or `no_harm` (no metric significantly worse)."""
+
+    def __post_init__(self) -> None:
+        if self.promote_rule not in PROMOTE_RULES:
+            raise ValueError(f"promote_rule must be one of {', '.join(PROMOTE_RULES)}, not {self.promote_rule!r}")
 
     def thresholds(self) -> dict[str, Any]:
         """The JSON kept in rollouts.thresholds (everything but min_samples, which has its own column)."""
@@ -216,6 +236,7 @@ class Policy:
     @classmethod
     def from_row(cls, min_samples: int, thresholds: dict[str, Any]) -> Policy:
         known = {k: v for k, v in thresholds.items() if k in cls.__dataclass_fields__ and k != "min_samples"}
+        known.setdefault("promote_rule", NO_HARM)  # a rollout begun before the rule existed keeps its rule
         return cls(min_samples=min_samples, **known)
 
 
@@ -239,7 +260,10 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
     2. Otherwise, until the accept rate (and with `require_reward` the mean reward) has
        `min_samples` in both arms, the step holds; after `max_holds` holds it rolls back
        ("insufficient traffic") rather than wait forever.
-    3. Otherwise the canary advances to the next weight, or is promoted after the last one.
+    3. Otherwise the canary advances to the next weight. After the last one it is promoted,
+       under `promote_rule = "non_inferior"` only once its accept rate is shown to be within
+       `accept_rate_drop` of stable's (`non_inferiority`); until then the step holds, and after
+       `max_holds` holds it rolls back.
     """
     tests = metric_tests(canary, stable, policy)
     evidence = {
@@ -269,9 +293,55 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
         )
 
     passed = ", ".join(_describe(name, t, policy) for name, t in tests.items() if t["tested"])
-    if last_step:
+    if not last_step:
+        return _decision(ADVANCE, "no_harm", f"no significant harm ({passed})", evidence)
+    if policy.promote_rule == NO_HARM:
         return _decision(PROMOTE, "no_harm", f"no significant harm at the last step ({passed})", evidence)
-    return _decision(ADVANCE, "no_harm", f"no significant harm ({passed})", evidence)
+    ni = non_inferiority(canary.accepted, canary.shown, stable.accepted, stable.shown, policy)
+    evidence["non_inferiority"] = ni
+    shown = (
+        f"accept rate {ni['canary']:.1%} of {canary.shown} vs {ni['stable']:.1%} of {stable.shown}: its drop is at most "
+        f"{ni['drop_upper']:+.1%} ({1 - policy.alpha:.0%} upper bound), margin {policy.accept_rate_drop:.1%}"
+    )
+    if ni["shown"]:
+        return _decision(PROMOTE, NON_INFERIOR, f"non-inferior at the last step ({shown}; {passed})", evidence)
+    if holds >= policy.max_holds:
+        return _decision(
+            ROLLBACK, "not_non_inferior", f"not shown non-inferior after {holds} holds ({shown})", evidence
+        )
+    return _decision(
+        HOLD,
+        "non_inferiority",
+        f"waiting for evidence the canary is not worse ({shown}); hold {holds + 1} of {policy.max_holds}",
+        evidence,
+    )
+
+
+def non_inferiority(x_c: int, n_c: int, x_s: int, n_s: int, policy: Policy) -> dict[str, Any]:
+    """Is the canary's accept rate `x_c / n_c` shown to be no more than `accept_rate_drop` below
+    stable's `x_s / n_s`? The one-sided test of H0: drop >= margin, on Agresti and Caffo's
+    adjusted rates (one success and one failure added to each arm), whose interval keeps its
+    coverage where the plain Wald one collapses: with no accepts in either arm Wald's standard
+    error is 0, and 0 of 8 against 0 of 8 would "show" non-inferiority. `shown` when p < alpha,
+    which is when the (1 - alpha) upper confidence bound of the drop, `drop_upper`, lies below
+    the margin."""
+    assert n_c > 0 and n_s > 0, "each arm needs observations"
+    a_c, a_s = (x_c + 1) / (n_c + 2), (x_s + 1) / (n_s + 2)
+    drop, margin = a_s - a_c, policy.accept_rate_drop
+    se = math.sqrt(a_c * (1.0 - a_c) / (n_c + 2) + a_s * (1.0 - a_s) / (n_s + 2))
+    z, p = _one_sided(margin - drop, se)
+    upper = drop + NormalDist().inv_cdf(1.0 - policy.alpha) * se
+    return {
+        "canary": x_c / n_c,
+        "stable": x_s / n_s,
+        "drop": drop,
+        "drop_upper": upper,
+        "margin": margin,
+        "stat": z,
+        "p": p,
+        "alpha": policy.alpha,
+        "shown": p < policy.alpha,
+    }
 
 
 _SAMPLE_NAMES = {"accept_rate": "shown choices", "reward": "rewards", "error_rate": "choices", "latency": "completions"}

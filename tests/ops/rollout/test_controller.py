@@ -204,7 +204,10 @@ def test_run_controller_survives_a_database_that_is_not_there_yet(tmp_path, capl
         pools.set_stable(engine, STABLE)
         now = datetime.now(UTC)
         r = commands.start_rollout(
-            engine, CANDIDATE, section=RolloutSection(weights=[100], interval_s=0.5, min_samples=50), now=now
+            engine,
+            CANDIDATE,
+            section=RolloutSection(weights=[100], interval_s=0.5, min_samples=50, promote_rule="no_harm"),
+            now=now,
         )
         serve(
             engine, STABLE, 200, start=now - timedelta(seconds=0.4), span_s=0.3

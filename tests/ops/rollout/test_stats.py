@@ -1,5 +1,6 @@
 """The canary's statistics against hand-computed numbers, and the decision rules."""
 
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from ops.rollout.stats import (
     Arm,
     Policy,
     decide,
+    non_inferiority,
     normal_sf,
     t_sf,
     two_proportion_ztest,
@@ -123,9 +125,59 @@ def arm(
 def test_equal_arms_advance_then_promote():
     d = decide(arm(), arm(), POLICY, holds=0, last_step=False)
     assert (d.action, d.rule) == (ADVANCE, "no_harm")
-    assert decide(arm(), arm(), POLICY, holds=0, last_step=True).action == PROMOTE
     json.dumps(d.evidence, allow_nan=False)  # strict JSON for the evidence column
     assert d.evidence["tests"]["accept_rate"]["tested"] and d.evidence["tests"]["accept_rate"]["p"] > 0.05
+    # 1,000 shown choices an arm at 40%: the drop's upper bound (3.6 points) is above the margin
+    last = decide(arm(), arm(), POLICY, holds=0, last_step=True)
+    assert (last.action, last.rule) == (HOLD, "non_inferiority") and "hold 1 of 3" in last.reason
+    big = decide(arm(shown=6000), arm(shown=6000), POLICY, holds=0, last_step=True)
+    assert (big.action, big.rule) == (PROMOTE, "non_inferior") and big.evidence["non_inferiority"]["shown"]
+    json.dumps(big.evidence, allow_nan=False)
+    no_harm = dataclasses.replace(POLICY, promote_rule="no_harm")
+    assert decide(arm(), arm(), no_harm, holds=0, last_step=True).action == PROMOTE
+
+
+def test_promotion_needs_the_canary_shown_non_inferior_not_just_harm_not_shown():
+    """The demo's case: 3 of 28 shown accepted against 14 of 105 passed "no significant harm" and
+    was promoted. Non-inferiority holds it, and rolls it back once its holds are spent."""
+    policy = Policy(min_samples=8, alpha=0.05, max_holds=3)
+    thin_c, thin_s = Arm(shown=28, accepted=3), Arm(shown=105, accepted=14)
+    assert (
+        decide(thin_c, thin_s, dataclasses.replace(policy, promote_rule="no_harm"), holds=0, last_step=True).action
+        == PROMOTE
+    )
+    d = decide(thin_c, thin_s, policy, holds=0, last_step=True)
+    ni = d.evidence["non_inferiority"]
+    assert (d.action, d.rule) == (HOLD, "non_inferiority") and not ni["shown"] and ni["drop_upper"] > 0.10
+    assert "10.7% of 28 vs 13.3% of 105" in d.reason
+    d = decide(thin_c, thin_s, policy, holds=3, last_step=True)
+    assert (d.action, d.rule) == (ROLLBACK, "not_non_inferior") and "after 3 holds" in d.reason
+
+
+@pytest.mark.parametrize(
+    "x_c, n_c, x_s, n_s, shown",
+    [
+        (120, 1200, 120, 1200, False),  # 10% each: the bound (2.02 points) just misses the 2-point margin
+        (130, 1300, 130, 1300, True),  # a little more traffic shows it
+        (0, 8, 0, 8, False),  # nothing accepted anywhere: Wald's interval would be 0 wide
+        (0, 400, 0, 400, True),
+        (500, 2000, 400, 2000, True),  # better than stable
+        (380, 2000, 400, 2000, False),  # 1 point worse: the bound reaches past 2
+    ],
+)
+def test_non_inferiority_bound(x_c, n_c, x_s, n_s, shown):
+    r = non_inferiority(x_c, n_c, x_s, n_s, Policy())
+    assert r["shown"] == shown and (r["drop_upper"] < r["margin"]) == shown
+    a_c, a_s = (x_c + 1) / (n_c + 2), (x_s + 1) / (n_s + 2)  # Agresti-Caffo, by hand
+    se = math.sqrt(a_c * (1 - a_c) / (n_c + 2) + a_s * (1 - a_s) / (n_s + 2))
+    assert r["drop_upper"] == pytest.approx(a_s - a_c + 1.6448536 * se)
+
+
+def test_a_rollout_recorded_before_the_rule_keeps_no_harm():
+    assert Policy.from_row(200, {"alpha": 0.05}).promote_rule == "no_harm"
+    assert Policy.from_row(200, Policy().thresholds()).promote_rule == "non_inferior"
+    with pytest.raises(ValueError, match="promote_rule"):
+        Policy(promote_rule="hope")
 
 
 def test_worse_accept_rate_rolls_back():
