@@ -1,7 +1,8 @@
 """`flywheel rollout ...`: the canary controller and the commands on rollouts (registered by ops/cli/main.py).
 
     flywheel rollout start VERSION [--weights 5,25,50,100] [--interval 60s] [--min-samples N]
-                                   [--alpha A] [--max-holds N] [--threshold KEY=VALUE]... [--stable V] [--all] [--force]
+                                   [--alpha A] [--max-holds N] [--promote-rule non_inferior|no_harm]
+                                   [--threshold KEY=VALUE]... [--stable V] [--all] [--force]
     flywheel rollout run [--auto]                     the controller loop (settings: [rollout])
     flywheel rollout status [ID] [--json]             the active (else latest) rollout and its steps
     flywheel rollout pause|resume|promote|abort [ID] [--reason TEXT]
@@ -44,6 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-samples", type=int, metavar="N", help="observations per arm before a metric is tested")
     s.add_argument("--alpha", type=float, help="significance level of each one-sided test")
     s.add_argument("--max-holds", type=int, metavar="N", help="under-sampled evaluations per step before rolling back")
+    s.add_argument(
+        "--promote-rule",
+        choices=("non_inferior", "no_harm"),
+        help="what the last step needs to promote: the accept rate shown non-inferior (default) or no significant harm",
+    )
     s.add_argument(
         "--threshold",
         action="append",
@@ -132,6 +138,8 @@ def _start_overrides(args: argparse.Namespace) -> list[str]:
         if not sep or not key.strip():
             raise UserError(f"bad --threshold {item!r}: expected KEY=VALUE, e.g. accept_rate_drop=0.05")
         out.append(f"rollout.thresholds.{key.strip()}={value.strip()}")
+    if args.promote_rule:
+        out.append(f'rollout.promote_rule="{args.promote_rule}"')
     if args.all:
         out.append('rollout.mode="all"')
     return out

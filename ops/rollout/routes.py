@@ -55,6 +55,9 @@ class RolloutCreate(RequestBody):
     alpha: float | None = None
     max_holds: int | None = Field(default=None, le=INT32_MAX)
     require_reward: bool | None = None
+    promote_rule: str | None = Field(
+        default=None, max_length=16, description="non_inferior (the default) or no_harm: what the last step needs"
+    )
     thresholds: dict[str, float] | None = Field(default=None, max_length=16)
     mode: str | None = Field(default=None, max_length=16)
     stable: NonNegInt32 | None = Field(
@@ -125,7 +128,7 @@ def _operator_route(api: APIRouter, name: str, fn, EngineDep) -> None:
 
 def _section(defaults: RolloutSection, body: RolloutCreate) -> RolloutSection:
     data = defaults.model_dump()
-    for key in ("weights", "interval_s", "min_samples", "alpha", "max_holds", "require_reward", "mode"):
+    for key in ("weights", "interval_s", "min_samples", "alpha", "max_holds", "require_reward", "promote_rule", "mode"):
         if getattr(body, key) is not None:
             data[key] = getattr(body, key)
     if body.thresholds:

@@ -66,6 +66,12 @@ class SoakSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
         keep_versions=1_000_000,
         gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5),
     )
-    rollout: RolloutSection = RolloutSection(
-        auto=True, weights=[50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=6, poll_s=2.0
+    rollout: RolloutSection = RolloutSection(  # no_harm: as the demo, a few dozen shown choices per arm
+        auto=True,
+        weights=[50.0, 100.0],
+        interval_s=20.0,
+        min_samples=8,
+        max_holds=6,
+        poll_s=2.0,
+        promote_rule="no_harm",
     )

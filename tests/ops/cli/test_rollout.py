@@ -30,6 +30,8 @@ def test_cli(tmp_path):
         "2m",
         "--threshold",
         "reward_drop=0.1",
+        "--promote-rule",
+        "no_harm",
         tmp_path=tmp_path,
     )
     assert r.returncode == 0, r.stderr
@@ -45,6 +47,7 @@ def test_cli(tmp_path):
         st["rollout"]["state"] == "paused"
         and st["rollout"]["interval_s"] == 120
         and st["rollout"]["thresholds"]["reward_drop"] == 0.1
+        and st["rollout"]["thresholds"]["promote_rule"] == "no_harm"
     )
     assert st["steps"][0]["evidence"]["by"].startswith("cli")
     r = flywheel("rollout", "abort", "--reason", "not today", tmp_path=tmp_path)

@@ -55,12 +55,15 @@ def test_http_rollout_lifecycle(api, sqlite_engine):
     assert r.status_code == 201, r.text
     ro = r.json()
     assert ro["state"] == "running" and ro["weights"] == [10, 100] and ro["thresholds"]["accept_rate_drop"] == 0.05
+    assert ro["thresholds"]["promote_rule"] == "non_inferior"  # the default, kept with the rollout
     assert ro["reason"] == "started by " + "api:ops-token:" + hashlib.sha256(b"ops").hexdigest()[:8]
     assert client.post("/ops/rollouts", headers=ops, json={"version": GATE_FAILED}).status_code == 409
     assert client.post("/ops/rollouts", headers=ops, json={"version": 99}).status_code == 400
     assert (
         client.post("/ops/rollouts", headers=ops, json={"version": CANDIDATE, "weights": [50, 10]}).status_code == 422
     )
+    r = client.post("/ops/rollouts", headers=ops, json={"version": CANDIDATE, "promote_rule": "hope"})
+    assert r.status_code == 422 and "promote_rule" in r.json()["error"]["message"]
 
     rid = ro["id"]
     assert client.post(f"/ops/rollouts/{rid}/pause", headers=ops, json={"reason": "a look"}).json()["state"] == "paused"
