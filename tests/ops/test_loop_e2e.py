@@ -56,6 +56,7 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
             "max_holds": 8,
             "poll_s": 1.0,
             "thresholds": {"p99_latency_ratio": 100.0},
+            "promote_rule": "no_harm",  # as the demo: a few shown choices per arm
         },
         # An upper bound: the loop ends as soon as what this test checks has happened.
         demo={"minutes": scaled(6.0), "degraded_candidate": True},
@@ -202,6 +203,7 @@ def test_demo_runs_on_an_imported_model(tmp_path, kafka_settings):
             "max_holds": 8,
             "poll_s": 1.0,
             "thresholds": {"p99_latency_ratio": 100.0},
+            "promote_rule": "no_harm",  # as the demo: a few shown choices per arm
         },
         demo={"minutes": 2.0, "degraded_candidate": False},
     )

@@ -63,6 +63,7 @@ def tiny_soak(tmp_path, **soak) -> SoakSettings:
             "poll_s": 1.0,
             "unannounced_after_s": 10.0,
             "thresholds": {"p99_latency_ratio": 100.0},
+            "promote_rule": "no_harm",  # as the soak's own settings
         },
         soak={
             "minutes": 1.0,
