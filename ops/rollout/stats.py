@@ -33,14 +33,15 @@ Tests (one-sided: "is the canary worse than stable by more than the tolerance?")
           sample size instead. The p99 of each arm stays in the evidence.
 
 Promotion (after the last step) needs more than "no significant harm" under the default rule
-`non_inferior`: the canary's accept rate must be shown to be within `accept_rate_drop` of stable's,
-that is, the one-sided (1 - alpha) upper confidence bound of its drop (stable minus canary, Wald
-standard error on Agresti and Caffo's adjusted rates) must lie below the margin. "No significant harm" alone let a step of a few dozen
-shown choices promote a canary whose accept rate looked lower (10.7% of 28 against 13.3% of 105):
-absence of evidence of harm, not evidence of its absence. Until the bound is below the margin
-the last step holds, gathering traffic; after `max_holds` holds it rolls back ("not shown
-non-inferior"). At a 10% accept rate and a 2-point margin that takes about 1,200 shown choices
-per arm. `no_harm` keeps the older rule (a short demo, or a team that accepts the risk).
+`non_inferior`: the canary's accept rate must be shown to be within `accept_rate_drop` of
+stable's, that is, the one-sided (1 - alpha) upper confidence bound of its drop (stable minus
+canary, on Agresti and Caffo's adjusted rates) must lie below the margin. "No significant
+harm" alone let a step of a few dozen shown choices promote a canary whose accept rate looked
+lower (10.7% of 28 against 13.3% of 105): absence of evidence of harm, not evidence of its
+absence. Until the bound is below the margin the last step holds, gathering traffic; after
+`max_holds` holds it rolls back ("not shown non-inferior"). At a 10% accept rate and a 2-point
+margin that takes about 1,200 shown choices per arm. `no_harm` keeps the older rule (a short
+demo, or a team that accepts the risk).
 
 Each metric is tested at `alpha` on its own (no multiple-comparison correction): a false
 alarm costs one rolled-back version, a missed regression costs users, so the controller errs
@@ -334,7 +335,7 @@ def non_inferiority(x_c: int, n_c: int, x_s: int, n_s: int, policy: Policy) -> d
     return {
         "canary": x_c / n_c,
         "stable": x_s / n_s,
-        "drop": drop,
+        "drop": drop,  # of the adjusted rates
         "drop_upper": upper,
         "margin": margin,
         "stat": z,
