@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from learner.corpus import SourceFile
-from learner.prompts import PromptBuilder, SummaryCache
+from learner.prompts import MAX_SUMMARIES, PromptBuilder, SummaryCache
 from serving.engine import SamplingSpec
 
 _DEFINES = re.compile(
@@ -43,21 +43,33 @@ class Example:
 
 
 def far_back_examples(
-    tok, files: list[SourceFile], *, budget: int, window: int, n: int, rng: random.Random
+    tok,
+    files: list[SourceFile],
+    *,
+    budget: int,
+    window: int,
+    n: int,
+    rng: random.Random,
+    max_distance: int | None = None,
+    min_file_tokens: int = 0,
 ) -> list[Example]:
-    """Cursors whose answer is a name defined between `budget` and `window` tokens back, unused since."""
+    """Cursors whose answer is a name defined between `budget` and `window` tokens back (or
+    `max_distance`, beyond the window), unused since; in files of at least `min_file_tokens`."""
+    farthest = max_distance if max_distance is not None else window - 16
     out: list[Example] = []
     for f in rng.sample(files, len(files)):
         if f.language != "python":
             continue
         text = f.text
+        if min_file_tokens and len(tok.encode(text).ids) < min_file_tokens:
+            continue
         for m in _DEFINES.finditer(text):
             name = next(g for g in m.groups() if g)
             for use in re.finditer(rf"\b{re.escape(name)}\b", text[m.end() :]):
                 pos = m.end() + use.start()
                 between = text[m.end() : pos]
                 distance = len(tok.encode(text[m.start() : pos]).ids)
-                if not budget < distance <= window - 16 or name in between:
+                if not budget < distance <= farthest or name in between:
                     continue
                 line_end = text.find("\n", pos)
                 line_end = len(text) if line_end < 0 else line_end
@@ -85,6 +97,37 @@ class StrategyResult:
     edit_similarity: float
     prompt_tokens: float
     fallbacks: int
+    per_example: list[tuple[bool, float]] | None = None  # (exact, similarity), in the examples' order
+
+
+def paired(a: StrategyResult, b: StrategyResult) -> dict:
+    """Is `a` better than `b` on the same examples? One-sided tests: edit similarity by a paired
+    t-test, exact match by McNemar's exact test on the examples where exactly one is right."""
+    from math import comb, sqrt
+
+    from ops.rollout.stats import t_sf
+
+    pairs = list(zip(a.per_example or [], b.per_example or [], strict=True))
+    diffs = [sa - sb for (_, sa), (_, sb) in pairs]
+    n = len(diffs)
+    mean = statistics.mean(diffs) if diffs else 0.0
+    sd = statistics.stdev(diffs) if n > 1 else 0.0
+    t = mean / (sd / sqrt(n)) if sd > 0 else None
+    p_sim = (t_sf(t, n - 1) if t is not None else (0.0 if mean > 0 else 1.0)) if n > 1 else 1.0
+    only_a = sum(ea and not eb for (ea, _), (eb, _) in pairs)
+    only_b = sum(eb and not ea for (ea, _), (eb, _) in pairs)
+    k = only_a + only_b
+    p_exact = sum(comb(k, i) for i in range(only_a, k + 1)) / 2**k if k else 1.0
+    return {
+        "better": a.strategy,
+        "than": b.strategy,
+        "examples": n,
+        "similarity_diff": mean,
+        "similarity_p": p_sim,
+        "exact_only_better": only_a,
+        "exact_only_other": only_b,
+        "exact_p": p_exact,
+    }
 
 
 async def _evaluate(
@@ -107,45 +150,91 @@ async def _evaluate(
             tokens.append(len(prompt.ids))
         results.append(
             StrategyResult(
-                name, len(examples), statistics.mean(em), statistics.mean(sim), statistics.mean(tokens), fallbacks
+                name,
+                len(examples),
+                statistics.mean(em),
+                statistics.mean(sim),
+                statistics.mean(tokens),
+                fallbacks,
+                list(zip(em, sim, strict=True)),
             )
         )
     return results
 
 
-def run(settings, model_dir: Path, *, n: int, budget: int, max_tokens: int, seed: int, progress) -> dict:
+def run(
+    settings,
+    model_dir: Path,
+    *,
+    n: int,
+    budget: int,
+    max_tokens: int,
+    seed: int,
+    progress,
+    beyond_window: bool = False,
+) -> dict:
+    """The three strategies at `budget`; or, `beyond_window`, truncation against self-summary as
+    serving builds them (its own budget, chunk and summary limit), on cursors in files of at least
+    4 windows whose answer was defined beyond the window (at most 4 windows back), where full
+    context cannot be had."""
     from learner.corpus import load_corpus
     from serving.replica import load_service, model_window
 
     window = model_window(model_dir) - max_tokens
-    if budget >= window:
+    if not beyond_window and budget >= window:
         raise ValueError(
             f"--budget {budget} must be below the model's window ({window} tokens after {max_tokens} for the completion)"
         )
-    service = load_service(model_dir, settings.serve, version=0)
-    tok = service.tok
     corpus = load_corpus(getattr(getattr(settings, "pretrain", None), "corpus", None))
-    examples = far_back_examples(tok, corpus.heldout, budget=budget, window=window, n=n, rng=random.Random(seed))
-    if not examples:
-        raise ValueError("no held-out example needs context from that far back; lower --budget")
-    progress(
-        f"{len(examples)} held-out examples; definitions {min(e.distance_tokens for e in examples)}-"
-        f"{max(e.distance_tokens for e in examples)} tokens before the cursor; budget {budget}, window {window}"
-    )
-    chunk = max(16, budget // 3)
-    builders = {
-        "full context": PromptBuilder(tok, service.fmt, window, chunk, SummaryCache(0), 0),
-        "truncation": PromptBuilder(tok, service.fmt, budget, chunk, SummaryCache(0), 0),
-        "self-summary": PromptBuilder(tok, service.fmt, budget, chunk, SummaryCache(4096), 0),
-    }
+    service = load_service(model_dir, settings.serve, version=0)
     try:
+        tok = service.tok
+        if beyond_window:
+            served = service.prompts
+            budget, chunk, most = served.budget, served.chunk_tokens, served.max_summaries
+            examples = far_back_examples(
+                tok,
+                corpus.heldout,
+                budget=window,
+                window=window,
+                n=n,
+                rng=random.Random(seed),
+                max_distance=4 * window,
+                min_file_tokens=4 * window,
+            )
+        else:
+            chunk, most = max(16, budget // 3), MAX_SUMMARIES
+            examples = far_back_examples(
+                tok, corpus.heldout, budget=budget, window=window, n=n, rng=random.Random(seed)
+            )
+        if not examples:
+            raise ValueError("no held-out example needs context from that far back; lower --budget")
+        progress(
+            f"{len(examples)} held-out examples; definitions {min(e.distance_tokens for e in examples)}-"
+            f"{max(e.distance_tokens for e in examples)} tokens before the cursor; budget {budget}, window {window}"
+        )
+        builders = (
+            {}
+            if beyond_window
+            else {"full context": PromptBuilder(tok, service.fmt, window, chunk, SummaryCache(0), 0)}
+        )
+        builders["truncation"] = PromptBuilder(tok, service.fmt, budget, chunk, SummaryCache(0), 0, max_summaries=most)
+        builders["self-summary"] = PromptBuilder(
+            tok, service.fmt, budget, chunk, SummaryCache(4096), 0, max_summaries=most
+        )
         results = asyncio.run(_evaluate(service, builders, examples, max_tokens))
     finally:
         service.engine.shutdown()
+    by_name = {r.strategy: r for r in results}
     return {
         "model_dir": str(model_dir),
+        "mode": "beyond the window" if beyond_window else "within the window",
         "budget": budget,
         "window": window,
+        "summary_chunk_tokens": chunk,
+        "max_summaries": most,
         "examples": len(examples),
+        "distance_tokens": [min(e.distance_tokens for e in examples), max(e.distance_tokens for e in examples)],
         "results": [asdict(r) for r in results],
+        "summary_vs_truncation": paired(by_name["self-summary"], by_name["truncation"]),
     }

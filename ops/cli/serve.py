@@ -70,6 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     lc.add_argument("--budget", type=int, default=96, help="prompt tokens for truncation and self-summary (default 96)")
     lc.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
     lc.add_argument("--seed", type=int, default=0)
+    lc.add_argument(
+        "--beyond-window",
+        action="store_true",
+        help="truncation against self-summary as serving builds them, on files of at least 4 windows whose "
+        "answer was defined beyond the window (--budget is then serving's own)",
+    )
     lc.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(lc)
     lc.set_defaults(fn=cmd_bench_longctx)
@@ -357,6 +363,7 @@ def cmd_bench_longctx(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             progress=console.print,
+            beyond_window=args.beyond_window,
         )
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -366,7 +373,8 @@ def cmd_bench_longctx(args: argparse.Namespace) -> int:
         "edit similarity",
         "prompt tokens",
         "summary fallbacks",
-        title=f"long context: {r['examples']} held-out examples, budget {r['budget']} tokens, window {r['window']}",
+        title=f"long context ({r['mode']}): {r['examples']} held-out examples, definitions "
+        f"{r['distance_tokens'][0]}-{r['distance_tokens'][1]} tokens back, budget {r['budget']} tokens, window {r['window']}",
     )
     for row in r["results"]:
         t.add_row(
@@ -377,6 +385,12 @@ def cmd_bench_longctx(args: argparse.Namespace) -> int:
             str(row["fallbacks"]),
         )
     console.print(t)
+    c = r["summary_vs_truncation"]
+    console.print(
+        f"self-summary against truncation, paired over {c['examples']} examples: edit similarity "
+        f"{c['similarity_diff']:+.3f} (one-sided p = {c['similarity_p']:.3g}); exact match right only with "
+        f"summaries {c['exact_only_better']}, only with truncation {c['exact_only_other']} (p = {c['exact_p']:.3g})"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=2))
     return 0

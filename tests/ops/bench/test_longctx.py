@@ -8,7 +8,7 @@ import pytest
 
 from learner.corpus import SourceFile
 from learner.tokenizer import train_tokenizer
-from ops.bench.longctx import far_back_examples, score
+from ops.bench.longctx import StrategyResult, far_back_examples, paired, score
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +37,40 @@ def test_score():
     exact, sim = score("rmalise(raw)", "rmalise_path(raw)")
     assert not exact and 0.5 < sim < 1.0
     assert score("", "x") == (False, 0.0)
+
+
+def test_examples_beyond_the_window_in_long_files(tok):
+    filler = "".join(f"value_{i} = compute({i}, {i + 1})\n" for i in range(40))
+    text = "def normalise_path(p):\n    return p\n\n\n" + filler + "result = normalise_path(raw)\n"
+    files = [SourceFile("m.py", text)]
+    n_tokens = len(tok.encode(text).ids)
+    far = far_back_examples(tok, files, budget=100, window=100, n=5, rng=random.Random(0), max_distance=4 * n_tokens)
+    assert [e.name for e in far] == ["normalise_path"] and far[0].distance_tokens > 100
+    assert far_back_examples(tok, files, budget=100, window=100, n=5, rng=random.Random(0)) == []  # within the window
+    assert (
+        far_back_examples(
+            tok,
+            files,
+            budget=100,
+            window=100,
+            n=5,
+            rng=random.Random(0),
+            max_distance=10**6,
+            min_file_tokens=n_tokens + 1,
+        )
+        == []
+    )
+
+
+def test_paired_comparison_by_hand():
+    def result(name, rows):
+        return StrategyResult(name, len(rows), 0.0, 0.0, 0.0, 0, rows)
+
+    summary = result("self-summary", [(True, 1.0), (True, 1.0), (False, 0.5), (False, 0.4), (True, 1.0)])
+    trunc = result("truncation", [(False, 0.5), (False, 0.6), (False, 0.5), (False, 0.2), (True, 1.0)])
+    c = paired(summary, trunc)
+    assert (c["exact_only_better"], c["exact_only_other"]) == (2, 0) and c["exact_p"] == pytest.approx(0.25)
+    # differences 0.5, 0.4, 0.0, 0.2, 0.0: mean 0.22, sd 0.2280, t = 2.157 with 4 degrees of freedom
+    assert c["similarity_diff"] == pytest.approx(0.22) and c["similarity_p"] == pytest.approx(0.0486, abs=5e-4)
+    same = paired(trunc, trunc)
+    assert same["similarity_p"] == 1.0 and same["exact_p"] == 1.0
