@@ -53,7 +53,8 @@ with a smaller window gets three quarters of its own (fit_budget)."""
 SUMMARY_CHUNK_TOKENS = 192
 """Size of the prefix chunks that summaries replace (the default of serve.summary_chunk_tokens)."""
 MAX_SUMMARIES = 4
-"""Summaries one request may have the model write (the default of serve.max_summaries_per_request)."""
+"""Summaries one request may have the model write, when serving turns self-summaries on
+(`serve.max_summaries_per_request`, 0 by default: truncation)."""
 CONTEXT_TOKENS = 256
 """Prompt tokens other files of the repository keep even when the current file would fill the
 budget (the default of serve.repo_context_tokens)."""

@@ -14,7 +14,7 @@ from feedback.core.config import FlywheelSettings, Section
 from feedback.core.files import open_private, private_dir
 from feedback.core.web import HttpLimits
 from learner.base_settings import ModelSection
-from learner.prompts import CONTEXT_BUDGET, CONTEXT_TOKENS, MAX_SUMMARIES, SUMMARY_CHUNK_TOKENS, fit_budget
+from learner.prompts import CONTEXT_BUDGET, CONTEXT_TOKENS, SUMMARY_CHUNK_TOKENS, fit_budget
 
 
 def _queue_limit(n: int) -> int:
@@ -226,11 +226,15 @@ class ServeSettings(Section):
     `input_extra`, files in a client-rendered prompt) keep when the current file would fill
     `context_budget` (at most half of it); a short file leaves them the rest. 0: only what the
     file leaves."""
-    max_summaries_per_request: int = Field(default=MAX_SUMMARIES, ge=0)
+    max_summaries_per_request: int = Field(default=0, ge=0)
     """Most summaries one request may have the model write (cached ones are free): chunks are
     summarized newest first until the summaries fill their room or this many were written; older
-    chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0: truncate.
-    A model without Flywheel's summary tokens is prompted with plain-text markers."""
+    chunks are left out and counted (`flywheel_summaries_total{source="skipped"}`). 0 (the
+    default): truncate. Self-summaries are off by default because on the default `small` model
+    they do not beat truncation at the same budget (`flywheel bench longctx --beyond-window`:
+    edit similarity 0.258 against 0.262 on 58 cursors whose answer was defined 2-8k tokens back,
+    p = 0.67); 4 turns them on. A model without Flywheel's summary tokens is prompted with
+    plain-text markers."""
     summarize_in_background: bool = True
     """Write missing summaries off the request's path: a completion whose summaries are not all
     cached is answered with its prefix truncated, and the replica writes them in the background,

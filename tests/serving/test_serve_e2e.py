@@ -67,6 +67,7 @@ def stack(tmp_path_factory, model_dir):
             "ray_num_cpus": 2,
             "context_budget": 256,
             "summary_chunk_tokens": 64,
+            "max_summaries_per_request": 4,  # self-summaries on (the default truncates)
             "engine": {"max_model_len": 512},
         },
     )
