@@ -9,9 +9,10 @@
   4. the loop, for `demo.minutes`: simulated editors replay held-out files over HTTP; the
      learner trains on their rewarded feedback and publishes a gated version every
      `learn.publish_every` (minutes here, hours in production); the rollout controller in auto
-     mode canaries each one and promotes or rolls it back from the SQL evidence. Once a learned
-     version is promoted, the demo also publishes a deliberately degraded candidate (the output
-     layer negated, the gate skipped) to show the automatic rollback;
+     mode canaries each one and promotes or rolls it back from the SQL evidence. Once the first
+     learned version's rollout has ended, the demo also publishes a deliberately degraded
+     candidate (what stable serves, with the output layer negated and the gate skipped) to show
+     the automatic rollback;
   5. a summary: per version accept rate, reward, suggestion rate, accepted characters; delta
      sizes against full; swap pauses; every rollout decision with its evidence; and the held-out
      evaluation of `flywheel eval` (learner.eval.evaluate, with 95% intervals) of the base and
@@ -59,7 +60,7 @@ class DemoSection(Section):
     minutes: float = Field(default=7.0, gt=0)
     """How long the simulated editors type (the loop runs while they do)."""
     degraded_candidate: bool = True
-    """Publish a deliberately degraded version once a learned one is promoted, to show a rollback."""
+    """Publish a deliberately degraded version once the first learned one's rollout has ended, to show a rollback."""
     dashboard: Path | None = None
     """Where the static dashboard goes. Empty: <data_dir>/dashboard.html."""
     background_nice: int = Field(default=10, ge=0, le=19)
@@ -78,17 +79,13 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     learn: LearnSection = LearnSection(
         publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
     )
-    # A few dozen shown choices per arm and step: far from the ~1,200 per arm the default
-    # non-inferiority rule needs to promote, so the demo promotes on "no significant harm"
-    # and its summary says so.
+    # The production rule: a version is promoted only once its accept rate is shown within 2
+    # points of stable's. The demo's steps gather a few dozen shown choices per arm, far from
+    # the ~1,200 that takes, so its last steps hold and roll back ("not shown non-inferior")
+    # unless a version is clearly better. On "no significant harm" (`promote_rule = "no_harm"`)
+    # the demo promoted versions that looked worse, once the injected fault itself.
     rollout: RolloutSection = RolloutSection(
-        auto=True,
-        weights=[25.0, 50.0, 100.0],
-        interval_s=20.0,
-        min_samples=8,
-        max_holds=8,
-        poll_s=2.0,
-        promote_rule="no_harm",
+        auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0
     )
     eval: EvalSection = EvalSection(sites=200, token_accuracy=False)  # a 1536-token prompt's forward each
 
@@ -405,27 +402,27 @@ def _say(console: Console, events: list[str], line: str) -> None:
 
 
 def _inject_degraded(learner, engine, stop: threading.Event, console: Console, events: list[str]) -> None:
-    """Once a learned version is promoted, publish a deliberately degraded candidate."""
+    """Once the first learned version's rollout has ended (promoted or rolled back), publish a
+    deliberately degraded candidate on top of what stable serves."""
     from sqlalchemy import select
 
-    from feedback import db
+    from feedback import db, pools
     from ops.rollout import rows
 
     while not stop.wait(2.0):
         with engine.connect() as conn:
-            promoted = conn.execute(
-                select(db.rollouts.c.candidate_version)
-                .where(db.rollouts.c.state == db.PROMOTED)
-                .order_by(db.rollouts.c.id.desc())
+            ended = conn.execute(
+                select(db.rollouts.c.id).where(db.rollouts.c.state.in_((db.PROMOTED, db.ROLLED_BACK))).limit(1)
             ).first()
             busy = rows.active(conn)
-        if promoted is None or busy is not None:
+        stable = pools.read(engine).stable
+        if ended is None or busy is not None or stable is None:
             continue
-        msg = publish_degraded(learner, engine, parent=promoted[0])
+        msg = publish_degraded(learner, engine, parent=stable)
         _say(
             console,
             events,
-            f"fault injection: published v{msg.version} = v{promoted[0]} with its output layer negated (gate skipped on purpose); "
+            f"fault injection: published v{msg.version} = v{stable} with its output layer negated (gate skipped on purpose); "
             "the canary should roll it back",
         )
         return

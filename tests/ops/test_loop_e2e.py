@@ -59,7 +59,8 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
             "promote_rule": "no_harm",  # as the demo: a few shown choices per arm
         },
         # An upper bound: the loop ends as soon as what this test checks has happened.
-        demo={"minutes": scaled(6.0), "degraded_candidate": True},
+        # No fault injection: its rollout would compete with the learned one this test waits for.
+        demo={"minutes": scaled(6.0), "degraded_candidate": False},
         eval={"sites": 8, "max_tokens": 8},
     )
     # The session's broker is shared: other tests' records sit on its topics and the sink ingests
