@@ -60,8 +60,7 @@ class RolloutSection(Section):
     `thresholds.accept_rate_drop` of stable's (the upper confidence bound of its drop below that margin;
     the step holds until it is, and rolls back after `max_holds` holds). At a 10% accept rate and a
     2-point margin that takes about 1,200 shown choices per arm. `no_harm`: no metric significantly
-    worse, however few the samples beyond `min_samples` (the older rule; `flywheel demo` uses it, its
-    minutes cannot gather that many)."""
+    worse, however few the samples beyond `min_samples` (the older rule)."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the controller checks the active rollout (and, in auto mode, the versions topic)."""
     auto: bool = False

@@ -66,7 +66,7 @@ class SoakSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
         keep_versions=1_000_000,
         gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5),
     )
-    rollout: RolloutSection = RolloutSection(  # no_harm: as the demo, a few dozen shown choices per arm
+    rollout: RolloutSection = RolloutSection(  # no_harm: rollouts end within the soak's minutes, not after holds
         auto=True,
         weights=[50.0, 100.0],
         interval_s=20.0,
