@@ -112,8 +112,12 @@ def paired(a: StrategyResult, b: StrategyResult) -> dict:
     n = len(diffs)
     mean = statistics.mean(diffs) if diffs else 0.0
     sd = statistics.stdev(diffs) if n > 1 else 0.0
-    t = mean / (sd / sqrt(n)) if sd > 0 else None
-    p_sim = (t_sf(t, n - 1) if t is not None else (0.0 if mean > 0 else 1.0)) if n > 1 else 1.0
+    if n < 2:
+        p_sim = 1.0
+    elif sd == 0:  # every difference the same: the sign is the answer
+        p_sim = 0.0 if mean > 0 else 1.0
+    else:
+        p_sim = t_sf(mean / (sd / sqrt(n)), n - 1)
     only_a = sum(ea and not eb for (ea, _), (eb, _) in pairs)
     only_b = sum(eb and not ea for (ea, _), (eb, _) in pairs)
     k = only_a + only_b
