@@ -415,8 +415,10 @@ def _inject_degraded(learner, engine, stop: threading.Event, console: Console, e
                 select(db.rollouts.c.id).where(db.rollouts.c.state.in_((db.PROMOTED, db.ROLLED_BACK))).limit(1)
             ).first()
             busy = rows.active(conn)
+        if ended is None or busy is not None:
+            continue
         stable = pools.read(engine).stable
-        if ended is None or busy is not None or stable is None:
+        if stable is None:
             continue
         msg = publish_degraded(learner, engine, parent=stable)
         _say(
