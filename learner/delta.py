@@ -14,8 +14,8 @@ weight_packed, weight_scale and (NVFP4) weight_global_scale; a plain tensor is o
                         DeltaError. Never modifies base.
                         A result tensor is a copy of the base's with only the changed elements
                         XORed (gathered and scattered by index: no per-element Python, and no
-                        full-size XOR array); the tensors are checked and built in parallel
-                        threads (hashlib, numpy and the copies release the GIL).
+                        full-size XOR array); while the calling thread builds tensors, other
+                        threads sha256-check the ones already built (hashlib releases the GIL).
     encode / decode     the wire form (below), zstd-compressed; decoding keeps the sparse form.
 
 Checksums: `tensor_sha256` hashes an entry's layout (kind, format, shapes, dtypes) and its
@@ -253,8 +253,9 @@ def apply(
     """base XOR delta, verified (see the module docstring). `base_hashes`, when the caller
     already verified `base`, skips hashing it: a touched tensor whose result is right had the
     right base, and one whose result is wrong is hashed to tell a modified base from a corrupt
-    delta. Unchanged entries are shared with `base`, not copied. `threads`: how many tensors
-    are checked and built at once (default: one per CPU)."""
+    delta. Unchanged entries are shared with `base`, not copied. `threads`: how many threads
+    sha256-check results while the calling thread builds the next ones (default:
+    `hashing_threads()`; 0 checks on the calling thread)."""
     hashed = tensor_hashes(base) if base_hashes is None else None  # by us, so it is the base's own
     hashes = dict(base_hashes) if base_hashes is not None else dict(hashed)
     if set(hashes) != set(base):
@@ -282,28 +283,43 @@ def apply(
         if hashed is not None and hashed[name] != td.base_sha256:
             raise _modified_base(name)
     raws = [[_bytes(p) for p in ps] for ps in touched]
+    sizes = [sum(r.size for r in rs) for rs in raws]
 
-    def build(group: range) -> list[list[np.ndarray]]:
-        """XOR and check the tensors `group` (indices into `names`)."""
-        items = [(raw, part) for i in group for raw, part in zip(raws[i], delta.changed[names[i]].parts, strict=True)]
-        built = _unflatten(xor_parts(items), [raws[i] for i in group])
+    def check(group: list[int], built: list[list[np.ndarray]]) -> None:
+        """sha256-check the tensors `group` (indices into `names`), built as `built`."""
         for i, new_raw in zip(group, built, strict=True):
             td = delta.changed[names[i]]
             if _sha256(td.layout, new_raw) != td.sha256:  # XOR keeps the layout: the base's is the result's
                 if _sha256(td.layout, raws[i]) != td.base_sha256:
                     raise _modified_base(names[i])
                 raise DeltaError(f"{names[i]}: result sha256 mismatch after applying the delta (corrupt delta)")
-        return built
 
-    workers = min(threads or os.cpu_count() or 1, len(names))
-    # numpy's copies and XORs and hashlib release the GIL: groups of tensors build in parallel,
-    # more groups than threads so that a thread that loses its core leaves its share to the others
-    groups = _groups([sum(r.size for r in rs) for rs in raws], workers * _GROUPS_PER_THREAD if workers > 1 else 1)
-    if workers <= 1:
-        new_raws = [r for g in groups for r in build(g)]
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            new_raws = [r for built in pool.map(build, groups) for r in built]
+    hashers = min(len(names), hashing_threads() if threads is None else threads)
+    # Largest tensors first, in groups: the calling thread XORs a group while `hashers` threads
+    # hash the groups before it (hashlib releases the GIL; most of the XOR's numpy calls do
+    # not, so a second XOR thread would mostly wait). The big tensors' long hashes start
+    # early, and the last group's, which nothing overlaps, is short.
+    order = sorted(range(len(names)), key=lambda i: -sizes[i])
+    groups = [[order[j] for j in g] for g in _groups([sizes[i] for i in order], max(1, hashers) * _GROUPS_PER_THREAD)]
+    new_raws: list[list[np.ndarray]] = [[] for _ in names]
+    with ThreadPoolExecutor(max_workers=max(1, hashers)) as pool:
+        checks = []
+        for group in groups:
+            items = [
+                (raw, part) for i in group for raw, part in zip(raws[i], delta.changed[names[i]].parts, strict=True)
+            ]
+            built = _unflatten(xor_parts(items), [raws[i] for i in group])
+            for i, b in zip(group, built, strict=True):
+                new_raws[i] = b
+            if hashers > 0:
+                checks.append((pool.submit(check, group, built), group, built))
+            else:
+                check(group, built)
+        for future, group, built in checks:
+            if future.cancel():  # not started yet: the calling thread, done building, checks it
+                check(group, built)
+            else:
+                future.result()
     out = dict(base)
     for name, ps, rs in zip(names, touched, new_raws, strict=True):
         out[name] = _rebuild(base[name], [_like(r, p) for p, r in zip(ps, rs, strict=True)])
@@ -339,8 +355,9 @@ def xor_parts(items: list[tuple[np.ndarray, PartDelta]]) -> list[np.ndarray]:
                 buf.view(word)[index] ^= xor.view(word).reshape(-1)
             else:
                 buf.reshape(-1, w)[index] ^= xor
-        for i, piece in zip(which, np.split(buf, np.cumsum(n * w)[:-1]), strict=True):
-            out[i] = piece
+        ends = np.cumsum(n * w).tolist()
+        for i, start, end in zip(which, [0, *ends[:-1]], ends, strict=True):
+            out[i] = buf[start:end]
     return out  # type: ignore[return-value]
 
 
@@ -349,14 +366,15 @@ def changed_index(ps: list[PartDelta]) -> np.ndarray:
     counted from the sum of the earlier parts' n).
 
     Where few mask bytes have a change (most of a checkpoint is FP4 codes, of which a step
-    changes well under 1%), only those bytes are unpacked: an eighth of the reading, and the
-    positions are mapped back to parts after. Where many do, every part's mask is unpacked to
-    one flag per element, which needs no mapping."""
+    changes well under 1%), only those bytes are unpacked, and the positions are mapped back to
+    parts after. Where many do, every part's mask is unpacked to one flag per element, which
+    needs no mapping. Finding the set flags costs about the same per flag either way, and
+    mapping costs `_MAP_COST` flags per changed element: the cheaper of the two is taken."""
     masks = np.concatenate([p.mask for p in ps])  # a part's padding bits past n are 0 (decode checks)
+    if 8 * np.count_nonzero(masks) + _MAP_COST * sum(p.k for p in ps) > 8 * masks.size:
+        return np.flatnonzero(np.concatenate([p.changed() for p in ps]))
     # np.flatnonzero is several times faster on bool than on uint8 arrays
     nonzero = np.flatnonzero(masks != 0)  # [M] mask bytes with a change
-    if nonzero.size > masks.size // _DENSE_MASK_BYTES:
-        return np.flatnonzero(np.concatenate([p.changed() for p in ps]))
     mask_bit = 8 * np.cumsum([0] + [p.mask.size for p in ps[:-1]], dtype=np.int64)  # [P] where each part's bits start
     first = np.cumsum([0] + [p.n for p in ps[:-1]], dtype=np.int64)  # [P] each part's first element
     bits = np.flatnonzero(np.unpackbits(masks[nonzero], bitorder="little").view(bool))  # [K] in those bytes' bits
@@ -380,12 +398,23 @@ def _words(ps: list[PartDelta]) -> np.ndarray:
     return out
 
 
-_DENSE_MASK_BYTES = 8
-"""Above one mask byte in this many with a change, unpacking every element is cheaper than
-mapping the changed ones back to their parts (measured on checkpoint pairs of the small model)."""
+_MAP_COST = 7
+"""What mapping one changed element back to its part costs, in unpacked mask bits to search
+(measured on checkpoint pairs of the small model: about 1 ns a bit, 7 ns an element)."""
 
 
 _GROUPS_PER_THREAD = 4
+"""Groups of tensors per hashing thread: enough that hashing starts early and ends soon after
+the last XOR, few enough that each group's XOR is a handful of numpy calls."""
+
+_MAX_HASHERS = 4
+"""At most this many hashing threads by default: past that, the XOR on the calling thread is the
+longer part, and more threads only cut the groups smaller."""
+
+
+def hashing_threads() -> int:
+    """`apply`'s default `threads`: one per CPU but one (the calling thread's), at most `_MAX_HASHERS`."""
+    return max(0, min(_MAX_HASHERS, (os.cpu_count() or 1) - 1))
 
 
 def _groups(sizes: list[int], count: int) -> list[range]:
@@ -497,14 +526,15 @@ def decode(data: bytes) -> Delta:
                 if w < 1 or n < 0 or not 0 <= k <= n or end > buf.size:
                     raise DeltaError(f"{e['name']}: corrupt delta payload (mask and values disagree)")
                 part_deltas.append(PartDelta(n, w, buf[pos:mask_end], buf[mask_end:end]))
-                bounds.append((pos, mask_end, n, k))
+                bounds.append((n, k))
                 owners.append(e["name"])
                 pos = end
             changed[e["name"]] = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(part_deltas))
         if pos != buf.size:
             raise DeltaError(f"corrupt delta payload: {buf.size - pos} trailing bytes")
         if bounds:
-            bad = _bad_masks(buf, np.array(bounds, dtype=np.int64))
+            n_k = np.array(bounds, dtype=np.int64).reshape(-1, 2)
+            bad = _bad_masks([p.mask for td in changed.values() for p in td.parts], n_k[:, 0], n_k[:, 1])
             if bad.size:
                 raise DeltaError(f"{owners[bad[0]]}: corrupt delta payload (mask and values disagree)")
         return Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed)
@@ -512,13 +542,19 @@ def decode(data: bytes) -> Delta:
         raise DeltaError(f"corrupt delta header: {e!r}") from None
 
 
-def _bad_masks(buf: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """Which parts' masks [P] (bounds rows: mask start, mask end, n, k) do not have exactly k
-    bits set, or set a bit past their last element: all parts in a few numpy calls."""
-    start, end, n, k = bounds.T
-    # reduceat sums each [start, end) range; an empty range (n = 0) would give buf[start], so it is masked out
-    ones = np.add.reduceat(np.append(np.bitwise_count(buf), 0), bounds[:, :2].reshape(-1))[::2]
-    ones = np.where(end > start, ones, 0)
-    spare = n % 8  # bits of the last mask byte that are elements
-    last = buf[np.maximum(end - 1, 0)] if buf.size else np.zeros_like(n)
-    return np.flatnonzero((ones != k) | ((spare > 0) & (last.astype(np.int64) >> spare != 0)))
+def _bad_masks(masks: list[np.ndarray], n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Which parts' masks [P] (of n [P] elements, k [P] of them changed) do not have exactly k
+    bits set, or set a bit past their last element. All masks' bits are counted at once, 64 at a
+    time; only when the total is wrong are they counted part by part, to name the part."""
+    sizes = (n + 7) // 8
+    ends = np.cumsum(sizes)
+    flat = np.zeros((int(ends[-1]) // 8 + 1) * 8, dtype=np.uint8)  # a spare word: every start is inside
+    np.concatenate(masks, out=flat[: ends[-1]])
+    spare = n % 8  # bits of the last mask byte that are elements (0: the part has no such byte to check)
+    past = (spare > 0) & (flat[np.maximum(ends - 1, 0)].astype(np.int64) >> spare != 0)
+    if int(np.bitwise_count(flat.view(np.uint64)).sum(dtype=np.int64)) == int(k.sum()):
+        return np.flatnonzero(past)
+    # reduceat sums flat[start_i:start_i+1], the last to the end (zeros past the masks); an empty
+    # mask gives the byte at its start instead, so it is masked out
+    ones = np.where(sizes > 0, np.add.reduceat(np.bitwise_count(flat), ends - sizes), 0)
+    return np.flatnonzero((ones != k) | past)

@@ -344,7 +344,7 @@ def run_bench(
         "zstd_level": level,
         "zstd_threads": threads,
         "torch_threads": torch.get_num_threads(),
-        "apply_threads": os.cpu_count() or 1,  # learner.delta.apply's default: tensors checked and built at once
+        "apply_hash_threads": codec.hashing_threads(),  # learner.delta.apply's default
         "batch": [BATCH, SEQ_LEN],
         "runs": [],
     }
@@ -391,7 +391,7 @@ def run_bench(
         console.print(_swap_table(results["swap"]))
     console.print(
         f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, "
-        f"apply threads {results['apply_threads']}, zstd threads {threads})"
+        f"apply's hashing threads {results['apply_hash_threads']}, zstd threads {threads})"
     )
     if out:
         Path(out).write_text(json.dumps(results, indent=2) + "\n")

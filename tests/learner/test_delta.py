@@ -1,6 +1,7 @@
 """The XOR delta codec on a tiny model's packed checkpoint before and after real optimizer steps."""
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -129,7 +130,8 @@ def test_wrong_base_is_rejected(versions):
         D.apply({k: v for k, v in v0.items() if k != "lm_head.weight"}, d)
 
 
-def test_checksum_mismatches_are_rejected(versions):
+@pytest.mark.parametrize("threads", [0, 1, 3])  # checked on the calling thread, or beside it
+def test_checksum_mismatches_are_rejected(versions, threads):
     v0, v1 = versions
     d = D.diff(v0, v1)
     name = next(iter(d.changed))
@@ -140,7 +142,7 @@ def test_checksum_mismatches_are_rejected(versions):
     flipped = (dataclasses.replace(td.parts[0], values=values), *td.parts[1:])
     bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=flipped)})
     with pytest.raises(D.DeltaError, match="result sha256"):
-        D.apply(v0, bad)
+        D.apply(v0, bad, threads=threads)
     # a base tensor modified behind the caller's back (its stale hash passed in)
     hashes = D.tensor_hashes(v0)
     base = dict(v0)
@@ -149,7 +151,7 @@ def test_checksum_mismatches_are_rejected(versions):
     first.view(torch.uint8).view(-1)[0] ^= 1
     base[name] = dataclasses.replace(entry, weight_packed=first) if isinstance(entry, fp4.PackedTensor) else first
     with pytest.raises(D.DeltaError, match="base tensor"):
-        D.apply(base, d, base_hashes=hashes)
+        D.apply(base, d, base_hashes=hashes, threads=threads)
 
 
 def test_a_part_of_the_wrong_width_or_count_is_a_delta_error_not_a_crash(versions):
@@ -192,7 +194,7 @@ def test_parts_hold_exactly_the_changed_elements_and_apply_only_them():
 def test_parallel_apply_equals_serial(versions):
     v0, v1 = versions
     d = D.decode(D.encode(D.diff(v0, v1)))
-    one, many = D.apply(v0, d, threads=1), D.apply(v0, d, threads=4)
+    one, many = D.apply(v0, d, threads=0), D.apply(v0, d, threads=3)
     assert all(same_bits(one[n], many[n]) and same_bits(one[n], v1[n]) for n in v1)
 
 
@@ -271,7 +273,9 @@ def test_changed_index_and_xor_bytes_of_parts_laid_end_to_end(ps):
     # both ways of finding the changed elements (only the nonzero mask bytes, or every element)
     # against one flag per element, and the XOR words against the byte planes transposed
     want = np.flatnonzero(np.concatenate([np.unpackbits(p.mask, count=p.n, bitorder="little") for p in ps]))
-    assert np.array_equal(D.changed_index(ps), want)
+    for map_cost in (0, 10**9):  # mapping free: always the nonzero bytes; dear: always every element
+        with mock.patch.object(D, "_MAP_COST", map_cost):
+            assert np.array_equal(D.changed_index(ps), want)
     words = np.concatenate([p.values.reshape(p.w, -1).T for p in ps])
     assert np.array_equal(D._words(ps), words)
     raws = [np.random.default_rng(i).integers(0, 256, p.nbytes, dtype=np.uint8) for i, p in enumerate(ps)]
