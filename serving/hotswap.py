@@ -11,12 +11,15 @@
       3. write    the tensors whose sha256 changed, widened to whole vLLM layers (`reload_set`),
                   as the bf16 tensors vLLM loads (learner.store.to_hf_tensors), into one
                   safetensors file in a temp folder
-      4. pause    close admission, let in-flight requests finish (drain), then inside the
-                  vLLM worker (WeightSwapExtension, via collective_rpc with the file's path,
-                  never tensors) check the file's sha256, `reload_weights` those tensors and
-                  prepack reloaded CPU experts again (`_repack_cpu_experts`); switch
-                  `CompletionService.version` and reopen admission
-    Steps 1-3 run in a thread while the replica keeps serving N; only step 4 pauses it.
+      4. stage    the vLLM worker (WeightSwapExtension, via collective_rpc with the file's path,
+                  never tensors) reads the file, checks its sha256 and parses it, and keeps the
+                  tensors; a file that fails its check stops the swap here
+      5. pause    close admission, let in-flight requests finish (drain), then inside the
+                  worker `reload_weights` the staged tensors and prepack reloaded CPU experts
+                  again (`_repack_cpu_experts`); switch `CompletionService.version` and
+                  reopen admission
+    Steps 1-3 run in a thread while the replica keeps serving N, and step 4 between two of the
+    engine's steps; only step 5 pauses it.
 
 Admission closes at the replica's engine (`GatedEngine`): requests that arrive during the
 pause wait, then run on N+1. In-flight requests get `preempt_after_s` (`serve.swap_preempt_after_ms`)
@@ -122,22 +125,59 @@ class OutOfService(RuntimeError):
 
 class WeightSwapExtension:
     """Mixed into vLLM's worker class (engine argument `worker_extension_cls`), so the engine
-    can call `collective_rpc("flywheel_load_weights", args=(path, sha256))`. Runs in the worker
+    can call `collective_rpc("flywheel_stage_weights" / "flywheel_load_weights", args=(path, sha256))`. Runs in the worker
     process: `self` is vLLM's Worker. After vLLM's reload it redoes what that reload misses on the
     CPU (below): the experts' prepack, a tied output layer's GEMM handle."""
 
-    def flywheel_load_weights(self, path: str, sha256: str) -> dict:
-        from safetensors.torch import load
+    def flywheel_stage_weights(self, path: str, sha256: str) -> dict:
+        """Read the file, check its sha256 and parse it, ahead of `flywheel_load_weights`, which
+        then only reloads: called while the replica still serves (it holds the engine's step
+        loop for as long as it takes), so the pause does not include it."""
+        self._flywheel_staged = None
+        t = [time.perf_counter()]
+        tensors, nbytes = _read_checked(path, sha256, t)
+        self._flywheel_staged = (path, sha256, tensors, nbytes)
+        return {"tensors": len(tensors), "bytes": nbytes, "seconds": t[-1] - t[0], "stages": _stages(t)}
 
-        t0 = time.perf_counter()
-        data = Path(path).read_bytes()
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise ValueError(f"{path}: sha256 mismatch, refusing to load (the file changed after the replica wrote it)")
-        tensors = load(data)
+    def flywheel_load_weights(self, path: str, sha256: str) -> dict:
+        """Reload the tensors of the safetensors file `path` in place: staged by
+        `flywheel_stage_weights` when that was the same file, else read and checked now."""
+        staged, self._flywheel_staged = getattr(self, "_flywheel_staged", None), None
+        t = [time.perf_counter()]
+        if staged is not None and staged[:2] == (path, sha256):
+            tensors, nbytes = staged[2:]
+            t += [t[0]] * 3  # read, checked and parsed before
+        else:
+            tensors, nbytes = _read_checked(path, sha256, t)
         self.reload_weights(weights_iterator=iter(tensors.items()))
+        t.append(time.perf_counter())
         _repack_cpu_experts(self.model_runner.get_model(), tensors)
         _refresh_tied_output_layer(self.model_runner.get_model(), tensors)
-        return {"tensors": len(tensors), "bytes": len(data), "seconds": time.perf_counter() - t0}
+        t.append(time.perf_counter())
+        return {"tensors": len(tensors), "bytes": nbytes, "seconds": t[-1] - t[0], "stages": _stages(t)}
+
+
+_STAGES = ("read", "sha256", "parse", "reload", "repack")
+
+
+def _read_checked(path: str, sha256: str, t: list[float]) -> tuple[dict, int]:
+    """The tensors of the safetensors file `path`, refused unless its bytes hash to `sha256`;
+    and its size. Appends the time after reading, checking and parsing to `t`."""
+    from safetensors.torch import load
+
+    data = Path(path).read_bytes()
+    t.append(time.perf_counter())
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{path}: sha256 mismatch, refusing to load (the file changed after the replica wrote it)")
+    t.append(time.perf_counter())
+    tensors = load(data)
+    t.append(time.perf_counter())
+    return tensors, len(data)
+
+
+def _stages(t: list[float]) -> dict[str, float]:
+    """Seconds per stage (`_STAGES`, as far as `t` goes) from the times between them."""
+    return dict(zip(_STAGES, (b - a for a, b in itertools.pairwise(t)), strict=False))
 
 
 def _repack_cpu_experts(model, names) -> None:
@@ -310,7 +350,8 @@ class SwapReport:
     plan: dict = field(default_factory=dict)
     tensors_reloaded: int = 0
     reload_bytes: int = 0
-    prepare_s: float = 0.0  # plan + fetch + verify + write, while serving continues
+    prepare_s: float = 0.0  # plan + fetch + verify + write + stage, while serving continues
+    stage_s: float = 0.0  # of which the worker reading, checking and parsing the file (it holds the engine's steps)
     pause_s: float = 0.0  # admission closed: the wait for in-flight requests + the reload
     drain_s: float = 0.0  # the wait for in-flight requests: to finish, or to be aborted for a restart
     restarted: int = 0  # in-flight requests aborted to run again on the new version
@@ -424,6 +465,10 @@ class HotSwapper:
                     len(prepared.changed),
                     prepared.nbytes,
                 )
+                if prepared.changed:  # read and checked by the worker while serving goes on
+                    t1 = time.perf_counter()
+                    await self.gate.inner.stage_weights(prepared.path, prepared.sha256)
+                    report.stage_s = time.perf_counter() - t1
                 report.prepare_s = time.perf_counter() - t0
                 await self._switch(prepared, report)
             except Exception as e:
@@ -443,10 +488,12 @@ class HotSwapper:
             SWAPS.inc(pool=self.pool, outcome="ok")
             self.last_swap_error, self.last_report = None, report
             log.info(
-                "swapped v%d -> v%d: %d tensors, pause %.3f s (drain %.3f s, reload %.3f s); %d request(s) restarted",
+                "swapped v%d -> v%d: %d tensors staged in %.3f s, pause %.3f s (drain %.3f s, reload %.3f s); "
+                "%d request(s) restarted",
                 frm,
                 version,
                 report.tensors_reloaded,
+                report.stage_s,
                 report.pause_s,
                 report.drain_s,
                 report.reload_s,

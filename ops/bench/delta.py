@@ -605,6 +605,7 @@ async def bench_swap(
                     "tensors": r.tensors_reloaded,
                     "reload_bytes": r.reload_bytes,
                     "prepare_s": r.prepare_s,
+                    "stage_s": r.stage_s,
                     "pause_s": r.pause_s,
                     "drain_s": r.drain_s,
                     "reload_s": r.reload_s,

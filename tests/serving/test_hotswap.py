@@ -11,11 +11,12 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import REGISTRY
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from learner import delta as D
 from learner import store as S
@@ -41,9 +42,10 @@ def sync(fn):
 
 
 class WeightsEngine:
-    """A fake engine with weights: `update_weights` loads the file as vLLM's worker does, and
-    every generated token id is the version of the weights that produced it. `abort` ends a
-    request's stream with a final output (finish reason "abort"), as vLLM's AsyncLLM does."""
+    """A fake engine with weights: `stage_weights` checks the file and `update_weights` loads it,
+    as vLLM's worker does, and every generated token id is the version of the weights that
+    produced it. `abort` ends a request's stream with a final output (finish reason "abort"), as
+    vLLM's AsyncLLM does. `tamper`: the next staged file has a byte changed on disk first."""
 
     def __init__(self, weights: dict, version: int, token_delay_s: float = 0.0):
         self.weights, self.version, self.delay = dict(weights), version, token_delay_s
@@ -52,6 +54,8 @@ class WeightsEngine:
         self.hold: asyncio.Event | None = None  # when set up, requests wait for it before each token
         self.aborted: set[str] = set()
         self.started: list[str] = []  # request ids, as the engine got them
+        self.staged: list[str] = []  # paths, as the engine got them
+        self.tamper = False
 
     async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
         self.started.append(request_id)
@@ -77,6 +81,17 @@ class WeightsEngine:
 
     async def abort(self, request_id):
         self.aborted.add(request_id)
+
+    async def stage_weights(self, path: str, sha256: str) -> dict:
+        if self.tamper:
+            self.tamper = False
+            data = bytearray(Path(path).read_bytes())
+            data[-1] ^= 1
+            Path(path).write_bytes(bytes(data))
+        if hashlib.sha256(Path(path).read_bytes()).hexdigest() != sha256:
+            raise ValueError(f"{path}: sha256 mismatch, refusing to load")
+        self.staged.append(path)
+        return {}
 
     async def update_weights(self, path: str, sha256: str, version: int) -> dict:
         with open(path, "rb") as f:
@@ -387,6 +402,23 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
 
 
 @sync
+async def test_a_file_that_fails_its_check_when_staged_stops_the_swap_before_the_pause(tok, published):
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root))
+    swapper.adopt(0)
+    engine.tamper = True
+    with pytest.raises(SwapError, match="sha256 mismatch"):
+        await swapper.swap_to(1)
+    report = swapper.last_report
+    assert (report.pause_s, report.drain_s, engine.reloads, engine.staged) == (0.0, 0.0, [], [])
+    assert swapper.gate.admitting and (await service.complete(request(0))).model_version == 0
+    report = await swapper.swap_to(1)  # the next swap writes the file again, and it goes through
+    assert report.ok and len(engine.staged) == len(engine.reloads) == 1 and service.version == 1
+
+
+@sync
 async def test_a_reload_that_breaks_off_restores_the_old_tensors(tok, published):
     root, ckpts = published
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
@@ -577,6 +609,15 @@ async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
         )
         assert report.tensors_reloaded == 3 + 3 * args.n_experts  # q, k, v and layer 1's experts
         assert {r.model_version for r in after} == {2} and d_new < tol and d_old > tol
+
+        if not parallel:  # the worker refuses a file that is not the one the replica wrote (staged or not)
+            # (with two workers, vLLM 0.32's engine answered no request after such a refusal: not
+            # a case a replica meets, as it writes the file itself and the sha256 check comes first)
+            other = tmp_path / "other.safetensors"
+            save_file(S.to_hf_tensors(v1, ["model.norm.weight"]), str(other))
+            for call in (engine.stage_weights(str(other), "0" * 64), engine.update_weights(str(other), "0" * 64, 1)):
+                with pytest.raises(Exception, match="sha256 mismatch"):
+                    await call
 
         with pytest.raises(SwapError):
             await swapper.swap_to(3)
