@@ -308,6 +308,12 @@ swap_events = Table(
     Column("fetched_bytes", BigInteger, nullable=False),
     Column("error", Text),
     Column("at", TS, nullable=False, server_default=func.now(), index=True),
+    # where the pause went (the wait for in-flight requests, the reload), the worker's staging of
+    # the file before it, and the in-flight requests restarted on the new version (migration 0006)
+    Column("drain_s", Float),
+    Column("reload_s", Float),
+    Column("stage_s", Float),
+    Column("restarted", Integer),
 )
 
 

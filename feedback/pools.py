@@ -153,5 +153,9 @@ def record_swap(engine: Engine, *, pool: str, replica: str, report: dict) -> Non
                 fetched_bytes=int(plan.get("nbytes") or 0),
                 error=report.get("error"),
                 at=datetime.now(UTC),
+                drain_s=report.get("drain_s"),
+                reload_s=report.get("reload_s"),
+                stage_s=report.get("stage_s"),
+                restarted=report.get("restarted"),
             )
         )

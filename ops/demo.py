@@ -476,7 +476,8 @@ def summarize(engine, console: Console) -> dict:
         ).all()
         swaps = conn.execute(
             text(
-                "SELECT pool, from_version, to_version, ok, pause_s, tensors_reloaded, fetched_bytes, error FROM swap_events ORDER BY id"
+                "SELECT pool, from_version, to_version, ok, pause_s, drain_s, reload_s, restarted, tensors_reloaded, "
+                "fetched_bytes, error FROM swap_events ORDER BY id"
             )
         ).all()
         rollouts = conn.execute(
@@ -551,17 +552,39 @@ def summarize(engine, console: Console) -> dict:
         )
     console.print(t)
 
-    t = Table("pool", "swap", "ok", "pause ms", "tensors", "fetched bytes", title="hot swaps (in place, no restart)")
+    t = Table(
+        "pool",
+        "swap",
+        "ok",
+        "pause ms",
+        "drain + reload ms",
+        "restarted",
+        "tensors",
+        "fetched bytes",
+        title="hot swaps (in place, no restart): the pause is the wait for in-flight requests, then the reload",
+    )
     out["swaps"] = []
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.0f}"  # noqa: E731 (rows before migration 0006 have none)
     for w in swaps:
         out["swaps"].append(
-            {"pool": w.pool, "from": w.from_version, "to": w.to_version, "ok": bool(w.ok), "pause_s": w.pause_s}
+            {
+                "pool": w.pool,
+                "from": w.from_version,
+                "to": w.to_version,
+                "ok": bool(w.ok),
+                "pause_s": w.pause_s,
+                "drain_s": w.drain_s,
+                "reload_s": w.reload_s,
+                "restarted": w.restarted,
+            }
         )
         t.add_row(
             w.pool,
             f"v{w.from_version} -> v{w.to_version}",
             "yes" if w.ok else f"NO: {w.error}",
             f"{w.pause_s * 1e3:.0f}",
+            f"{ms(w.drain_s)} + {ms(w.reload_s)}",
+            "-" if w.restarted is None else str(w.restarted),
             str(w.tensors_reloaded),
             f"{w.fetched_bytes:,}",
         )

@@ -107,6 +107,10 @@ def test_record_swap(engine):
         "tensors_reloaded": 9,
         "pause_s": 0.05,
         "prepare_s": 0.5,
+        "stage_s": 0.02,
+        "drain_s": 0.01,
+        "reload_s": 0.04,
+        "restarted": 3,
         "error": None,
     }
     bad = {
@@ -120,6 +124,8 @@ def test_record_swap(engine):
     pools.record_swap(engine, pool=STABLE, replica="r1", report=ok)
     pools.record_swap(engine, pool=CANARY, replica="r2", report=bad)
     a, b = swap_rows(engine)
+    assert (a.stage_s, a.drain_s, a.reload_s, a.restarted) == (0.02, 0.01, 0.04, 3)
+    assert (b.stage_s, b.drain_s, b.reload_s, b.restarted) == (None, None, None, None)  # failed before them
     assert (a.pool, a.replica, a.from_version, a.to_version, a.ok, a.fetched_bytes, a.tensors_reloaded) == (
         STABLE,
         "r1",
@@ -456,6 +462,9 @@ def test_swap_all_sets_the_stable_target(tmp_path, published):  # noqa: F811
     pools.record_swap(
         e, pool=STABLE, replica="r1", report={"ok": True, "from_version": 0, "target": 2, "plan": {"nbytes": 10}}
     )
-    r = flywheel("swap", "--status", tmp_path=tmp_path)
+    timed = {"ok": True, "from_version": 2, "target": 3, "plan": {}, "drain_s": 0.021, "reload_s": 0.055}
+    pools.record_swap(e, pool=STABLE, replica="r1", report=timed)
+    r = flywheel("swap", "--status", tmp_path=tmp_path, env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "serving_pools" in r.stdout and "v0 -> v2" in r.stdout
+    assert "21 + 55" in r.stdout  # where v2 -> v3's pause went; v0 -> v2 has no such figures
