@@ -135,7 +135,12 @@ class PoolReconciler:
         return report
 
     async def run(self, interval_s: float) -> None:
-        """Poll forever; nothing that goes wrong in a step stops the loop (or the replica)."""
+        """Warm the swap path, then poll forever; nothing that goes wrong in a step stops the
+        loop (or the replica)."""
+        try:
+            await self.swapper.warm()
+        except Exception:
+            log.exception("%s pool replica %s: warming the swap path failed", self.pool, self.replica)
         while True:
             try:
                 await self.step()

@@ -501,6 +501,50 @@ class HotSwapper:
             )
             return report
 
+    async def warm(self) -> float | None:
+        """Reload the first layer's tensors from the model folder the engine loaded: the values it
+        already holds, so nothing served changes. vLLM's first reload in a process pays one-time
+        costs that later ones do not (measured on the demo model: the first swap's reload 150 ms
+        under the demo's load against 70 ms for the next; idle, 78 against 59 ms), and this puts
+        them before any swap's pause. Seconds taken, or None when there is no folder to read or
+        the replica serves nothing. A failure is logged and handled as a swap's reload failure is."""
+        if self.loaded_from is None or self.out_of_service is not None:
+            return None
+        from safetensors.torch import save
+
+        async with self._lock:
+            t0 = time.perf_counter()
+            tensors = await asyncio.to_thread(self._first_layer)
+            if not tensors:
+                return None
+            folder, path, sha, nbytes = self._write(tensors, save)
+            p = _Prepared(self.service.version, {}, self._served, sorted(tensors), path=path, sha256=sha, nbytes=nbytes)
+            try:
+                await self.gate.inner.stage_weights(path, sha)
+                async with self.gate.paused(self.drain_timeout_s, self.preempt_after_s):
+                    await self._reload(p)
+            except Exception as e:
+                log.warning(
+                    "warming the reload path failed (%s: %s); the first swap pays its costs", type(e).__name__, e
+                )
+                return None
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            took = time.perf_counter() - t0
+            log.info("reload path warmed: %d tensors of the first layer reloaded in %.3f s", len(tensors), took)
+            return took
+
+    def _first_layer(self) -> dict:
+        """The model folder's tensors of its first layer, widened to whole vLLM layers."""
+        from safetensors import safe_open
+
+        from learner.export import WEIGHTS_FILE
+
+        with safe_open(str(self.loaded_from / WEIGHTS_FILE), framework="pt") as f:
+            names = list(f.keys())
+            first = reload_set([n for n in names if n.startswith("model.layers.0.")], names)
+            return {n: f.get_tensor(n) for n in first}
+
     async def swap_report(self, version: int) -> dict:
         """swap_to, but failures come back as a report with ok=False (for callers over Ray)."""
         try:

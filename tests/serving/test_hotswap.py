@@ -561,7 +561,7 @@ async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
     print(f"\nvLLM engine started in {time.perf_counter() - t0:.1f} s")
     try:
         service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
-        swapper = HotSwapper(service, store)
+        swapper = HotSwapper(service, store, loaded_from=folder)
         swapper.adopt(0)
         greedy = SamplingSpec(max_tokens=12, temperature=0.0)
         prompts = ["def parse(s):\n    ", "import json\n\nclass Encoder:\n", "return {'key': value, "]
@@ -589,6 +589,13 @@ async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
         d, tol = max_diff(before, S.to_hf_tensors(v0))
         print(f"served in {engine.precision}: |logprob - learner v0| max {d:.4f} (tolerance {tol:.4f})")
         assert d < tol
+
+        took = await swapper.warm()  # reloads the first layer's own values: nothing served changes
+        again = await served()
+        assert took is not None and service.version == 0
+        assert [(r.samples[0].token_ids, r.samples[0].logprobs) for r in again] == [
+            (r.samples[0].token_ids, r.samples[0].logprobs) for r in before
+        ]
 
         report = await swapper.swap_to(1)
         after = await served()
