@@ -128,6 +128,16 @@ def make_service(tok, engine) -> CompletionService:
     return CompletionService(engine, tok, own_format(tok, 2048), ServeSettings(), version=0)
 
 
+def on_v0(tok, published) -> tuple[WeightsEngine, CompletionService, HotSwapper]:
+    """A fake engine serving v0 of `published`, its service, and a swapper that knows it is v0."""
+    root, ckpts = published
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root))
+    swapper.adopt(0)
+    return engine, service, swapper
+
+
 def request(i: int, max_tokens: int = 4) -> GenerateRequest:
     return GenerateRequest(
         completion_id=f"c{i}",
@@ -403,11 +413,7 @@ async def test_a_corrupt_delta_leaves_the_replica_on_its_version(tok, published,
 
 @sync
 async def test_a_file_that_fails_its_check_when_staged_stops_the_swap_before_the_pause(tok, published):
-    root, ckpts = published
-    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
-    service = make_service(tok, engine)
-    swapper = HotSwapper(service, S.open_store(root))
-    swapper.adopt(0)
+    engine, service, swapper = on_v0(tok, published)
     engine.tamper = True
     with pytest.raises(SwapError, match="sha256 mismatch"):
         await swapper.swap_to(1)
@@ -420,11 +426,8 @@ async def test_a_file_that_fails_its_check_when_staged_stops_the_swap_before_the
 
 @sync
 async def test_a_reload_that_breaks_off_restores_the_old_tensors(tok, published):
-    root, ckpts = published
-    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
-    service = make_service(tok, engine)
-    swapper = HotSwapper(service, S.open_store(root))
-    swapper.adopt(0)
+    _, ckpts = published
+    engine, service, swapper = on_v0(tok, published)
     engine.fail_reloads = 1
     with pytest.raises(SwapError, match="mid-reload"):
         await swapper.swap_to(1)
