@@ -412,6 +412,7 @@ class HotSwapper:
         self.last_report: SwapReport | None = None
         self.swaps = 0
         self.failures = 0
+        self._warm_tried = False
 
     @property
     def out_of_service(self) -> str | None:
@@ -506,20 +507,32 @@ class HotSwapper:
         already holds, so nothing served changes. vLLM's first reload in a process pays one-time
         costs that later ones do not (measured on the demo model: the first swap's reload 150 ms
         under the demo's load against 70 ms for the next; idle, 78 against 59 ms), and this puts
-        them before any swap's pause. Seconds taken, or None when there is no folder to read or
-        the replica serves nothing. A failure is logged and handled as a swap's reload failure is."""
-        if self.loaded_from is None or self.out_of_service is not None:
+        them before any swap's pause. Only before the first swap attempt, while the engine holds
+        exactly the folder's weights; once only. Seconds taken, or None when it does nothing (no
+        folder, a swap already tried, out of service). A failure is logged and handled as a
+        swap's reload failure is."""
+        if (
+            self.loaded_from is None
+            or self.out_of_service is not None
+            or self._warm_tried
+            or self.swaps
+            or self.failures
+        ):
             return None
+        self._warm_tried = True
         from safetensors.torch import save
 
         async with self._lock:
             t0 = time.perf_counter()
-            tensors = await asyncio.to_thread(self._first_layer)
-            if not tensors:
-                return None
-            folder, path, sha, nbytes = self._write(tensors, save)
-            p = _Prepared(self.service.version, {}, self._served, sorted(tensors), path=path, sha256=sha, nbytes=nbytes)
+            folder = None
             try:
+                tensors = await asyncio.to_thread(self._first_layer)
+                if not tensors:
+                    return None
+                folder, path, sha, nbytes = self._write(tensors, save)
+                p = _Prepared(
+                    self.service.version, {}, self._served, sorted(tensors), path=path, sha256=sha, nbytes=nbytes
+                )
                 await self.gate.inner.stage_weights(path, sha)
                 async with self.gate.paused(self.drain_timeout_s, self.preempt_after_s):
                     await self._reload(p)
@@ -529,7 +542,8 @@ class HotSwapper:
                 )
                 return None
             finally:
-                shutil.rmtree(folder, ignore_errors=True)
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
             took = time.perf_counter() - t0
             log.info("reload path warmed: %d tensors of the first layer reloaded in %.3f s", len(tensors), took)
             return took

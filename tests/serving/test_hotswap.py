@@ -436,6 +436,31 @@ async def test_a_reload_that_breaks_off_restores_the_old_tensors(tok, published)
 
 
 @sync
+async def test_warming_reloads_the_first_layer_the_engine_holds_once_and_only_before_any_swap(tok, published, tmp_path):
+    root, ckpts = published
+    v0 = S.to_hf_tensors(ckpts[0])
+    save_file(v0, str(tmp_path / "model.safetensors"))
+    engine = WeightsEngine(v0, version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(root), loaded_from=tmp_path)
+    assert await swapper.warm() is not None
+    (warmed,) = engine.reloads
+    assert warmed and all(n.startswith("model.layers.0.") for n in warmed) and engine.staged
+    assert service.version == 0 and bits_equal(engine.weights, v0) and swapper.gate.admitting
+    assert await swapper.warm() is None and len(engine.reloads) == 1  # once
+    # after a swap the engine no longer holds the folder's weights: no warming then
+    swapped = WeightsEngine(v0, version=0)
+    late = HotSwapper(make_service(tok, swapped), S.open_store(root), loaded_from=tmp_path)
+    assert (await late.swap_to(1)).ok and await late.warm() is None
+    assert bits_equal(swapped.weights, S.to_hf_tensors(ckpts[1]))
+    # a folder without the weights file: a warning, and the replica serves on
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cold = HotSwapper(make_service(tok, WeightsEngine(v0, version=0)), S.open_store(root), loaded_from=empty)
+    assert await cold.warm() is None and cold.out_of_service is None
+
+
+@sync
 async def test_a_first_full_reload_that_breaks_off_is_undone_from_the_model_folder(tok, published, tmp_path):
     """Before its first swap a replica keeps no checkpoint, so it reloads every tensor; when that
     breaks off, it reloads the folder its engine started from and serves on, unmixed."""
