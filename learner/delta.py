@@ -350,6 +350,8 @@ def xor_parts(items: list[tuple[np.ndarray, PartDelta]]) -> list[np.ndarray]:
         if sum(p.k for p in ps):
             index = changed_index(ps)  # [K] ascending: part order, then element order
             xor = _words(ps)  # [K, w] in the same order
+            if index.size != len(xor):  # decode checks the total over all widths, not per width
+                raise DeltaError("corrupt delta payload (mask and values disagree)")
             word = _WORD.get(w)
             if word is not None:
                 buf.view(word)[index] ^= xor.view(word).reshape(-1)
@@ -545,7 +547,9 @@ def decode(data: bytes) -> Delta:
 def _bad_masks(masks: list[np.ndarray], n: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Which parts' masks [P] (of n [P] elements, k [P] of them changed) do not have exactly k
     bits set, or set a bit past their last element. All masks' bits are counted at once, 64 at a
-    time; only when the total is wrong are they counted part by part, to name the part."""
+    time; only when the total is wrong are they counted part by part, to name the part. (Two
+    parts wrong by opposite counts pass here; their XOR lands on the wrong elements, and the
+    result's sha256 check in `apply` refuses it.)"""
     sizes = (n + 7) // 8
     ends = np.cumsum(sizes)
     flat = np.zeros((int(ends[-1]) // 8 + 1) * 8, dtype=np.uint8)  # a spare word: every start is inside
@@ -554,7 +558,7 @@ def _bad_masks(masks: list[np.ndarray], n: np.ndarray, k: np.ndarray) -> np.ndar
     past = (spare > 0) & (flat[np.maximum(ends - 1, 0)].astype(np.int64) >> spare != 0)
     if int(np.bitwise_count(flat.view(np.uint64)).sum(dtype=np.int64)) == int(k.sum()):
         return np.flatnonzero(past)
-    # reduceat sums flat[start_i:start_i+1], the last to the end (zeros past the masks); an empty
+    # reduceat sums flat[start_i:start_(i+1)], the last to the end (zeros past the masks); an empty
     # mask gives the byte at its start instead, so it is masked out
     ones = np.where(sizes > 0, np.add.reduceat(np.bitwise_count(flat), ends - sizes), 0)
     return np.flatnonzero((ones != k) | past)

@@ -211,6 +211,33 @@ def test_a_mask_bit_past_the_last_element_is_corrupt():
         D.decode(D.encode(dataclasses.replace(d, changed={"w": bad})))
 
 
+def test_masks_wrong_by_opposite_counts_pass_decode_and_are_refused_by_apply(versions):
+    # decode checks the masks' total bit count; apply finds what that lets through
+    v0, v1 = versions
+    d = D.diff(v0, v1)
+    widths = {}  # tensors whose first part changed in some elements, not all, by element width
+    for n, td in d.changed.items():
+        if 0 < td.parts[0].k < td.parts[0].n:
+            widths.setdefault(td.parts[0].w, []).append(n)
+
+    def moved(name: str, more: bool) -> D.TensorDelta:
+        """The tensor's delta with one element more (or fewer) flagged in its first part's mask."""
+        td = d.changed[name]
+        flags = td.parts[0].changed().copy()
+        flags[np.flatnonzero(~flags if more else flags)[0]] = more
+        first = dataclasses.replace(td.parts[0], mask=np.packbits(flags, bitorder="little"))
+        return dataclasses.replace(td, parts=(first, *td.parts[1:]))
+
+    def applied(changes: dict) -> None:
+        D.apply(v0, D.decode(D.encode(dataclasses.replace(d, changed={**d.changed, **changes}))))
+
+    (_, (a, b, *_)), (_, (c, *_)) = sorted(widths.items(), key=lambda kv: -len(kv[1]))[:2]
+    with pytest.raises(D.DeltaError, match="result sha256"):  # one width: its count is right
+        applied({a: moved(a, True), b: moved(b, False)})
+    with pytest.raises(D.DeltaError, match="mask and values disagree"):  # two widths: each is off
+        applied({a: moved(a, True), c: moved(c, False)})
+
+
 def test_a_changed_layout_needs_a_full_snapshot():
     a = {"x": torch.zeros(4, 4, dtype=torch.bfloat16)}
     with pytest.raises(D.DeltaError, match="full snapshot"):
