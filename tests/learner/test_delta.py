@@ -232,7 +232,8 @@ def test_masks_wrong_by_opposite_counts_pass_decode_and_are_refused_by_apply(ver
         D.apply(v0, D.decode(D.encode(dataclasses.replace(d, changed={**d.changed, **changes}))))
 
     (_, (a, b, *_)), (_, (c, *_)) = sorted(widths.items(), key=lambda kv: -len(kv[1]))[:2]
-    with pytest.raises(D.DeltaError, match="result sha256"):  # one width: its count is right
+    # one width: its count is right, unless apply XORs a and b in different groups of tensors
+    with pytest.raises(D.DeltaError, match="result sha256|mask and values disagree"):
         applied({a: moved(a, True), b: moved(b, False)})
     with pytest.raises(D.DeltaError, match="mask and values disagree"):  # two widths: each is off
         applied({a: moved(a, True), c: moved(c, False)})
