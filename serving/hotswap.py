@@ -134,50 +134,40 @@ class WeightSwapExtension:
         then only reloads: called while the replica still serves (it holds the engine's step
         loop for as long as it takes), so the pause does not include it."""
         self._flywheel_staged = None
-        t = [time.perf_counter()]
-        tensors, nbytes = _read_checked(path, sha256, t)
+        tensors, nbytes, stages = _read_checked(path, sha256)
         self._flywheel_staged = (path, sha256, tensors, nbytes)
-        return {"tensors": len(tensors), "bytes": nbytes, "seconds": t[-1] - t[0], "stages": _stages(t)}
+        return {"tensors": len(tensors), "bytes": nbytes, "seconds": sum(stages.values()), "stages": stages}
 
     def flywheel_load_weights(self, path: str, sha256: str) -> dict:
         """Reload the tensors of the safetensors file `path` in place: staged by
         `flywheel_stage_weights` when that was the same file, else read and checked now."""
         staged, self._flywheel_staged = getattr(self, "_flywheel_staged", None), None
-        t = [time.perf_counter()]
         if staged is not None and staged[:2] == (path, sha256):
-            tensors, nbytes = staged[2:]
-            t += [t[0]] * 3  # read, checked and parsed before
+            tensors, nbytes, stages = *staged[2:], {}
         else:
-            tensors, nbytes = _read_checked(path, sha256, t)
+            tensors, nbytes, stages = _read_checked(path, sha256)
+        t0 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(tensors.items()))
-        t.append(time.perf_counter())
+        t1 = time.perf_counter()
         _repack_cpu_experts(self.model_runner.get_model(), tensors)
         _refresh_tied_output_layer(self.model_runner.get_model(), tensors)
-        t.append(time.perf_counter())
-        return {"tensors": len(tensors), "bytes": nbytes, "seconds": t[-1] - t[0], "stages": _stages(t)}
+        stages |= {"reload": t1 - t0, "repack": time.perf_counter() - t1}
+        return {"tensors": len(tensors), "bytes": nbytes, "seconds": sum(stages.values()), "stages": stages}
 
 
-_STAGES = ("read", "sha256", "parse", "reload", "repack")
-
-
-def _read_checked(path: str, sha256: str, t: list[float]) -> tuple[dict, int]:
-    """The tensors of the safetensors file `path`, refused unless its bytes hash to `sha256`;
-    and its size. Appends the time after reading, checking and parsing to `t`."""
+def _read_checked(path: str, sha256: str) -> tuple[dict, int, dict[str, float]]:
+    """The tensors of the safetensors file `path`, refused unless its bytes hash to `sha256`; its
+    size; and the seconds spent reading, checking and parsing it."""
     from safetensors.torch import load
 
+    t0 = time.perf_counter()
     data = Path(path).read_bytes()
-    t.append(time.perf_counter())
+    t1 = time.perf_counter()
     if hashlib.sha256(data).hexdigest() != sha256:
         raise ValueError(f"{path}: sha256 mismatch, refusing to load (the file changed after the replica wrote it)")
-    t.append(time.perf_counter())
+    t2 = time.perf_counter()
     tensors = load(data)
-    t.append(time.perf_counter())
-    return tensors, len(data)
-
-
-def _stages(t: list[float]) -> dict[str, float]:
-    """Seconds per stage (`_STAGES`, as far as `t` goes) from the times between them."""
-    return dict(zip(_STAGES, (b - a for a, b in itertools.pairwise(t)), strict=False))
+    return tensors, len(data), {"read": t1 - t0, "sha256": t2 - t1, "parse": time.perf_counter() - t2}
 
 
 def _repack_cpu_experts(model, names) -> None:
@@ -550,14 +540,9 @@ class HotSwapper:
 
     def _first_layer(self) -> dict:
         """The model folder's tensors of its first layer, widened to whole vLLM layers."""
-        from safetensors import safe_open
-
-        from learner.export import WEIGHTS_FILE
-
-        with safe_open(str(self.loaded_from / WEIGHTS_FILE), framework="pt") as f:
-            names = list(f.keys())
-            first = reload_set([n for n in names if n.startswith("model.layers.0.")], names)
-            return {n: f.get_tensor(n) for n in first}
+        return _folder_tensors(
+            self.loaded_from, lambda names: reload_set([n for n in names if n.startswith("model.layers.0.")], names)
+        )
 
     async def swap_report(self, version: int) -> dict:
         """swap_to, but failures come back as a report with ok=False (for callers over Ray)."""
@@ -692,12 +677,21 @@ class HotSwapper:
             return to_hf_tensors(self._served.ckpt, names)
         if self.loaded_from is None:
             raise ValueError("the replica keeps no copy of them and knows no model folder")
-        from safetensors import safe_open
 
-        from learner.export import WEIGHTS_FILE
-
-        with safe_open(str(self.loaded_from / WEIGHTS_FILE), framework="pt") as f:
-            missing = sorted(set(names) - set(f.keys()))
+        def present(have: list[str]) -> list[str]:
+            missing = sorted(set(names) - set(have))
             if missing:
                 raise ValueError(f"{self.loaded_from} lacks {len(missing)} of them, e.g. {missing[0]}")
-            return {n: f.get_tensor(n) for n in names}
+            return names
+
+        return _folder_tensors(self.loaded_from, present)
+
+
+def _folder_tensors(folder: Path, pick) -> dict:
+    """The tensors `pick(names in the file)` of a model folder's weights file, read one by one."""
+    from safetensors import safe_open
+
+    from learner.export import WEIGHTS_FILE
+
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+        return {n: f.get_tensor(n) for n in pick(list(f.keys()))}
