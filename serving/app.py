@@ -384,10 +384,17 @@ def build(settings: ServingSettings, model_dir: Path, version: int, routers: Seq
             num_replicas=n,
             **queue_options(cfg),
             **replica_options(cfg.engine, cfg.max_replicas_per_node),
+            logging_config=logging_config(cfg),
         ).bind(str(model_dir), settings, version, pool)
         for pool, n in pool_sizes(settings.serve).items()
     }
-    return Ingress.bind(settings, handles, str(model_dir), tuple(routers))
+    return Ingress.options(logging_config=logging_config(cfg)).bind(settings, handles, str(model_dir), tuple(routers))
+
+
+def logging_config(cfg: ServeSettings) -> dict:
+    """Ray Serve's logging for the proxy and the deployments: its access log only if asked for
+    (`serve.access_log`)."""
+    return {"enable_access_log": cfg.access_log}
 
 
 def start(
@@ -431,10 +438,11 @@ def start(
                 "cluster with Ray's token authentication needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN here)"
             ) from None
     if not cfg.ray_address:
-        progress(f"vLLM dtype: {engine_precision(cfg)}")
+        settings = with_local_precision(settings, progress)
+        cfg = settings.serve
     if urls := replica_metrics_urls():
         progress(f"replica metrics (hot swaps, vLLM) for Prometheus: {', '.join(urls)}")
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config=logging_config(cfg))
     sizes = pool_sizes(cfg)
     where = ", ".join(f"{n} {pool}" for pool, n in sizes.items())
     progress(f"deploying model v{version} from {model_dir} ({where} replica(s); vLLM start-up takes ~30 s)")
@@ -477,6 +485,17 @@ def _patient_local_serve() -> None:
 
     for k, v in _LOCAL_SERVE_ENV.items():
         os.environ.setdefault(k, v)
+
+
+def with_local_precision(settings: ServingSettings, progress=lambda msg: None) -> ServingSettings:
+    """`settings` with `serve.engine.dtype` decided once for this machine. Every replica of a local
+    Ray runs here, and each would otherwise measure on its own: where bf16 is about as slow as the
+    threshold allows, the measurements differ and the stable and canary pools would compute in
+    different dtypes, which the rollout's latency comparison would then blame on the version."""
+    precision = engine_precision(settings.serve)
+    progress(f"vLLM dtype: {precision}")
+    engine = settings.serve.engine.model_copy(update={"dtype": precision.dtype})
+    return settings.model_copy(update={"serve": settings.serve.model_copy(update={"engine": engine})})
 
 
 def engine_precision(cfg: ServeSettings):

@@ -8,6 +8,7 @@ tests use a fake with the same two methods.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -167,7 +168,12 @@ class VLLMEngine:
         await self.llm.abort(request_id)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        # AsyncLLM shuts down again in its __del__. Collected now, while vLLM's modules are
+        # whole: collected at interpreter exit, that second shutdown prints a TypeError.
+        del llm
+        gc.collect()
 
     # --- hot swap (serving/hotswap.py) ---------------------------------------------------------
 

@@ -30,8 +30,10 @@ class EngineSettings(Section):
     """Context window the engine allocates KV cache for (prompt + completion tokens); capped at
     the model's own window."""
     dtype: str = Field(default="auto", pattern="^(auto|bfloat16|float16|float32)$")
-    """vLLM's compute dtype. `auto`: bfloat16 where this replica's CPU or GPU runs it fast, float32
-    elsewhere (measured at start, see feedback/core/precision.py: an AVX2-only CPU runs bf16 ~75x slower)."""
+    """vLLM's compute dtype. `auto`: bfloat16 where the CPU or GPU runs it fast, float32 elsewhere
+    (measured at start, see feedback/core/precision.py: an AVX2-only CPU runs bf16 ~75x slower). On
+    a local Ray, `flywheel serve` measures once for all its replicas; replicas joining a cluster
+    measure on their own hosts."""
     enforce_eager: bool = True
     """Skip CUDA-graph / torch.compile capture (start-up time matters more than peak speed here)."""
     kv_cache_gib: float = Field(default=1.0, gt=0)
@@ -60,7 +62,8 @@ class EngineSettings(Section):
     """vLLM's worker executor (`distributed_executor_backend`). `uni`: the model worker runs inside
     the engine-core process, one process fewer to start per replica (vLLM start-up is mostly
     imports: measured 16.5 s against 25.4 s on 2 cores, 51 against 65 s with the cores loaded);
-    `mp` or `ray` for tensor parallelism across GPUs."""
+    `mp` or `ray` for tensor parallelism across GPUs. On CPUs vLLM 0.32 runs the worker in a
+    process of its own whatever this says (its OpenMP set-up needs one), as `mp`."""
     capture_routes: bool = True
     """Record the experts vLLM's forward chose for every token of an MoE model (serving/routes.py),
     so the learner replays the serving engine's own routing. False: the learner routes itself."""
@@ -156,6 +159,11 @@ class ServeSettings(Section):
     """Requests Ray Serve lets one model replica hold at once (its `max_ongoing_requests`); the
     engine batches them. None: `engine.max_num_seqs`, what one engine step can batch (Ray Serve's
     own default, 5, would queue the rest in front of an engine with room for more)."""
+    access_log: bool = False
+    """Ray Serve's access log: a line per request from the HTTP proxy and from each replica a
+    request passes. Off by default: every completion already has its record (Kafka, table
+    `completions`) and its latency and errors in the metrics, and the lines are written on the
+    request path."""
     max_queued_requests: Annotated[int, AfterValidator(_queue_limit)] = 64
     """Requests the ingress lets wait for a model replica with room, per pool; beyond it a
     completion gets 503 with Retry-After at once instead of queueing (Ray Serve's

@@ -119,18 +119,21 @@ async def bare_vllm(model_dir: Path, settings, n: int, concurrency: int, max_tok
 
 
 async def flywheel_http(url: str, token: str, n: int, concurrency: int, max_tokens: int) -> Side:
-    import httpx
+    # aiohttp, as vLLM's own serving benchmark: the load generator shares the cores with what it
+    # measures, so it should be the lighter of the two clients.
+    import aiohttp
 
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
+    timeout = aiohttp.ClientTimeout(total=120)
+    headers = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession(base_url=url, headers=headers, timeout=timeout) as client:
         timings: list[dict[str, float]] = []
 
         async def one(prefix: str, suffix: str) -> int:
-            r = await client.post(
-                "/v1/completions", json={"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0}
-            )
-            r.raise_for_status()
-            timings.append(parse_header(r.headers.get("server-timing", "")))
-            return r.json()["usage"]["completion_tokens"]
+            body = {"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, "temperature": 0}
+            async with client.post("/v1/completions", json=body) as r:
+                r.raise_for_status()
+                timings.append(parse_header(r.headers.get("server-timing", "")))
+                return (await r.json())["usage"]["completion_tokens"]
 
         await _drive(concurrency, concurrency, one)
         timings.clear()
@@ -144,6 +147,8 @@ def run(settings, model_dir: Path, *, n: int, concurrency: int, max_tokens: int,
     from ops.routes import ops_routers
     from serving import app
 
+    # One dtype for both sides, decided once (app.start would decide it again for Flywheel).
+    settings = app.with_local_precision(settings, progress)
     progress(f"baseline: bare AsyncLLM, {n} requests x {max_tokens} tokens, concurrency {concurrency}")
     bare = asyncio.run(bare_vllm(model_dir, settings, n, concurrency, max_tokens))
     progress(f"baseline: {bare.rps:.1f} req/s, p50 {bare.p50_ms:.0f} ms, p99 {bare.p99_ms:.0f} ms")

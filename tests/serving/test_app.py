@@ -66,3 +66,32 @@ def test_a_queue_limit_of_zero_is_refused_as_ray_serve_would():
 
     with pytest.raises(ValidationError, match="max_queued_requests"):
         ServeSettings(max_queued_requests=0)
+
+
+def test_ray_serve_access_log_is_off_unless_asked_for():
+    from serving.app import logging_config
+    from serving.settings import ServeSettings
+
+    assert logging_config(ServeSettings()) == {"enable_access_log": False}
+    assert logging_config(ServeSettings(access_log=True)) == {"enable_access_log": True}
+
+
+def test_a_local_ray_decides_the_engine_dtype_once_for_every_replica(monkeypatch):
+    # Each replica measuring on its own can land on either side of the bf16 threshold.
+    from feedback.core.precision import Precision
+    from serving import app
+    from serving.settings import ServingSettings
+
+    calls = []
+
+    def measured(cfg):
+        calls.append(cfg.engine.dtype)
+        return Precision("float32", "bf16 2.02x slower")
+
+    monkeypatch.setattr(app, "engine_precision", measured)
+    said = []
+    given = ServingSettings()
+    s = app.with_local_precision(given, said.append)
+    assert s.serve.engine.dtype == "float32" and calls == ["auto"]
+    assert said == ["vLLM dtype: float32 (bf16 2.02x slower)"]
+    assert given.serve.engine.dtype == "auto"  # a copy: the settings given are not changed
