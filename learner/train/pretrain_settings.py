@@ -85,7 +85,8 @@ class PretrainSection(Section):
     """Weight of the MoE load-balancing loss (1.0 when balanced), which keeps every expert in use."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Matmul precision (bf16 autocast or fp32); master weights and optimizer state are always fp32.
-    `auto`: bf16 only where this machine runs it fast (feedback/core/precision.py measures it at start)."""
+    `auto`: bf16 only where this machine's bf16 matmul is not slower than its fp32 one
+    (feedback/core/precision.py measures both at start)."""
     fim_rate: float = Field(default=0.5, ge=0, le=1)
     """Fraction of training rows that are fill-in-the-middle examples."""
     fim_template: Literal["qwen-spm", "qwen"] = "qwen-spm"

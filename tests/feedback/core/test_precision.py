@@ -65,3 +65,29 @@ def test_the_cpu_flags_come_from_cpuinfo(tmp_path):
 def test_the_probe_measures_both_dtypes_here():
     got = P.measure_matmul(n=64, seconds=0.005)
     assert got["float32"] > 0 and got["bfloat16"] > 0 and got["capability"]
+
+
+def test_training_asks_for_bf16_only_where_it_is_not_slower(monkeypatch):
+    # An AVX-512 BF16 CPU without AMX: bf16 matmul 1.9x slower. Serving keeps bf16; a
+    # compute-bound training step runs faster in fp32 there.
+    probe(monkeypatch, fp32=166.0, bf16=86.3)
+    assert P.resolve("auto").dtype == "bfloat16"
+    got = P.resolve("auto", slower_ok=P.TRAINING_SLOWER_OK)
+    assert got.dtype == "float32" and "at most 1x slower" in got.reason
+    probe(monkeypatch, fp32=80.0, bf16=80.0)  # as fast: bf16 (half the memory traffic)
+    P._cpu_choice.cache_clear()
+    assert P.resolve("auto", slower_ok=P.TRAINING_SLOWER_OK).dtype == "bfloat16"
+
+
+def test_pretraining_resolves_auto_with_the_training_bound(monkeypatch):
+    import torch
+
+    from learner.train.pretrain import _autocast
+
+    probe(monkeypatch, fp32=166.0, bf16=86.3)
+    with _autocast(torch.device("cpu"), "auto"):
+        assert not torch.is_autocast_enabled("cpu")  # fp32
+    probe(monkeypatch, fp32=80.0, bf16=160.0)
+    P._cpu_choice.cache_clear()
+    with _autocast(torch.device("cpu"), "auto"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
