@@ -491,9 +491,13 @@ def with_local_precision(settings: ServingSettings, progress=lambda msg: None) -
     """`settings` with `serve.engine.dtype` decided once for this machine. Every replica of a local
     Ray runs here, and each would otherwise measure on its own: where bf16 is about as slow as the
     threshold allows, the measurements differ and the stable and canary pools would compute in
-    different dtypes, which the rollout's latency comparison would then blame on the version."""
+    different dtypes, which the rollout's latency comparison would then blame on the version.
+    GPU replicas keep their own choice: it follows the device, not a measurement, and this
+    process may not see the GPUs Ray gives them."""
     precision = engine_precision(settings.serve)
     progress(f"vLLM dtype: {precision}")
+    if settings.serve.engine.num_gpus > 0:
+        return settings
     engine = settings.serve.engine.model_copy(update={"dtype": precision.dtype})
     return settings.model_copy(update={"serve": settings.serve.model_copy(update={"engine": engine})})
 

@@ -95,3 +95,5 @@ def test_a_local_ray_decides_the_engine_dtype_once_for_every_replica(monkeypatch
     assert s.serve.engine.dtype == "float32" and calls == ["auto"]
     assert said == ["vLLM dtype: float32 (bf16 2.02x slower)"]
     assert given.serve.engine.dtype == "auto"  # a copy: the settings given are not changed
+    gpu = ServingSettings(serve={"engine": {"num_gpus": 1}})
+    assert app.with_local_precision(gpu).serve.engine.dtype == "auto"  # follows the device, decided there
