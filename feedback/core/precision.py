@@ -33,7 +33,7 @@ from pathlib import Path
 
 ENV_OVERRIDE = "FLYWHEEL_PRECISION"
 _SLOWER_OK = 2.0  # bf16 is "fast" when it is at most this many times slower than fp32
-TRAINING_SLOWER_OK = 1.0  # for training: only when it is not slower (see above)
+TRAINING_SLOWER_OK = 1.0  # for training: only when it is not slower (see above; `training`)
 _ALIASES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
@@ -90,6 +90,11 @@ def resolve(
     return _cpu_choice(slower_ok)
 
 
+def training(requested: str = "auto", *, device: str = "cpu", setting: str = "pretrain.precision") -> Precision:
+    """`resolve` for a training step: on a CPU, bf16 only where it is not slower than fp32."""
+    return resolve(requested, device=device, setting=setting, slower_ok=TRAINING_SLOWER_OK)
+
+
 @functools.cache
 def _cuda_choice() -> Precision:
     import torch
@@ -100,9 +105,15 @@ def _cuda_choice() -> Precision:
 
 
 @functools.cache
+def _cpu_probe() -> tuple[dict, list[str]]:
+    """The matmul probe and the CPU's bf16 flags, measured once per process: serving's and
+    training's choices read the same measurement."""
+    return measure_matmul(), cpu_bf16_flags()
+
+
+@functools.cache
 def _cpu_choice(slower_ok: float = _SLOWER_OK) -> Precision:
-    probe = measure_matmul()
-    flags = cpu_bf16_flags()
+    probe, flags = _cpu_probe()
     isa = f"{probe['capability']}" + (
         f" with {', '.join(flags)}" if flags else ", no native bf16 (avx512_bf16 / amx_bf16)"
     )

@@ -62,8 +62,7 @@ from tokenizers import Tokenizer
 
 from feedback.core.config import FlywheelSettings
 from feedback.core.errors import UserError
-from feedback.core.precision import TRAINING_SLOWER_OK
-from feedback.core.precision import resolve as resolve_precision
+from feedback.core.precision import training as training_precision
 from learner import fp4 as fp4_codec
 from learner.corpus import Corpus, SourceFile, TrainingData, heldout_windows, load_corpus, token_stream
 from learner.decode import decode
@@ -171,9 +170,7 @@ def bigram_baseline(
 
 def _autocast(device: torch.device, precision: str):
     """bf16 autocast when `precision` resolves to bf16 on this device (feedback/core/precision.py), else fp32."""
-    chosen = resolve_precision(
-        precision, device=device.type, setting="pretrain.precision", slower_ok=TRAINING_SLOWER_OK
-    )
+    chosen = training_precision(precision, device=device.type)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=chosen.dtype == "bfloat16")
 
 
@@ -385,9 +382,7 @@ def train(
             f"on {len(corpus.train)} files ({len(data.stream) / 1e6:.2f}M tokens), {len(corpus.heldout)} held out; run folder {folder}"
         )
 
-    precision = resolve_precision(
-        cfg.precision, device=device.type, setting="pretrain.precision", slower_ok=TRAINING_SLOWER_OK
-    )
+    precision = training_precision(cfg.precision, device=device.type)
     console.print(f"precision: {precision}")
     cfg = cfg.model_copy(update={"precision": precision.short})
     hook = fp4_hook(cfg.fp4)
@@ -744,9 +739,7 @@ def _continue(model, args, tok, fmt, corpus, cfg: PretrainSection, base: dict, f
     data = Curriculum.of(tok, fmt, corpus.train, cfg, seq_len=seq_len)
     windows = heldout_windows(token_stream(fmt, tok, corpus.heldout), seq_len, cfg.final_eval_windows)
     periodic = windows[torch.linspace(0, len(windows) - 1, min(cfg.eval_windows, len(windows))).long()]
-    precision = resolve_precision(
-        cfg.precision, device="cpu", setting="pretrain.precision", slower_ok=TRAINING_SLOWER_OK
-    )
+    precision = training_precision(cfg.precision, device="cpu")
     run_cfg = cfg.model_copy(update={"lr": cfg.continue_lr, "precision": precision.short, "seq_len": seq_len})
     hook = fp4_hook(base["fp4_format"], tuple(base["fp4_targets"])) if base["fp4_format"] else None
     before = evaluate(model, windows, hook=hook)

@@ -31,8 +31,7 @@ ARMS = ("grouped", "loop")
 def run_bench(s: PretrainSettings, console: Console, *, steps: int, warmup: int, out: str | None, command: str) -> dict:
     import torch
 
-    from feedback.core.precision import TRAINING_SLOWER_OK
-    from feedback.core.precision import resolve as resolve_precision
+    from feedback.core.precision import training as training_precision
     from learner.corpus import TrainingData
     from learner.formats import own_format
     from learner.model import MoE, Transformer
@@ -50,9 +49,7 @@ def run_bench(s: PretrainSettings, console: Console, *, steps: int, warmup: int,
 
     cfg = pretrain_section(s)
     torch.set_num_threads(cfg.threads)
-    precision = resolve_precision(
-        cfg.precision, device=cfg.device, setting="pretrain.precision", slower_ok=TRAINING_SLOWER_OK
-    )
+    precision = training_precision(cfg.precision, device=cfg.device)
     cfg = cfg.model_copy(update={"precision": precision.short})
     corpus = load_training_corpus(cfg)
     cached = run_folder(s, cfg, corpus.fingerprint) / "tokenizer"

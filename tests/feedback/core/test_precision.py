@@ -8,8 +8,13 @@ from feedback.core import precision as P
 @pytest.fixture(autouse=True)
 def fresh_choice(monkeypatch):
     monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
-    P._cpu_choice.cache_clear()
+    forget()
     yield
+    forget()
+
+
+def forget() -> None:
+    P._cpu_probe.cache_clear()
     P._cpu_choice.cache_clear()
 
 
@@ -32,7 +37,7 @@ def test_a_cpu_with_fast_bf16_computes_in_bf16(monkeypatch):
 def test_bf16_up_to_twice_as_slow_still_counts_as_fast(monkeypatch):
     probe(monkeypatch, fp32=100.0, bf16=100.0 / P._SLOWER_OK)
     assert P.resolve("auto").dtype == "bfloat16"
-    P._cpu_choice.cache_clear()
+    forget()
     probe(monkeypatch, fp32=100.0, bf16=100.0 / P._SLOWER_OK - 1)
     assert P.resolve("auto").dtype == "float32"
 
@@ -75,7 +80,7 @@ def test_training_asks_for_bf16_only_where_it_is_not_slower(monkeypatch):
     got = P.resolve("auto", slower_ok=P.TRAINING_SLOWER_OK)
     assert got.dtype == "float32" and "at most 1x slower" in got.reason
     probe(monkeypatch, fp32=80.0, bf16=80.0)  # as fast: bf16 (half the memory traffic)
-    P._cpu_choice.cache_clear()
+    forget()
     assert P.resolve("auto", slower_ok=P.TRAINING_SLOWER_OK).dtype == "bfloat16"
 
 
@@ -88,6 +93,6 @@ def test_pretraining_resolves_auto_with_the_training_bound(monkeypatch):
     with _autocast(torch.device("cpu"), "auto"):
         assert not torch.is_autocast_enabled("cpu")  # fp32
     probe(monkeypatch, fp32=80.0, bf16=160.0)
-    P._cpu_choice.cache_clear()
+    forget()
     with _autocast(torch.device("cpu"), "auto"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
