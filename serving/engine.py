@@ -7,6 +7,7 @@ tests use a fake with the same two methods.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -105,6 +106,7 @@ class VLLMEngine:
         with _cpu_workers_bound(cfg):
             self.llm = AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers(cfg))
         self.capture_routes = cfg.capture_routes
+        self.prepared_reload = cfg.prepared_reload
         # vLLM 0.32's CPU worker cannot seed a request: when a seeded prompt is prefilled in chunks
         # (a long prompt, or a busy step), its sampler moves the generator's offset back, which a
         # CPU generator refuses, and the whole engine dies. One client's `seed` must not take every
@@ -179,8 +181,31 @@ class VLLMEngine:
 
     async def stage_weights(self, path: str, sha256: str) -> dict:
         """Have the worker read, check and parse the safetensors file `path` now, while serving
-        goes on, so that `update_weights` of the same file only reloads."""
-        return (await self.llm.collective_rpc("flywheel_stage_weights", args=(path, sha256)))[0]
+        goes on, so that `update_weights` of the same file only reloads; with
+        `engine.prepared_reload`, also wait (polling between engine steps) while a thread in each
+        worker builds the new weights in the kernels' layout, so that the update only copies them
+        in. A preparation that failed is reported (`prepared` False, `error`); the update then
+        reloads the vLLM way."""
+        prepare = self.prepared_reload
+        staged = (await self.llm.collective_rpc("flywheel_stage_weights", args=(path, sha256, prepare)))[0]
+        if not prepare:
+            return staged
+        states = await self.llm.collective_rpc("flywheel_stage_ready")
+        while not all(r["ready"] for r in states):
+            await asyncio.sleep(0.005)
+            states = await self.llm.collective_rpc("flywheel_stage_ready")
+        errors = [r["error"] for r in states if r["error"]]
+        if errors:
+            log.warning("prepared reload failed in a worker (%s); the swap reloads the vLLM way", errors[0])
+        return staged | {
+            "prepared": not errors,
+            "error": errors[0] if errors else None,
+            "prepare": states[0].get("stages", {}),
+        }
+
+    async def weights_digest(self) -> str:
+        """The first worker's `flywheel_weights_digest` (serving/hotswap.py)."""
+        return (await self.llm.collective_rpc("flywheel_weights_digest"))[0]
 
     async def update_weights(self, path: str, sha256: str, version: int) -> dict:
         """Reload the tensors of the safetensors file `path` in place, inside the worker.

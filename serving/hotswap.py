@@ -13,13 +13,16 @@
                   safetensors file in a temp folder
       4. stage    the vLLM worker (WeightSwapExtension, via collective_rpc with the file's path,
                   never tensors) reads the file, checks its sha256 and parses it, and keeps the
-                  tensors; a file that fails its check stops the swap here
+                  tensors; a file that fails its check stops the swap here. Then a thread in the
+                  worker loads them into a shadow of the model and processes them into the
+                  kernels' layout (serving/reload.py, `engine.prepared_reload`)
       5. pause    close admission, let in-flight requests finish (drain), then inside the
-                  worker `reload_weights` the staged tensors and prepack reloaded CPU experts
-                  again (`_repack_cpu_experts`); switch `CompletionService.version` and
-                  reopen admission
-    Steps 1-3 run in a thread while the replica keeps serving N, and step 4 between two of the
-    engine's steps; only step 5 pauses it.
+                  worker copy the prepared tensors into the live ones; or, where the preparation
+                  failed or is off, `reload_weights` the staged tensors the vLLM way and prepack
+                  reloaded CPU experts again (`_repack_cpu_experts`); switch
+                  `CompletionService.version` and reopen admission
+    Steps 1-3 run in a thread while the replica keeps serving N, step 4's read between two of the
+    engine's steps and its preparation beside them; only step 5 pauses it.
 
 Admission closes at the replica's engine (`GatedEngine`): requests that arrive during the
 pause wait, then run on N+1. In-flight requests get `preempt_after_s` (`serve.swap_preempt_after_ms`)
@@ -129,30 +132,105 @@ class WeightSwapExtension:
     process: `self` is vLLM's Worker. After vLLM's reload it redoes what that reload misses on the
     CPU (below): the experts' prepack, a tied output layer's GEMM handle."""
 
-    def flywheel_stage_weights(self, path: str, sha256: str) -> dict:
+    def flywheel_stage_weights(self, path: str, sha256: str, prepare: bool = False) -> dict:
         """Read the file, check its sha256 and parse it, ahead of `flywheel_load_weights`, which
         then only reloads: called while the replica still serves (it holds the engine's step
-        loop for as long as it takes), so the pause does not include it."""
+        loop for as long as it takes), so the pause does not include it. With `prepare`, a thread
+        then builds the new weights in the kernels' layout beside the live model
+        (serving/reload.py) while the engine keeps stepping; `flywheel_stage_ready` says when it is
+        done, and the load only copies them in."""
         self._flywheel_staged = None
         tensors, nbytes, stages = _read_checked(path, sha256)
-        self._flywheel_staged = (path, sha256, tensors, nbytes)
+        preparation = None
+        if prepare:
+            from vllm.config import set_current_vllm_config
+
+            from serving.reload import Preparation
+
+            # as vLLM's reload_weights, under the worker's config (the same object the engine's
+            # steps see: process-wide in vLLM 0.32, not per thread)
+            preparation = Preparation(
+                self.model_runner.get_model(), tensors, lambda: set_current_vllm_config(self.vllm_config)
+            )
+        self._flywheel_staged = (path, sha256, tensors, nbytes, preparation)
         return {"tensors": len(tensors), "bytes": nbytes, "seconds": sum(stages.values()), "stages": stages}
+
+    def flywheel_stage_ready(self) -> dict:
+        """Whether the staged file's preparation is done: {"ready": bool, "prepared": bool, "error": str | None}."""
+        staged = getattr(self, "_flywheel_staged", None)
+        preparation = staged[4] if staged is not None else None
+        if preparation is None or not preparation.done:
+            return {"ready": preparation is None, "prepared": False, "error": None}
+        prepared = preparation.result()
+        return {
+            "ready": True,
+            "prepared": prepared is not None,
+            "error": preparation.error,
+            "stages": prepared.seconds if prepared is not None else {},
+        }
 
     def flywheel_load_weights(self, path: str, sha256: str) -> dict:
         """Reload the tensors of the safetensors file `path` in place: staged by
-        `flywheel_stage_weights` when that was the same file, else read and checked now."""
+        `flywheel_stage_weights` when that was the same file, else read and checked now. A staged
+        preparation that finished is copied in (`commit`); otherwise vLLM's reload runs here."""
         staged, self._flywheel_staged = getattr(self, "_flywheel_staged", None), None
+        prepared = None
         if staged is not None and staged[:2] == (path, sha256):
-            tensors, nbytes, stages = *staged[2:], {}
+            tensors, nbytes, stages, preparation = *staged[2:4], {}, staged[4]
+            prepared = preparation.result() if preparation is not None else None
+            if preparation is not None and prepared is None:
+                log.warning("prepared reload failed (%s); reloading the vLLM way", preparation.error)
         else:
             tensors, nbytes, stages = _read_checked(path, sha256)
         t0 = time.perf_counter()
+        if prepared is not None:
+            from serving.reload import Unsupported
+
+            try:
+                prepared.commit()
+            except Unsupported as e:  # checked before the first copy: the live model is unchanged
+                log.warning("prepared reload does not fit (%s); reloading the vLLM way", e)
+                prepared = None
+            else:
+                self._flywheel_reset_after_reload()
+                return {
+                    "tensors": len(tensors),
+                    "bytes": nbytes,
+                    "seconds": time.perf_counter() - t0,
+                    "stages": {"commit": time.perf_counter() - t0},
+                    "prepared": True,
+                }
         self.reload_weights(weights_iterator=iter(tensors.items()))
         t1 = time.perf_counter()
         _repack_cpu_experts(self.model_runner.get_model(), tensors)
         _refresh_tied_output_layer(self.model_runner.get_model(), tensors)
         stages |= {"reload": t1 - t0, "repack": time.perf_counter() - t1}
-        return {"tensors": len(tensors), "bytes": nbytes, "seconds": sum(stages.values()), "stages": stages}
+        return {
+            "tensors": len(tensors),
+            "bytes": nbytes,
+            "seconds": sum(stages.values()),
+            "stages": stages,
+            "prepared": False,
+        }
+
+    def flywheel_weights_digest(self) -> str:
+        """sha256 over every parameter and buffer the worker's model holds, by name, in the kernels'
+        layout: equal digests mean two reload paths (or two replicas) hold the same weights."""
+        import torch
+
+        h = hashlib.sha256()
+        model = self.model_runner.get_model()
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()
+
+    def _flywheel_reset_after_reload(self) -> None:
+        """What vLLM's `reload_weights` clears after loading: state derived from the old weights."""
+        runner = self.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if callable(getattr(runner, reset, None)):
+                getattr(runner, reset)()
 
 
 def _read_checked(path: str, sha256: str) -> tuple[dict, int, dict[str, float]]:
@@ -341,11 +419,12 @@ class SwapReport:
     tensors_reloaded: int = 0
     reload_bytes: int = 0
     prepare_s: float = 0.0  # plan + fetch + verify + write + stage, while serving continues
-    stage_s: float = 0.0  # of which the worker reading, checking and parsing the file (it holds the engine's steps)
+    stage_s: float = 0.0  # of which the worker reading, checking and parsing the file (it holds the engine's steps), then preparing it (it does not)
     pause_s: float = 0.0  # admission closed: the wait for in-flight requests + the reload
     drain_s: float = 0.0  # the wait for in-flight requests: to finish, or to be aborted for a restart
     restarted: int = 0  # in-flight requests aborted to run again on the new version
     reload_s: float = 0.0
+    prepared: bool = False  # the reload copied in weights prepared while serving (serving/reload.py)
     error: str | None = None
 
 
@@ -479,7 +558,7 @@ class HotSwapper:
             SWAPS.inc(pool=self.pool, outcome="ok")
             self.last_swap_error, self.last_report = None, report
             log.info(
-                "swapped v%d -> v%d: %d tensors staged in %.3f s, pause %.3f s (drain %.3f s, reload %.3f s); "
+                "swapped v%d -> v%d: %d tensors staged in %.3f s, pause %.3f s (drain %.3f s, %s %.3f s); "
                 "%d request(s) restarted",
                 frm,
                 version,
@@ -487,6 +566,7 @@ class HotSwapper:
                 report.stage_s,
                 report.pause_s,
                 report.drain_s,
+                "prepared copy" if report.prepared else "reload",
                 report.reload_s,
                 report.restarted,
             )
@@ -622,7 +702,8 @@ class HotSwapper:
                 if report.restarted:
                     RESTARTS.inc(report.restarted, pool=self.pool)
                 if p.changed:
-                    await self._reload(p)
+                    result = await self._reload(p)
+                    report.prepared = isinstance(result, dict) and bool(result.get("prepared"))
                 report.reload_s = time.perf_counter() - t1
                 self.service.version = self.service.prompts.version = p.version
                 self._served = p.served
@@ -633,9 +714,9 @@ class HotSwapper:
             report.pause_s = time.perf_counter() - t0
             SWAP_PAUSE.observe(report.pause_s, pool=self.pool)
 
-    async def _reload(self, p: _Prepared) -> None:
+    async def _reload(self, p: _Prepared):
         try:
-            await self.gate.inner.update_weights(p.path, p.sha256, p.version)
+            return await self.gate.inner.update_weights(p.path, p.sha256, p.version)
         except Exception as e:
             # The worker checks the file before loading, so most failures change nothing; if the
             # reload broke off midway, put the old tensors back so the replica really serves N.

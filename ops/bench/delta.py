@@ -325,6 +325,7 @@ def run_bench(
     methods: tuple[str, ...] = METHODS,
     swap: bool = False,
     swaps: int = 8,
+    swap_compare: str = "reload",
     out: str | Path | None = None,
     command: str = "flywheel bench delta",
 ) -> dict:
@@ -380,7 +381,14 @@ def run_bench(
         with console.status("swap: starting vLLM, then swaps under load"):
             results["swap"] = asyncio.run(
                 bench_swap(
-                    model.args, tok, series[0], [f.text for f in corpus.heldout], settings, lr=lrs[0], swaps=swaps
+                    model.args,
+                    tok,
+                    series[0],
+                    [f.text for f in corpus.heldout],
+                    settings,
+                    lr=lrs[0],
+                    swaps=swaps,
+                    compare=swap_compare,
                 )
             )
     results["wall_s"] = time.perf_counter() - t0
@@ -467,20 +475,23 @@ def _notes(r: dict) -> list[str]:
 # --- swaps under load --------------------------------------------------------------------------
 
 
-SWAP_MODES = ("wait", "restart")
-"""How a swap treats in-flight requests (serving.hotswap): `wait` lets every one finish on the
-old weights; `restart` gives them `serve.swap_preempt_after_ms`, then aborts those whose client
-saw nothing and runs them again on the new version."""
+SWAP_COMPARISONS = {"reload": ("vllm", "prepared"), "preempt": ("wait", "restart")}
+"""The two ways of swapping each comparison alternates (serving.hotswap). `reload`: `vllm` runs
+vLLM's in-place reload inside the pause, `prepared` builds the new weights beside the live model
+while serving goes on and only copies them in during the pause (`engine.prepared_reload`), both
+restarting in-flight requests. `preempt`: `wait` lets every request in flight finish on the old
+weights, `restart` gives them `serve.swap_preempt_after_ms`, then aborts those whose client saw
+nothing and runs them again on the new version, both with the prepared reload."""
 
 
-def swap_plan(swaps: int, versions: int) -> list[tuple[int, str]]:
+def swap_plan(swaps: int, versions: int, modes: tuple[str, str] = SWAP_COMPARISONS["preempt"]) -> list[tuple[int, str]]:
     """(target version, mode) of each swap: back and forth over the versions (v1, v2, ..., v0,
-    v1, ...: each swap is one version's change), with the modes in ABBA order (wait, restart,
-    restart, wait, ...), so each mode gets as many of each direction and of the run's early and
-    late load."""
+    v1, ...: each swap is one version's change), with the two modes in ABBA order, so each mode
+    gets as many of each direction and of the run's early and late load."""
     if versions < 2:
         raise ValueError("swaps need at least 2 versions")
-    abba = ("wait", "restart", "restart", "wait")
+    a, b = modes
+    abba = (a, b, b, a)
     return [((i + 1) % versions, abba[i % 4]) for i in range(swaps)]
 
 
@@ -497,10 +508,8 @@ def swap_summary(done: list[tuple[float, float, bool, int]], swaps: list[dict], 
 
     steady = [e - s for s, e, ok, _ in done if ok and e < t_first]
     modes = {}
-    for mode in SWAP_MODES:
+    for mode in dict.fromkeys(w["mode"] for w in swaps):  # in the order they first ran
         mine = [w for w in swaps if w["mode"] == mode]
-        if not mine:
-            continue
         during = latencies([(w["start"], w["end"]) for w in mine])
         modes[mode] = {
             "swaps": len(mine),
@@ -513,7 +522,8 @@ def swap_summary(done: list[tuple[float, float, bool, int]], swaps: list[dict], 
         }
     out = {"steady": {"n": len(steady), "p50_s": pct(steady, 50), "p99_s": pct(steady, 99)}, "modes": modes}
     if len(modes) == 2:
-        w, r = modes["wait"], modes["restart"]
+        (a, w), (b, r) = modes.items()
+        out["ratio_of"] = f"{a} / {b}"
         out["pause_ratio"] = w["pause_max_s"] / r["pause_max_s"] if r["pause_max_s"] > 0 else float("inf")
         out["during_p99_ratio"] = w["during"]["p99_s"] / r["during"]["p99_s"] if r["during"]["n"] else float("nan")
     return out
@@ -530,12 +540,13 @@ async def bench_swap(
     clients: int = 8,
     max_tokens: int = 32,
     swaps: int = 8,
+    compare: str = "reload",
     steady_s: float = 8.0,
     gap_s: float = 3.0,
 ) -> dict:
     """Publish `packed` (v0, v1, ...) to a temporary store, serve v0 with vLLM, keep `clients`
-    concurrent greedy completions going, and swap `swaps` times (`swap_plan`), alternating
-    between waiting for in-flight requests and restarting them, on the same engine and load."""
+    concurrent greedy completions going, and swap `swaps` times (`swap_plan`), alternating the two
+    modes of `SWAP_COMPARISONS[compare]` on the same engine and load."""
     from learner.export import export_hf
     from learner.formats import read_format
     from learner.store import open_store
@@ -564,7 +575,7 @@ async def bench_swap(
     t_start = time.perf_counter()
     engine = VLLMEngine(folder, cfg.engine)
     started_s = time.perf_counter() - t_start
-    plan = swap_plan(swaps, len(packed))
+    plan = swap_plan(swaps, len(packed), SWAP_COMPARISONS[compare])
     try:
         service = CompletionService(engine, tok, read_format(folder), cfg, version=0)
         swapper = HotSwapper(service, store)
@@ -592,7 +603,8 @@ async def bench_swap(
         await asyncio.sleep(steady_s)
         rows = []
         for v, mode in plan:
-            swapper.preempt_after_s = preempt_s if mode == "restart" else None
+            swapper.preempt_after_s = None if mode == "wait" else preempt_s
+            engine.prepared_reload = mode != "vllm"
             t0 = time.perf_counter()
             r = await swapper.swap_to(v)
             rows.append(
@@ -610,6 +622,7 @@ async def bench_swap(
                     "drain_s": r.drain_s,
                     "reload_s": r.reload_s,
                     "restarted": r.restarted,
+                    "prepared": r.prepared,
                 }
             )
             await asyncio.sleep(gap_s)
@@ -623,6 +636,7 @@ async def bench_swap(
         "clients": clients,
         "max_tokens": max_tokens,
         "preempt_after_ms": preempt_s * 1000,
+        "compare": compare,
         "engine_start_s": started_s,
         "requests": len(done),
         "failed": sum(not ok for *_, ok, _ in done),
@@ -632,9 +646,13 @@ async def bench_swap(
 
 
 def _swap_table(s: dict) -> Table:
+    what = {
+        "reload": "`vllm` reloads inside the pause, `prepared` only copies in weights built while serving",
+        "preempt": f"`wait` lets in-flight requests finish, `restart` restarts them after {s['preempt_after_ms']:g} ms",
+    }[s.get("compare", "preempt")]
     t = Table(
         title=f"swaps under load: {s['clients']} clients, {s['max_tokens']}-token greedy completions, lr {s['lr']:g} "
-        f"versions; `wait` lets in-flight requests finish, `restart` restarts them after {s['preempt_after_ms']:g} ms"
+        f"versions; {what}"
     )
     for name in ("swap", "mode", "tensors", "MB", "prepare s", "pause s", "drain s", "reload s", "restarted"):
         t.add_column(name, justify="right")
@@ -661,7 +679,7 @@ def _swap_table(s: dict) -> Table:
         )
     if "pause_ratio" in s:
         lines.append(
-            f"wait / restart: max pause x{s['pause_ratio']:.1f}, p99 of overlapping requests x{s['during_p99_ratio']:.2f}"
+            f"{s['ratio_of']}: max pause x{s['pause_ratio']:.1f}, p99 of overlapping requests x{s['during_p99_ratio']:.2f}"
         )
     lines.append(f"failed {s['failed']} of {s['requests']} requests")
     t.caption = "\n".join(lines)

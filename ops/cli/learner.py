@@ -160,7 +160,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--swaps",
         type=int,
         default=8,
-        help="swaps with --swap, alternately waiting for in-flight requests and restarting them (default 8)",
+        help="swaps with --swap, alternating the two ways of --swap-compare (default 8)",
+    )
+    d.add_argument(
+        "--swap-compare",
+        choices=("reload", "preempt"),
+        default="reload",
+        help="with --swap: `reload` alternates vLLM's reload inside the pause with the prepared reload; "
+        "`preempt` alternates waiting for in-flight requests with restarting them (default reload)",
     )
     d.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(d)
@@ -425,6 +432,7 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
         threads=args.threads,
         swap=args.swap,
         swaps=args.swaps,
+        swap_compare=args.swap_compare,
         out=args.out,
         command=shlex.join(["flywheel", *sys.argv[1:]]),
     )

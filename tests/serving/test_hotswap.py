@@ -625,7 +625,18 @@ async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
             (r.samples[0].token_ids, r.samples[0].logprobs) for r in before
         ]
 
+        # staging prepares v1 in a shadow of the model while serving goes on: the live weights do
+        # not change until the pause copies them in
+        digest = await engine.weights_digest()
+        staged = tmp_path / "staged.safetensors"
+        save_file(S.to_hf_tensors(v1), str(staged))
+        state = await engine.stage_weights(str(staged), hashlib.sha256(staged.read_bytes()).hexdigest())
+        assert state["prepared"] and state["error"] is None, state
+        assert await engine.weights_digest() == digest
+        assert [r.samples[0].logprobs for r in await served()] == [r.samples[0].logprobs for r in before]
+
         report = await swapper.swap_to(1)
+        assert report.prepared  # the pause only copied prepared tensors in
         after = await served()
         (d_new, tol), (d_old, _) = max_diff(after, S.to_hf_tensors(v1)), max_diff(after, S.to_hf_tensors(v0))
         print(
@@ -644,6 +655,18 @@ async def _hot_swap_serves_the_new_weights(tok, tmp_path, **parallel):
         )
         assert report.tensors_reloaded == 3 + 3 * args.n_experts  # q, k, v and layer 1's experts
         assert {r.model_version for r in after} == {2} and d_new < tol and d_old > tol
+        assert report.prepared
+
+        # vLLM's own reload of the same versions ends in the same kernel tensors, bit for bit
+        prepared_digest = await engine.weights_digest()
+        engine.prepared_reload = False
+        for v in (1, 2):
+            assert not (await swapper.swap_to(v)).prepared
+        assert await engine.weights_digest() == prepared_digest
+        assert [(r.samples[0].token_ids, r.samples[0].logprobs) for r in await served()] == [
+            (r.samples[0].token_ids, r.samples[0].logprobs) for r in after
+        ]
+        engine.prepared_reload = True
 
         if not parallel:  # the worker refuses a file that is not the one the replica wrote (staged or not)
             # (with two workers, vLLM 0.32's engine answered no request after such a refusal: not

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ops.bench.delta import swap_plan, swap_summary
+from ops.bench.delta import SWAP_COMPARISONS, swap_plan, swap_summary
 
 
 def test_the_swaps_go_back_and_forth_and_the_modes_are_balanced():
@@ -15,6 +15,7 @@ def test_the_swaps_go_back_and_forth_and_the_modes_are_balanced():
     for mode in ("wait", "restart"):  # as many of each direction in each mode
         assert sorted(v for v, m in plan if m == mode) == [0, 0, 1, 1]
     assert [v for v, _ in swap_plan(6, 3)] == [1, 2, 0, 1, 2, 0]
+    assert [m for _, m in swap_plan(4, 2, SWAP_COMPARISONS["reload"])] == ["vllm", "prepared", "prepared", "vllm"]
     with pytest.raises(ValueError):
         swap_plan(4, 1)
 
@@ -48,7 +49,7 @@ def test_each_mode_gets_its_pauses_and_the_requests_that_overlapped_its_swaps():
     assert w["during"]["p99_s"] == pytest.approx(1.5)
     assert (r["pause_max_s"], r["restarted"], r["during"]["n"]) == (0.05, 3, 1)
     assert r["during"]["p99_s"] == pytest.approx(1.1)
-    assert s["pause_ratio"] == pytest.approx(16.0)
+    assert s["ratio_of"] == "wait / restart" and s["pause_ratio"] == pytest.approx(16.0)
     assert s["during_p99_ratio"] == pytest.approx(1.5 / 1.1)
 
 

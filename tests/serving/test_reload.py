@@ -1,0 +1,128 @@
+"""The prepared reload (serving/reload.py) on a small module tree shaped like a vLLM model: loaders
+bound to their layer, vLLM's recorded checkpoint form, a processing step that changes the layout.
+With vLLM's engine: tests/serving/test_hotswap.py (test_vllm_hot_swap_serves_the_new_weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from serving.reload import Preparation, Unsupported, prepare
+
+
+class Transposing(QuantizeMethodBase):
+    """Processing as a CPU linear layer's: the kernel keeps its own layout (here the transpose) and
+    a new closure."""
+
+    def create_weights(self, layer, *args, **kwargs):
+        raise AssertionError("not used")
+
+    def apply(self, layer, *args, **kwargs):
+        raise AssertionError("not used")
+
+    def process_weights_after_loading(self, layer):
+        layer.weight = nn.Parameter(layer.weight.t().contiguous(), requires_grad=False)
+        packed = layer.weight.detach().clone()
+        layer.kernel = lambda x: x @ packed
+
+
+class Linear(nn.Module):
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n, k), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # bound to the layer, as vLLM's are
+        self.bias = nn.Parameter(torch.zeros(n), requires_grad=False)
+        self.bias.weight_loader = self.weight_loader
+        self.quant_method = Transposing()
+        self.loads = 0
+
+    def weight_loader(self, param, loaded_weight):
+        self.loads += 1
+        param.data.copy_(loaded_weight)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Linear(4, 3)
+        self.b = Linear(3, 2)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            p = params[name]
+            getattr(p, "weight_loader", default_weight_loader)(p, w)
+
+
+def loaded_model() -> Model:
+    """As vLLM loads one: the checkpoint form recorded, then loaded and processed."""
+    m = Model()
+    record_metadata_for_reloading(m)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(m.named_parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) + i)
+        for layer in (m.a, m.b):
+            layer.quant_method.process_weights_after_loading(layer)
+    return m
+
+
+def snapshot(m: Model) -> dict:
+    return {n: t.clone() for n, t in m.state_dict().items()}
+
+
+def same(x: dict, y: dict) -> bool:
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_prepare_reads_the_live_model_and_commit_copies_the_processed_tensors_in():
+    m = loaded_model()
+    before, kernel_b, weight_a = snapshot(m), m.b.kernel, m.a.weight
+    new = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3), "norm.weight": torch.randn(3)}
+
+    prepared = prepare(m, new)
+    assert same(snapshot(m), before) and m.a.loads == 0  # nothing live written, no live loader called
+    assert {type(live).__name__ for live, _ in prepared.layers} == {"Linear", "Module"}  # a and norm, not b
+
+    assert prepared.commit() > 0
+    assert m.a.weight is weight_a  # copied into the live storage, not replaced
+    assert torch.equal(m.a.weight, new["a.weight"].t())  # in the kernel's layout
+    assert torch.equal(m.a.bias, new["a.bias"]) and torch.equal(m.norm.weight, new["norm.weight"])
+    x = torch.randn(2, 4)
+    assert torch.allclose(m.a.kernel(x), x @ new["a.weight"].t())  # the new closure
+    assert m.b.kernel is kernel_b and torch.equal(m.b.weight, before["b.weight"])  # untouched layer
+
+
+def test_a_processed_tensor_that_does_not_fit_changes_nothing():
+    m = loaded_model()
+    prepared = prepare(m, {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3), "norm.weight": torch.randn(3)})
+    m.norm.weight = nn.Parameter(torch.ones(5), requires_grad=False)  # the live model changed shape since
+    before = snapshot(m)
+    with pytest.raises(Unsupported, match="does not fit"):
+        prepared.commit()
+    assert same(snapshot(m), before)  # checked before the first copy: a's tensors did not go in either
+
+
+def test_a_load_into_a_tensor_vllm_recorded_no_form_of_is_refused_and_the_live_one_kept():
+    m = loaded_model()
+    m.b.extra = nn.Parameter(torch.zeros(2), requires_grad=False)  # registered after vLLM recorded the layer
+    before = snapshot(m)
+    with pytest.raises(Unsupported, match="recorded no checkpoint form"):
+        prepare(m, {"b.extra": torch.ones(2)})
+    assert same(snapshot(m), before)
+
+
+def test_a_preparation_runs_in_a_thread_and_reports_its_failure():
+    m = loaded_model()
+    ok = Preparation(m, {"norm.weight": torch.full((3,), 2.0)})
+    assert ok.result() is not None and ok.error is None and ok.done
+    bad = Preparation(m, {"missing.weight": torch.ones(1)})
+    assert bad.result() is None and "KeyError" in bad.error
