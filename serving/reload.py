@@ -25,9 +25,10 @@ Here the same steps run on a shadow of the model:
     before touching any; copies them into the live storage; sets the attributes processing
     replaced (a CPU linear layer's `cpu_linear` closure around its new oneDNN handle)
 
-A layer kind this does not handle (an attention layer with loadable scales, whose processing vLLM
-defers to the end) raises `Unsupported` in `prepare`; the caller then reloads the vLLM way
-inside the pause. Nothing here writes to the live model before `commit`.
+A layer kind this does not handle (a quantized layer, whose processing has steps of its own; an
+attention layer with loadable scales, which vLLM processes last) raises `Unsupported` in
+`prepare`; the caller then reloads the vLLM way inside the pause. Nothing here writes to the
+live model before `commit`.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def prepare(model, tensors: dict) -> Prepared:
                 raise Unsupported(f"{type(live).__name__}: vLLM processes attention layers last")
             s.__dict__.pop("_already_called_process_weights_after_loading", None)
             quant = getattr(s, "quant_method", None)
+            if isinstance(quant, QuantizeMethodBase) and not type(quant).__name__.startswith("Unquantized"):
+                # a quantized layer's processing (online fp8, ...) has steps of its own: vLLM's reload
+                raise Unsupported(f"{type(live).__name__}: quantized by {type(quant).__name__}")
             if isinstance(quant, QuantizeMethodBase):
                 quant.process_weights_after_loading(s)
                 if hasattr(s, "update_param_tp_status"):

@@ -17,7 +17,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from serving.reload import Preparation, Unsupported, prepare
 
 
-class Transposing(QuantizeMethodBase):
+class UnquantizedTransposing(QuantizeMethodBase):
     """Processing as a CPU linear layer's: the kernel keeps its own layout (here the transpose) and
     a new closure."""
 
@@ -40,7 +40,7 @@ class Linear(nn.Module):
         self.weight.weight_loader = self.weight_loader  # bound to the layer, as vLLM's are
         self.bias = nn.Parameter(torch.zeros(n), requires_grad=False)
         self.bias.weight_loader = self.weight_loader
-        self.quant_method = Transposing()
+        self.quant_method = UnquantizedTransposing()
         self.loads = 0
 
     def weight_loader(self, param, loaded_weight):
@@ -126,3 +126,13 @@ def test_a_preparation_runs_in_a_thread_and_reports_its_failure():
     assert ok.result() is not None and ok.error is None and ok.done
     bad = Preparation(m, {"missing.weight": torch.ones(1)})
     assert bad.result() is None and "KeyError" in bad.error
+
+
+def test_a_quantized_layer_is_left_to_vllms_reload():
+    class Quantizing(UnquantizedTransposing):  # named as vLLM's quantized methods are: not "Unquantized..."
+        pass
+
+    m = loaded_model()
+    m.a.quant_method = Quantizing()
+    with pytest.raises(Unsupported, match="quantized by Quantizing"):
+        prepare(m, {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3)})
