@@ -69,8 +69,9 @@ class EngineSettings(Section):
     so the learner replays the serving engine's own routing. False: the learner routes itself."""
     prepared_reload: bool = True
     """Swaps build the new weights in the kernels' layout beside the live model while it serves,
-    and the pause only copies them in (serving/reload.py). False: vLLM's own in-place reload, all
-    of it inside the pause (also the fallback for a layer kind the prepared reload does not handle)."""
+    and the pause only copies them in (serving/reload.py); it holds a second copy of the touched
+    layers until then. False: vLLM's own in-place reload, all of it inside the pause, and no second
+    copy (also the fallback for a layer kind the prepared reload does not handle)."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """vLLM tensor parallelism: every layer's matrices split over this many workers (one GPU each)."""
     pipeline_parallel_size: int = Field(default=1, ge=1)
