@@ -109,7 +109,7 @@ def prepare(model, tensors: dict) -> Prepared:
     t0 = time.perf_counter()
     shadow_of: dict[int, object] = {}
     live_of: dict[int, object] = {}
-    loaded: dict[int, object] = {}  # shadow layers that received a tensor, by id
+    loaded = _Loaded()
 
     def clone(module):
         if id(module) in shadow_of:  # a module held in two places (a tied head) stays one
@@ -145,9 +145,13 @@ def prepare(model, tensors: dict) -> Prepared:
     with torch.no_grad():
         root.load_weights(iter(tensors.items()))
     t2 = time.perf_counter()
+    if loaded.calls < len(tensors):  # a tensor loaded around its loader went into a placeholder: lost
+        raise Unsupported(
+            f"the model's load_weights was sent {len(tensors)} tensors, {loaded.calls} loads reached their loaders"
+        )
     prepared = Prepared()
     with torch.no_grad():
-        for s in loaded.values():
+        for s in loaded.layers.values():
             live = live_of[id(s)]
             if _is_deferred_attention(live):
                 raise Unsupported(f"{type(live).__name__}: vLLM processes attention layers last")
@@ -169,7 +173,13 @@ def prepare(model, tensors: dict) -> Prepared:
     return prepared
 
 
-def _placeholder(source, live, shadow, name: str, loaded: dict, keep=None):
+@dataclass
+class _Loaded:
+    layers: dict[int, object] = field(default_factory=dict)  # shadow layers that received a tensor, by id
+    calls: int = 0  # loads that reached a tensor's loader
+
+
+def _placeholder(source, live, shadow, name: str, loaded: _Loaded, keep=None):
     """A meta tensor standing for `name` of `shadow` in `load_weights`: the first load into the
     layer materializes all of its placeholders (empty, in the recorded shape), then loads into the
     real tensor with the tensor's own loader, bound to the shadow layer. With `keep` (a live tensor
@@ -196,7 +206,7 @@ def _placeholder(source, live, shadow, name: str, loaded: dict, keep=None):
             for n, t in d.items():
                 if t is not None and t.is_meta and hasattr(t, "_flywheel_real"):
                     d[n] = t._flywheel_real()
-        loaded[id(shadow)] = shadow
+        loaded.layers[id(shadow)] = shadow
 
     def real():
         if keep is not None:
@@ -209,8 +219,9 @@ def _placeholder(source, live, shadow, name: str, loaded: dict, keep=None):
     def load(*args, **kwargs):
         if keep is not None:
             raise Unsupported(f"{type(live).__name__}.{name}: a load into a tensor vLLM recorded no checkpoint form of")
-        if id(shadow) not in loaded:
+        if id(shadow) not in loaded.layers:
             materialize()
+        loaded.calls += 1
         bound = signature.bind(*args, **kwargs)
         bound.arguments["param"] = _tensors(shadow)[name]
         return loader(*bound.args, **bound.kwargs)
@@ -226,13 +237,13 @@ def _is_deferred_attention(layer) -> bool:
     return is_deferred_attention_layer(layer)
 
 
-def _tied_output_layer(model, shadow_of: dict, loaded: dict) -> list[tuple[object, object]]:
+def _tied_output_layer(model, shadow_of: dict, loaded: _Loaded) -> list[tuple[object, object]]:
     """A tied output layer computes through a GEMM handle prepacked from the embedding's weight
     (hotswap._refresh_tied_output_layer): a shadow of it over the new embedding, processed."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     s_embed = shadow_of.get(id(embed))
-    if head is None or embed is None or s_embed is None or id(s_embed) not in loaded or head is embed:
+    if head is None or embed is None or s_embed is None or id(s_embed) not in loaded.layers or head is embed:
         return []
     weight = getattr(head, "weight", None)
     if weight is None or weight.data_ptr() != embed.weight.data_ptr():

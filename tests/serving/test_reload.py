@@ -99,6 +99,7 @@ def test_prepare_reads_the_live_model_and_commit_copies_the_processed_tensors_in
     x = torch.randn(2, 4)
     assert torch.allclose(m.a.kernel(x), x @ new["a.weight"].t())  # the new closure
     assert m.b.kernel is kernel_b and torch.equal(m.b.weight, before["b.weight"])  # untouched layer
+    assert set(vars(m.a)) == set(vars(Linear(4, 3))) | {"kernel"}  # no bookkeeping of the shadow's came along
 
 
 def test_a_processed_tensor_that_does_not_fit_changes_nothing():
@@ -136,3 +137,64 @@ def test_a_quantized_layer_is_left_to_vllms_reload():
     m.a.quant_method = Quantizing()
     with pytest.raises(Unsupported, match="quantized by Quantizing"):
         prepare(m, {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3)})
+
+
+class UnquantizedHandle(QuantizeMethodBase):
+    """Processing as a CPU embedding's or output layer's: the weight stays, a GEMM handle is built from it."""
+
+    def create_weights(self, layer, *args, **kwargs):
+        raise AssertionError("not used")
+
+    def apply(self, layer, *args, **kwargs):
+        raise AssertionError("not used")
+
+    def process_weights_after_loading(self, layer):
+        packed = layer.weight.detach().clone()
+        layer.kernel = lambda: packed
+
+
+class Tied(nn.Module):
+    """An output layer that shares the embedding's weight, as vLLM ties them (`lm_head.weight =
+    embed_tokens.weight`): the checkpoint has the embedding only."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Module()
+        self.model.embed_tokens.weight = nn.Parameter(torch.zeros(5, 3), requires_grad=False)
+        self.model.embed_tokens.quant_method = UnquantizedHandle()
+        self.lm_head = nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head.quant_method = UnquantizedHandle()
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            p = params[name]
+            getattr(p, "weight_loader", default_weight_loader)(p, w)
+
+
+def test_a_tied_output_layer_gets_a_handle_over_the_new_embedding():
+    m = Tied()
+    record_metadata_for_reloading(m)
+    for layer in (m.model.embed_tokens, m.lm_head):
+        layer.quant_method.process_weights_after_loading(layer)
+    new = torch.randn(5, 3)
+
+    prepare(m, {"model.embed_tokens.weight": new}).commit()
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # still one tensor
+    assert torch.equal(m.model.embed_tokens.weight, new)
+    assert torch.equal(m.model.embed_tokens.kernel(), new) and torch.equal(m.lm_head.kernel(), new)
+
+
+def test_a_model_that_loads_around_the_weight_loaders_is_left_to_vllms_reload():
+    class Direct(Model):
+        def load_weights(self, weights):  # copies into the parameter itself: nothing would load
+            params = dict(self.named_parameters())
+            for name, w in weights:
+                params[name].data.copy_(w)
+
+    m = Direct()
+    record_metadata_for_reloading(m)
+    with pytest.raises(Unsupported, match="sent 2 tensors, 0 loads"):
+        prepare(m, {"norm.weight": torch.ones(3), "a.bias": torch.ones(3)})
