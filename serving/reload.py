@@ -145,9 +145,10 @@ def prepare(model, tensors: dict) -> Prepared:
     with torch.no_grad():
         root.load_weights(iter(tensors.items()))
     t2 = time.perf_counter()
-    if loaded.calls < len(tensors):  # a tensor loaded around its loader went into a placeholder: lost
+    sent = sum(t.numel() for t in tensors.values())
+    if loaded.numel < sent:  # a tensor loaded around its loader went into a placeholder: lost
         raise Unsupported(
-            f"the model's load_weights was sent {len(tensors)} tensors, {loaded.calls} loads reached their loaders"
+            f"the model's load_weights was sent {sent} elements, {loaded.numel} reached the tensors' loaders"
         )
     prepared = Prepared()
     with torch.no_grad():
@@ -176,7 +177,9 @@ def prepare(model, tensors: dict) -> Prepared:
 @dataclass
 class _Loaded:
     layers: dict[int, object] = field(default_factory=dict)  # shadow layers that received a tensor, by id
-    calls: int = 0  # loads that reached a tensor's loader
+    numel: int = (
+        0  # elements of the checkpoint tensors handed to the tensors' loaders (vLLM may group several per call)
+    )
 
 
 def _placeholder(source, live, shadow, name: str, loaded: _Loaded, keep=None):
@@ -214,6 +217,7 @@ def _placeholder(source, live, shadow, name: str, loaded: _Loaded, keep=None):
         t = torch.empty_strided(tuple(source.size()), tuple(source.stride()), dtype=source.dtype, device="cpu")
         t.__class__ = source.__class__
         t.__dict__ = dict(attrs)
+        t.weight_loader = load  # a model may look its tensors up again after the first load
         return t
 
     def load(*args, **kwargs):
@@ -221,9 +225,11 @@ def _placeholder(source, live, shadow, name: str, loaded: _Loaded, keep=None):
             raise Unsupported(f"{type(live).__name__}.{name}: a load into a tensor vLLM recorded no checkpoint form of")
         if id(shadow) not in loaded.layers:
             materialize()
-        loaded.calls += 1
         bound = signature.bind(*args, **kwargs)
         bound.arguments["param"] = _tensors(shadow)[name]
+        loaded.numel += sum(
+            v.numel() for k, v in bound.arguments.items() if k != "param" and isinstance(v, torch.Tensor)
+        )
         return loader(*bound.args, **bound.kwargs)
 
     meta._flywheel_real = real

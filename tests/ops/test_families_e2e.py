@@ -293,6 +293,12 @@ def test_the_whole_loop_on_an_imported_family(tmp_path, kafka_settings, ray_serv
         with engine.connect() as conn:
             swaps = [(w.pool, w.from_version, w.to_version, w.ok) for w in conn.execute(db.swap_events.select())]
         assert swaps == [("stable", 0, 1, True)]  # in place: no restart
+        from ray import serve
+
+        # the family's layers (biases, shared experts, dense MLPs, a tied output layer) took the
+        # prepared reload: the pause only copied weights the worker built while serving
+        status = serve.get_deployment_handle(app.deployment_name("stable"), app.APP_NAME).swap_status.remote()
+        assert status.result(timeout_s=scaled(60))["last_swap"]["prepared"]
     finally:
         client.close()
         stop_sink.set()
