@@ -201,7 +201,12 @@ def _placeholder(source, live, shadow, name: str, loaded: _Loaded, keep=None):
     meta = torch.empty_strided(tuple(source.size()), tuple(source.stride()), dtype=source.dtype, device="meta")
     meta.__class__ = source.__class__
     meta.__dict__ = dict(attrs)
-    loader = getattr(meta, "weight_loader", default_weight_loader)  # vLLM's parameters keep it in `_weight_loader`
+    # The tensor's own loader (vLLM's parameters keep it in `_weight_loader`). An earlier reload the
+    # vLLM way leaves its layerwise wrappers on the recorded tensors; they would load nothing now.
+    loader = getattr(source, "weight_loader", default_weight_loader)
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    loader = own(loader)
     signature = inspect.signature(loader)
 
     def materialize() -> None:

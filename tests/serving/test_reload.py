@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from serving.reload import Preparation, Unsupported, prepare
@@ -198,3 +199,18 @@ def test_a_model_that_loads_around_the_weight_loaders_is_left_to_vllms_reload():
     record_metadata_for_reloading(m)
     with pytest.raises(Unsupported, match="sent 6 elements, 0 reached"):
         prepare(m, {"norm.weight": torch.ones(3), "a.bias": torch.ones(3)})
+
+
+def test_after_a_reload_the_vllm_way_the_prepared_one_still_loads():
+    """vLLM's reload leaves its layerwise wrappers on the tensors it recorded (they load nothing once
+    its reload is over); the prepared reload calls the tensors' own loaders under them."""
+    m = loaded_model()
+    first = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3)}
+    initialize_layerwise_reload(m)  # vLLM's reload_weights, as its CPU path runs it
+    m.load_weights(iter(first.items()))
+    finalize_layerwise_reload(m, None)
+    assert torch.equal(m.a.weight, first["a.weight"].t())
+
+    second = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3)}
+    prepare(m, second).commit()
+    assert torch.equal(m.a.weight, second["a.weight"].t()) and torch.equal(m.a.bias, second["a.bias"])
