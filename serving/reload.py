@@ -27,8 +27,10 @@ Here the same steps run on a shadow of the model:
 
 A layer kind this does not handle (a quantized layer, whose processing has steps of its own; an
 attention layer with loadable scales, which vLLM processes last) raises `Unsupported` in
-`prepare`; the caller then reloads the vLLM way inside the pause. Nothing here writes to the
-live model before `commit`.
+`prepare`, as does a model whose `load_weights` writes around the tensors' loaders (fewer elements
+reach them than were sent); the caller then reloads the vLLM way inside the pause. Nothing here
+writes to the live model before `commit`. An earlier reload the vLLM way leaves its layerwise
+wrappers on the recorded tensors; the tensors' own loaders under them are the ones called.
 """
 
 from __future__ import annotations
