@@ -681,6 +681,9 @@ def _swap_table(s: dict) -> Table:
         lines.append(
             f"{s['ratio_of']}: max pause x{s['pause_ratio']:.1f}, p99 of overlapping requests x{s['during_p99_ratio']:.2f}"
         )
+    fell_back = sum(1 for w in s["swaps"] if w["mode"] != "vllm" and not w.get("prepared", True))
+    if fell_back:
+        lines.append(f"{fell_back} swap(s) meant to be prepared reloaded the vLLM way (see the log for why)")
     lines.append(f"failed {s['failed']} of {s['requests']} requests")
     t.caption = "\n".join(lines)
     return t

@@ -57,3 +57,18 @@ def test_one_mode_alone_has_no_ratio():
     s = swap_summary([(0.0, 1.0, True, 0)], [swap("restart", 5.0, 5.1, 0.1)], t_first=5.0)
     assert set(s["modes"]) == {"restart"} and "pause_ratio" not in s
     assert s["modes"]["restart"]["during"]["n"] == 0 and math.isnan(s["modes"]["restart"]["during"]["p50_s"])
+
+
+def test_the_table_says_when_a_prepared_swap_reloaded_the_vllm_way():
+    from ops.bench.delta import _swap_table
+
+    swaps = [
+        {**swap("vllm", 10.0, 10.1, 0.08), "frm": 0, "to": 1, "tensors": 3, "reload_bytes": 10, "prepare_s": 0.1},
+        {**swap("prepared", 20.0, 20.1, 0.03), "frm": 1, "to": 0, "tensors": 3, "reload_bytes": 10, "prepare_s": 0.2},
+    ]
+    s = {"clients": 8, "max_tokens": 32, "lr": 1e-6, "preempt_after_ms": 20.0, "compare": "reload", "requests": 4}
+    s |= {"failed": 0, "swaps": swaps, **swap_summary([(0.0, 1.0, True, 0)], swaps, t_first=10.0)}
+    swaps[1]["prepared"] = True
+    assert "vLLM way" not in _swap_table(s).caption and "vllm / prepared" in _swap_table(s).caption
+    swaps[1]["prepared"] = False
+    assert "1 swap(s) meant to be prepared reloaded the vLLM way" in _swap_table(s).caption
