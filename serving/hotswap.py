@@ -255,9 +255,26 @@ def _repack_cpu_experts(model, names) -> None:
     expert weights changed greedy tokens. Prepack the reloaded layers again."""
     for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.experts)\.\d+\.", n))}):
         for layer in model.get_submodule(prefix).modules():  # the RoutedExperts inside vLLM's MoE runner
-            experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-            if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+            if (experts := cpu_experts(layer)) is not None:
                 experts.process_weights_after_loading(layer)
+
+
+def cpu_experts(layer):
+    """The CPU grouped-GEMM experts kernel of an MoE layer (vLLM's `CPUUnquantizedExperts`), or None."""
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+        return experts
+    return None
+
+
+def tied_output_layer(model):
+    """(output layer, embedding) where the output layer shares the embedding's weight, else None."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or embed is None or weight.data_ptr() != embed.weight.data_ptr():
+        return None
+    return head, embed
 
 
 def _refresh_tied_output_layer(model, names) -> None:
@@ -266,13 +283,9 @@ def _refresh_tied_output_layer(model, names) -> None:
     load time, and a reload of `embed_tokens` re-processes only the embedding. Measured on a
     Qwen2 model with tied embeddings: served logprobs were 0.75 off the new weights until the
     output layer was processed again."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if not any(n.endswith("embed_tokens.weight") for n in names) or head is None or embed is None:
-        return
-    weight = getattr(head, "weight", None)
-    if weight is not None and weight.data_ptr() == embed.weight.data_ptr():
-        head.quant_method.process_weights_after_loading(head)
+    tied = tied_output_layer(model)
+    if tied is not None and any(n.endswith("embed_tokens.weight") for n in names):
+        tied[0].quant_method.process_weights_after_loading(tied[0])
 
 
 # vLLM fuses some checkpoint tensors into one layer (q/k/v weights and biases -> qkv_proj, every

@@ -62,8 +62,9 @@ class Prepared:
         dtypes are checked before the first copy, so a mismatch changes nothing."""
         copies, attrs = [], []
         for live, shadow in self.layers:
+            current = _tensors(live)
             for name, new in _tensors(shadow).items():
-                old = _tensors(live).get(name)
+                old = current.get(name)
                 if old is new:
                     continue
                 if old is None or old.shape != new.shape or old.dtype != new.dtype:
@@ -107,6 +108,8 @@ def prepare(model, tensors: dict) -> Prepared:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_MODULES
+
+    from serving.hotswap import cpu_experts
 
     t0 = time.perf_counter()
     shadow_of: dict[int, object] = {}
@@ -167,8 +170,7 @@ def prepare(model, tensors: dict) -> Prepared:
                 quant.process_weights_after_loading(s)
                 if hasattr(s, "update_param_tp_status"):
                     s.update_param_tp_status()
-            experts = getattr(getattr(quant, "moe_kernel", None), "fused_experts", None)
-            if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+            if (experts := cpu_experts(s)) is not None:
                 experts.process_weights_after_loading(s)  # vLLM's reload skips this prepack (hotswap.py)
             prepared.layers.append((live, s))
         prepared.layers += _tied_output_layer(model, shadow_of, loaded)
@@ -253,16 +255,14 @@ def _is_deferred_attention(layer) -> bool:
 def _tied_output_layer(model, shadow_of: dict, loaded: _Loaded) -> list[tuple[object, object]]:
     """A tied output layer computes through a GEMM handle prepacked from the embedding's weight
     (hotswap._refresh_tied_output_layer): a shadow of it over the new embedding, processed."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    s_embed = shadow_of.get(id(embed))
-    if head is None or embed is None or s_embed is None or id(s_embed) not in loaded.layers or head is embed:
+    from serving.hotswap import tied_output_layer
+
+    tied = tied_output_layer(model)
+    if tied is None or tied[0] is tied[1] or id(shadow_of.get(id(tied[1]))) not in loaded.layers:
         return []
-    weight = getattr(head, "weight", None)
-    if weight is None or weight.data_ptr() != embed.weight.data_ptr():
-        return []
+    head, embed = tied
     s_head = shadow_of[id(head)]
-    s_head._parameters["weight"] = s_embed.weight
+    s_head._parameters["weight"] = shadow_of[id(embed)].weight
     head.quant_method.process_weights_after_loading(s_head)
     return [(head, s_head)]
 
