@@ -253,28 +253,12 @@ def _repack_cpu_experts(model, names) -> None:
     grouped-GEMM layout, but a reload writes checkpoint-layout data into that storage and
     skips the prepack (it is meant to run once). Measured: reloading a layer's unchanged
     expert weights changed greedy tokens. Prepack the reloaded layers again."""
+    from serving.reload import cpu_experts
+
     for prefix in sorted({m.group(1) for n in names if (m := re.match(r"^(.*\.experts)\.\d+\.", n))}):
         for layer in model.get_submodule(prefix).modules():  # the RoutedExperts inside vLLM's MoE runner
             if (experts := cpu_experts(layer)) is not None:
                 experts.process_weights_after_loading(layer)
-
-
-def cpu_experts(layer):
-    """The CPU grouped-GEMM experts kernel of an MoE layer (vLLM's `CPUUnquantizedExperts`), or None."""
-    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-    if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
-        return experts
-    return None
-
-
-def tied_output_layer(model):
-    """(output layer, embedding) where the output layer shares the embedding's weight, else None."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(head, "weight", None)
-    if weight is None or embed is None or weight.data_ptr() != embed.weight.data_ptr():
-        return None
-    return head, embed
 
 
 def _refresh_tied_output_layer(model, names) -> None:
@@ -283,6 +267,8 @@ def _refresh_tied_output_layer(model, names) -> None:
     load time, and a reload of `embed_tokens` re-processes only the embedding. Measured on a
     Qwen2 model with tied embeddings: served logprobs were 0.75 off the new weights until the
     output layer was processed again."""
+    from serving.reload import tied_output_layer
+
     tied = tied_output_layer(model)
     if tied is not None and any(n.endswith("embed_tokens.weight") for n in names):
         tied[0].quant_method.process_weights_after_loading(tied[0])

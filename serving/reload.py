@@ -50,6 +50,24 @@ class Unsupported(RuntimeError):
     """The model holds a layer this reload does not prepare: reload it the vLLM way."""
 
 
+def cpu_experts(layer):
+    """The CPU grouped-GEMM experts kernel of an MoE layer (vLLM's `CPUUnquantizedExperts`), or None."""
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if experts is not None and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__):
+        return experts
+    return None
+
+
+def tied_output_layer(model):
+    """(output layer, embedding) where the output layer shares the embedding's weight, else None."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or embed is None or weight.data_ptr() != embed.weight.data_ptr():
+        return None
+    return head, embed
+
+
 @dataclass
 class Prepared:
     """Processed tensors and attributes for the live layers they replace."""
@@ -108,8 +126,6 @@ def prepare(model, tensors: dict) -> Prepared:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_MODULES
-
-    from serving.hotswap import cpu_experts
 
     t0 = time.perf_counter()
     shadow_of: dict[int, object] = {}
@@ -255,8 +271,6 @@ def _is_deferred_attention(layer) -> bool:
 def _tied_output_layer(model, shadow_of: dict, loaded: _Loaded) -> list[tuple[object, object]]:
     """A tied output layer computes through a GEMM handle prepacked from the embedding's weight
     (hotswap._refresh_tied_output_layer): a shadow of it over the new embedding, processed."""
-    from serving.hotswap import tied_output_layer
-
     tied = tied_output_layer(model)
     if tied is None or tied[0] is tied[1] or id(shadow_of.get(id(tied[1]))) not in loaded.layers:
         return []
