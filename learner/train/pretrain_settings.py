@@ -41,7 +41,8 @@ class PretrainSection(Section):
     """Folder of source files to train on. Empty: the running Python's standard library
     (its *.py files minus tests). The cache key uses the files' contents, not this path."""
     size: str = "small"
-    """Named model size from learner.sizes.SIZES: `tiny` (tests) or `small` (the demo)."""
+    """Named model size from learner.sizes.SIZES: `tiny` (tests), `small` (the demo)
+    or `medium` (for more minutes than the demo has: README, "The base model")."""
     vocab_size: int = Field(default=4096, ge=264, le=65536)
     """BPE vocabulary size (256 bytes + 8 special tokens at least); also the model's vocabulary."""
     seq_len: int = Field(default=2048, ge=16, le=8192)
