@@ -179,14 +179,15 @@ class VLLMEngine:
 
     # --- hot swap (serving/hotswap.py) ---------------------------------------------------------
 
-    async def stage_weights(self, path: str, sha256: str) -> dict:
+    async def stage_weights(self, path: str, sha256: str, *, prepare: bool = True) -> dict:
         """Have the worker read, check and parse the safetensors file `path` now, while serving
         goes on, so that `update_weights` of the same file only reloads; with
         `engine.prepared_reload`, also wait (polling between engine steps) while a thread in each
         worker builds the new weights in the kernels' layout, so that the update only copies them
         in. A preparation that failed is reported (`prepared` False, `error`); the update then
-        reloads the vLLM way."""
-        prepare = self.prepared_reload
+        reloads the vLLM way. `prepare` False: stage only (the caller knows the live weights are
+        no base to prepare from)."""
+        prepare = self.prepared_reload and prepare
         staged = (await self.llm.collective_rpc("flywheel_stage_weights", args=(path, sha256, prepare)))[0]
         if not prepare:
             return staged

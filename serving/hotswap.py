@@ -536,7 +536,11 @@ class HotSwapper:
                 )
                 if prepared.changed:  # read and checked by the worker while serving goes on
                     t1 = time.perf_counter()
-                    await self.gate.inner.stage_weights(prepared.path, prepared.sha256)
+                    # Out of service, a reload broke off: the live tensors may be half restored
+                    # (vLLM leaves placeholders without storage), no base to build on beside them.
+                    await self.gate.inner.stage_weights(
+                        prepared.path, prepared.sha256, prepare=self.out_of_service is None
+                    )
                     report.stage_s = time.perf_counter() - t1
                 report.prepare_s = time.perf_counter() - t0
                 await self._switch(prepared, report)

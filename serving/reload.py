@@ -85,7 +85,7 @@ class Prepared:
                 old = current.get(name)
                 if old is new:
                     continue
-                if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                if old is None or old.is_meta or old.shape != new.shape or old.dtype != new.dtype:
                     raise Unsupported(
                         f"{type(live).__name__}.{name}: processed {tuple(new.shape)} {new.dtype} does not fit the "
                         f"live {None if old is None else (tuple(old.shape), old.dtype)}"
