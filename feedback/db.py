@@ -160,7 +160,9 @@ rewards = Table(
     Column("components", JSON, nullable=False, comment="how the reward was computed"),
     Column("computed_at", TS, nullable=False, server_default=func.now()),
     Column(
-        "outcome", String(16), comment="no_suggestion | edit | select | dismiss | ignored | unseen (feedback/reward.py)"
+        "outcome",
+        String(16),
+        comment="withheld | no_suggestion | edit | select | dismiss | ignored | unseen (feedback/reward.py)",
     ),
     UniqueConstraint("completion_id", "choice_index"),
 )

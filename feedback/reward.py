@@ -5,6 +5,9 @@ no suggestion (the model abstained: empty completion) earns 0, so the policy lea
 suggest only when it expects acceptance with probability above 0.25 / (0.75 + 0.25) = 25%.
 
 Outcomes, in order of precedence (the first that applies decides):
+  0. `withheld`: the confidence gate kept the suggestion from the editor (the record's
+     finish_reason, learner/confidence.py). reward = unseen (0 by default): the user never saw
+     it, so events about it (an implicit accept inferred from what the user typed) are ignored.
   1. `no_suggestion`: the choice is empty (`n_chars == 0`). Events about it are ignored.
   2. `edit`: the user accepted, then changed the text; an `edit` event carries what was kept.
      reward = accepted * similarity(suggested, kept), where similarity is difflib's
@@ -87,6 +90,8 @@ class ChoiceFeedback:
     text: str | None = None
     """The suggested text; None once retention dropped it (then an edit scores as a select)."""
     events: Sequence[Event] = field(default_factory=tuple)
+    withheld: bool = False
+    """The confidence gate kept it from the editor (finish_reason "withheld")."""
 
 
 EXACT_BUDGET = 1_000_000
@@ -151,6 +156,8 @@ def reward(choice: ChoiceFeedback, weights: RewardWeights | None = None) -> tupl
         by_type.setdefault(e.type, []).append(e)
     n_events = len(choice.events)
 
+    if choice.withheld:
+        return w.unseen, {"outcome": "withheld", "n_events": n_events}
     if choice.n_chars == 0:
         return w.no_suggestion, {"outcome": "no_suggestion", "n_events": n_events}
 

@@ -91,7 +91,9 @@ class CompletionChoice(Message):
     logprobs: list[float]
     text: str | None = None
     """Subject to the retention setting: None once dropped; token ids stay for training."""
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "withheld"] | None = None
+    """"withheld": the confidence gate (model.min_confidence) kept it from the editor, which got an
+    empty completion (`text` ""); `token_ids` and `logprobs` are what the engine generated."""
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Self:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from feedback.core.config import Section
+from learner.confidence import MIN_CONFIDENCE
 
 
 class ModelSection(Section):
@@ -29,6 +30,11 @@ class ModelSection(Section):
     fp4_targets: list[str] | None = None
     """Regexes of the tensor names stored and trained in FP4. Empty: the experts of an MoE
     (learner/fp4.py DEFAULT_FP4_TARGETS), nothing in a dense model."""
+    min_confidence: float = Field(default=MIN_CONFIDENCE, ge=0, lt=1)
+    """Withhold an editor suggestion (answer an empty completion) when the model gave its first
+    token a probability below this (learner/confidence.py). Serving applies it to completions at
+    a cursor; `flywheel eval`, the learner's gate, `flywheel bench learn` and the demo's summary
+    score with it. 0: show every suggestion."""
     memory_gib: float | None = Field(default=None, gt=0)
     """Memory the learner and the replicas may use on this machine, in GiB, for the import's
     check. Empty: this machine's physical memory."""

@@ -14,6 +14,9 @@ take, so the replay scores a model as users would:
               does), stopping at the model's EOS tokens or at the site language's editor stops
               (learner.languages.editor_stops: a blank line, the next top-level definition), as
               serving stops editor requests
+    gate      the confidence gate serving applies (`min_confidence`, model.min_confidence;
+              learner/confidence.py): a suggestion whose first token the model gave a lower
+              probability is withheld, as the editor gets it: not shown
     judge     learner.judge against the true continuation: accept fully, by line or by word,
               or dismiss; an empty completion is not shown (the model abstained)
     reward    feedback.reward on the events the simulated editor sends for that verdict
@@ -67,6 +70,7 @@ from tokenizers import Tokenizer
 
 from feedback.core.stats import percentile
 from feedback.reward import ChoiceFeedback, RewardWeights, reward
+from learner.confidence import withheld as below_confidence
 from learner.corpus import SourceFile
 from learner.decode import decode, room
 from learner.fim import encode
@@ -204,6 +208,8 @@ class SiteResult:
     exact: bool = False  # the suggestion's first line is the rest of the line (exact_match)
     truth_tokens: int = 0  # rest-of-line tokens scored teacher-forced (0: not measured)
     truth_hits: int = 0  # of them, predicted by the model's argmax
+    withheld: bool = False  # the confidence gate kept the suggestion from the editor (`text` is "")
+    first_logprob: float | None = None  # the model's logprob of the suggestion's first token (None: no token)
     # A measurement, not an outcome: two replays of one model agree on everything else.
     latency_s: float = field(default=0.0, compare=False)
 
@@ -221,6 +227,7 @@ class ReplayStats:
     length_capped: int = 0  # suggestions that ran to max_tokens
     exact: int = 0  # requests whose suggestion's first line is the rest of the line
     truncated_prompts: int = 0  # prompts whose prefix was cut to the budget
+    withheld: int = 0  # suggestions the confidence gate kept from the editor (not shown)
     seconds: float = 0.0
     outcomes: dict[str, int] = field(default_factory=dict)
     results: list[SiteResult] = field(default_factory=list, repr=False)
@@ -277,10 +284,16 @@ class ReplayStats:
             length_capped=sum(r.finish == "length" for r in shown),
             exact=sum(r.exact for r in results),
             truncated_prompts=sum(r.truncated_tokens > 0 for r in results),
+            withheld=sum(r.withheld for r in results),
             seconds=seconds,
             outcomes=dict(Counter(r.outcome for r in results)),
             results=list(results),
         )
+
+    def gated(self, min_confidence: float, weights: RewardWeights | None = None) -> ReplayStats:
+        """These sites as the confidence gate at `min_confidence` would have served them: the gate
+        only hides suggestions, so one replay without it (min_confidence 0) gives every threshold's."""
+        return ReplayStats.of([gated(r, min_confidence, weights) for r in self.results], self.seconds)
 
     def intervals(self, confidence: float = CONFIDENCE) -> dict[str, Interval]:
         """The reported metrics with their confidence intervals (see the module docstring).
@@ -322,6 +335,7 @@ class ReplayStats:
             "mean_completion_tokens": json_number(self.mean_completion_tokens),
             "length_capped": self.length_capped,
             "truncated_prompts": self.truncated_prompts,
+            "withheld": self.withheld,
             "outcomes": dict(self.outcomes),
             "seconds": json_number(self.seconds),
             "confidence": CONFIDENCE,
@@ -364,6 +378,33 @@ def report_table(columns: Mapping[str, ReplayStats], *, title: str) -> Table:
             for p in (st.latency_percentiles_ms() for st in columns.values())
         ),
     )
+    return t
+
+
+def gate_curve_table(curve: Mapping[float, ReplayStats], *, current: float) -> Table:
+    """The confidence gate's trade-off, one row per threshold (`ReplayStats.gated` of one replay):
+    what is shown, what is accepted of it, and what the user gets per request."""
+    fmts = dict((key, fmt) for key, _, fmt in _REPORT_ROWS)
+    t = Table(
+        "model.min_confidence",
+        "suggestion rate",
+        "accept rate (of shown)",
+        "accepted chars / request",
+        "mean reward",
+        "withheld",
+        title="the confidence gate's trade-off (the same sites)",
+        caption=Text(f"[low, high]: {CONFIDENCE:.0%} confidence interval; * the current setting"),
+    )
+    for th, st in curve.items():
+        i = st.intervals()
+        t.add_row(
+            f"{th:g}{' *' if th == current else ''}",
+            *(
+                _cell(i[k], fmts[k])
+                for k in ("suggestion_rate", "accept_rate", "accepted_chars_per_request", "mean_reward")
+            ),
+            str(st.withheld),
+        )
     return t
 
 
@@ -442,9 +483,29 @@ def line_matches(suggestion: str, truth: str) -> bool:
     return bool(first_line.strip()) and first_line.rstrip() == truth.rstrip()
 
 
-def editor_feedback(text: str, verdict: Verdict) -> ChoiceFeedback:
-    """The served choice and the events the simulated editor sends about it, as the sink sees them."""
-    return ChoiceFeedback(n_chars=len(text), text=text, events=editor_events(verdict))
+def editor_feedback(text: str, verdict: Verdict, *, withheld: bool = False) -> ChoiceFeedback:
+    """The served choice and the events the simulated editor sends about it, as the sink sees them
+    (`withheld`: the confidence gate kept it from the editor)."""
+    return ChoiceFeedback(n_chars=len(text), text=text, events=editor_events(verdict), withheld=withheld)
+
+
+def gated(result: SiteResult, min_confidence: float, weights: RewardWeights | None = None) -> SiteResult:
+    """`result` as serving's confidence gate at `min_confidence` leaves it: withheld (not shown,
+    scored as the sink scores a withheld choice) when its first token is below the threshold."""
+    if not result.text or result.first_logprob is None or not below_confidence([result.first_logprob], min_confidence):
+        return result
+    r, parts = reward(editor_feedback("", Verdict("none"), withheld=True), weights)
+    return dataclasses.replace(
+        result,
+        text="",
+        verdict="none",
+        select_kind=None,
+        accepted_chars=0,
+        outcome=parts["outcome"],
+        reward=r,
+        exact=False,
+        withheld=True,
+    )
 
 
 def heldout_replay(
@@ -461,6 +522,7 @@ def heldout_replay(
     threads: int | None = 1,
     progress: Callable[[SiteResult], None] | None = None,
     token_accuracy: bool = False,
+    min_confidence: float = 0.0,
 ) -> ReplayStats:
     """Simulated editor sessions on `sites` with `model` in-process (see the module docstring).
 
@@ -471,7 +533,8 @@ def heldout_replay(
     them). One token at a time is too little work to split, and next to busy vLLM workers the
     thread pool's waits made a 2-thread replay of the small model take 570 s instead of 4 s.
     `progress` is called with each site's result as it is done. `token_accuracy`: also score the
-    rest of each line teacher-forced (one more forward per site)."""
+    rest of each line teacher-forced (one more forward per site). `min_confidence`: the confidence
+    gate's threshold (model.min_confidence; 0: every suggestion is shown)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     t0 = time.perf_counter()
@@ -503,22 +566,27 @@ def heldout_replay(
                 truth_accuracy(model, prompt, encode(tok, site.truth), window, hook) if token_accuracy else (0, 0)
             )
             results.append(
-                SiteResult(
-                    site.path,
-                    c.text,
-                    len(c.content_ids),
-                    c.finish,
-                    verdict.type,
-                    verdict.select_kind,
-                    verdict.accepted_chars,
-                    parts["outcome"],
-                    r,
-                    len(prompt),
-                    truncated,
-                    exact=line_matches(c.text, site.truth),
-                    truth_tokens=scored,
-                    truth_hits=hits,
-                    latency_s=latency,
+                gated(
+                    SiteResult(
+                        site.path,
+                        c.text,
+                        len(c.content_ids),
+                        c.finish,
+                        verdict.type,
+                        verdict.select_kind,
+                        verdict.accepted_chars,
+                        parts["outcome"],
+                        r,
+                        len(prompt),
+                        truncated,
+                        exact=line_matches(c.text, site.truth),
+                        truth_tokens=scored,
+                        truth_hits=hits,
+                        first_logprob=c.logprobs[0] if c.logprobs else None,
+                        latency_s=latency,
+                    ),
+                    min_confidence,
+                    weights,
                 )
             )
             if progress is not None:
@@ -542,6 +610,7 @@ def evaluate(
     threads: int | None = 1,
     progress: Callable[[SiteResult], None] | None = None,
     token_accuracy: bool = False,
+    min_confidence: float = 0.0,
 ) -> ReplayStats:
     """The evaluation: `sites` cursor sites of the held-out `files` picked by `seed`, replayed with
     `model` (heldout_replay, serve settings at their defaults). `flywheel eval`, the learning
@@ -556,6 +625,7 @@ def evaluate(
         threads=threads,
         progress=progress,
         token_accuracy=token_accuracy,
+        min_confidence=min_confidence,
     )
 
 
@@ -573,6 +643,7 @@ def evaluate_candidate(
     summary_chunk_tokens: int = SUMMARY_CHUNK_TOKENS,
     threads: int | None = 1,
     stable_stats: ReplayStats | None = None,
+    min_confidence: float = 0.0,
 ) -> tuple[ReplayStats, ReplayStats]:
     """Replay both models on the same `sites` with the same settings: (stable stats, candidate
     stats), for the gate's `check` to compare.
@@ -585,6 +656,7 @@ def evaluate_candidate(
         context_budget=context_budget,
         summary_chunk_tokens=summary_chunk_tokens,
         threads=threads,
+        min_confidence=min_confidence,
     )
     if stable_stats is None:
         stable_stats = heldout_replay(stable_model, tok, fmt, sites, **replay)

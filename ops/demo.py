@@ -226,7 +226,7 @@ def run(
     }
     summary["precision"] = {"serving": serving_dtype.dtype, "pretraining": trained_in}
     summary["events"] = events
-    summary["heldout"] = evaluate_versions(learner, engine, s.eval, console)
+    summary["heldout"] = evaluate_versions(learner, engine, s.eval, console, min_confidence=s.model.min_confidence)
     if result is not None:
         result.update(summary)
     print_machine_report(console, stats, serving_dtype, trained_in, timeout_s=sim.timeout_s)
@@ -330,9 +330,10 @@ def _check_imported_base(s: DemoSettings, console: Console) -> None:
     )
 
 
-def evaluate_versions(learner, engine, cfg: EvalSection, console: Console) -> dict:
+def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, min_confidence: float = 0.0) -> dict:
     """`flywheel eval`'s evaluation of the base (v0) and of the version stable serves now, on the
-    same held-out sites, printed side by side with their intervals; returns their summaries."""
+    same held-out sites, with serving's confidence gate, printed side by side with their
+    intervals; returns their summaries."""
     from feedback import pools
     from learner import eval as E
     from learner.train.learn import model_from_packed
@@ -354,6 +355,7 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console) -> di
                 seed=cfg.seed,
                 max_tokens=cfg.max_tokens,
                 threads=cfg.threads,
+                min_confidence=min_confidence,
             )
     title = f"held-out evaluation: {cfg.sites} sites (`flywheel eval --model vN --sites {cfg.sites}`)"
     console.print(E.report_table(stats, title=title))

@@ -196,7 +196,13 @@ class ModelReplica:
         model_dir = str(replica_model_folder(settings, store, version, model_dir, node))
         self.where = {"node_id": _node_id(), "model_dir": model_dir, "store_cache_dir": str(node.store_cache_dir)}
         self.completions: dict[int, int] = {}  # completions answered, by the version that answered them
-        self.service = load_service(Path(model_dir), settings.serve, version, fim=settings.model.fim)
+        self.service = load_service(
+            Path(model_dir),
+            settings.serve,
+            version,
+            fim=settings.model.fim,
+            min_confidence=settings.model.min_confidence,
+        )
         preempt = settings.serve.swap_preempt_after_ms
         self.swapper = HotSwapper(  # gates admission from now on
             self.service,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from learner.confidence import withheld
 from learner.formats import ModelFormat
 from learner.prompts import PromptBuilder, SummaryCache
 from serving.engine import Engine, Sample, SamplingSpec
@@ -64,8 +65,18 @@ class GenerateResult:
 
 
 class CompletionService:
-    def __init__(self, engine: Engine, tok: Tokenizer, fmt: ModelFormat, cfg: ServeSettings, version: int):
+    def __init__(
+        self,
+        engine: Engine,
+        tok: Tokenizer,
+        fmt: ModelFormat,
+        cfg: ServeSettings,
+        version: int,
+        *,
+        min_confidence: float = 0.0,
+    ):
         self.engine = engine
+        self.min_confidence = min_confidence  # model.min_confidence: the confidence gate (learner/confidence.py)
         self.tok = tok
         self.fmt = fmt
         self.cfg = cfg
@@ -161,7 +172,9 @@ class CompletionService:
             spec = dataclasses.replace(spec, max_tokens=max(1, room))
         samples: list[Sample] = []
         built_ms = (time.perf_counter() - t0) * 1000
+        gate = self.min_confidence if req.suffix is not None else 0.0  # a suggestion at a cursor
         async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
+            samples = [_gated(s, gate) for s in samples]
             yield self._result(req, prompt, samples, t0, built_ms, done=False)
         yield self._result(req, prompt, samples, t0, built_ms, done=True)
 
@@ -199,6 +212,14 @@ class CompletionService:
         )
 
 
+def _gated(sample: Sample, min_confidence: float) -> Sample:
+    """The sample as the client gets it: no text when the confidence gate withholds it (its tokens
+    and logprobs stay for the record), finishing with reason "withheld"."""
+    if not withheld(sample.logprobs, min_confidence):
+        return sample
+    return dataclasses.replace(sample, text="", finish_reason="withheld" if sample.finish_reason else None)
+
+
 def model_window(model_dir: Path) -> int:
     """The model's context window (`max_position_embeddings` of its config.json)."""
     import json
@@ -217,7 +238,9 @@ def format_line(fmt: ModelFormat) -> str:
     return f"prompts: {how}; EOS ids {list(fmt.eos_ids)}; self-summaries with {marks}; window {fmt.window}"
 
 
-def load_service(model_dir: Path, cfg: ServeSettings, version: int, *, fim: str = "auto") -> CompletionService:
+def load_service(
+    model_dir: Path, cfg: ServeSettings, version: int, *, fim: str = "auto", min_confidence: float = 0.0
+) -> CompletionService:
     from learner.formats import read_format
     from learner.tokenizer import load_tokenizer
     from serving.engine import VLLMEngine
@@ -225,4 +248,6 @@ def load_service(model_dir: Path, cfg: ServeSettings, version: int, *, fim: str 
     fmt = read_format(model_dir, fim=fim)
     (log.warning if fmt.fim is None else log.info)("%s: %s", model_dir, format_line(fmt))
     cfg = cfg.fitted_to(fmt.window)
-    return CompletionService(VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), fmt, cfg, version)
+    return CompletionService(
+        VLLMEngine(model_dir, cfg.engine), load_tokenizer(model_dir), fmt, cfg, version, min_confidence=min_confidence
+    )

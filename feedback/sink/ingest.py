@@ -610,7 +610,7 @@ def compute_due_rewards(
         )
     }
     choices = conn.execute(
-        select(ch_t.c.completion_id, ch_t.c.choice_index, ch_t.c.text, ch_t.c.n_chars).where(
+        select(ch_t.c.completion_id, ch_t.c.choice_index, ch_t.c.text, ch_t.c.n_chars, ch_t.c.finish_reason).where(
             ch_t.c.completion_id.in_(due)
         )
     ).all()
@@ -638,7 +638,9 @@ def compute_due_rewards(
         key = (ch.completion_id, ch.choice_index)
         explicit = events.get((*key, db.EXPLICIT), ())
         inferred = () if explicit else events.get((*key, db.INFERRED), ())
-        value, parts = reward(ChoiceFeedback(ch.n_chars, ch.text, explicit or inferred), weights)
+        value, parts = reward(
+            ChoiceFeedback(ch.n_chars, ch.text, explicit or inferred, withheld=ch.finish_reason == "withheld"), weights
+        )
         if inferred:
             parts = {**parts, "source": db.INFERRED}
         rows.append(

@@ -5,7 +5,7 @@ Light on purpose (no torch), so the CLI can parse and validate it before importi
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from feedback.core.config import Section
 from learner.train.pretrain_settings import PretrainSettings
@@ -28,8 +28,19 @@ class EvalSection(Section):
     compare_prefix: bool = False
     """Also replay the same sites prompted with the prefix alone (no FIM template, no suffix), and
     report both: whether the fill-in-the-middle prompt helps the model or hurts it."""
+    gate_curve: list[float] = []
+    """Also report the confidence gate's trade-off at these thresholds (model.min_confidence
+    values, each in [0, 1)): suggestion rate, accept rate and accepted characters per request at
+    each, from the same replay (the gate only hides suggestions, so one replay gives them all)."""
     threads: int = Field(default=1, ge=1)
     """torch CPU threads while replaying: one token at a time is too little work to split."""
+
+    @field_validator("gate_curve")
+    @classmethod
+    def _thresholds(cls, v: list[float]) -> list[float]:
+        if any(not 0 <= x < 1 for x in v):
+            raise ValueError(f"gate_curve: each threshold must be in [0, 1), got {v}")
+        return sorted(set(v))
 
 
 class EvalSettings(PretrainSettings):

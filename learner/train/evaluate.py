@@ -152,10 +152,17 @@ def heldout_files(s: EvalSettings, corpus: Path | None = None) -> tuple[list[Sou
 
 
 def replay(
-    target: EvalTarget, files: list[SourceFile], cfg: EvalSection, console: Console, *, fmt: ModelFormat | None = None
+    target: EvalTarget,
+    files: list[SourceFile],
+    cfg: EvalSection,
+    console: Console,
+    *,
+    fmt: ModelFormat | None = None,
+    min_confidence: float = 0.0,
 ) -> E.ReplayStats:
     """`learner.eval.evaluate` with a progress bar on `console`; `fmt`: prompt in this format
-    instead of the model's own (the prefix-only comparison)."""
+    instead of the model's own (the prefix-only comparison); `min_confidence`: the confidence
+    gate's threshold (model.min_confidence)."""
     with Progress(
         TextColumn("[bold]eval[/]" if fmt is None else "[bold]eval, prefix only[/]"),
         BarColumn(),
@@ -186,6 +193,7 @@ def replay(
             threads=cfg.threads,
             progress=on_site,
             token_accuracy=cfg.token_accuracy,
+            min_confidence=min_confidence,
         )
 
 
@@ -197,11 +205,14 @@ def run(
     cfg = s.eval
     target = load_target(model, s)
     files, corpus_name = heldout_files(s, corpus)
-    stats = replay(target, files, cfg, console)
+    gate = s.model.min_confidence
+    # The gate only hides suggestions: a curve replays once without it and applies each threshold.
+    open_ = replay(target, files, cfg, console) if cfg.gate_curve else None
+    stats = open_.gated(gate) if open_ is not None else replay(target, files, cfg, console, min_confidence=gate)
     compare = cfg.compare_prefix and target.fmt.fim is not None
     if cfg.compare_prefix and not compare:
         console.print(f"{target.name} has no FIM template: its prompts are prefix-only already, nothing to compare")
-    plain = replay(target, files, cfg, console, fmt=E.prefix_only(target.fmt)) if compare else None
+    plain = replay(target, files, cfg, console, fmt=E.prefix_only(target.fmt), min_confidence=gate) if compare else None
     if stats.n < cfg.sites:
         console.print(f"only {stats.n} sites found in {len(files)} held-out files (eval.sites={cfg.sites})")
     report = {
@@ -211,19 +222,30 @@ def run(
         "sites": stats.n,
         "seed": cfg.seed,
         "max_tokens": cfg.max_tokens,
+        "min_confidence": gate,
         "stats": stats.summary(),
     }
     if plain is not None:
         report["prefix_only_stats"] = plain.summary()
+    curve = {th: open_.gated(th) for th in cfg.gate_curve} if open_ is not None else {}
+    if curve:
+        report["gate_curve"] = [{"min_confidence": th, **st.summary()} for th, st in curve.items()]
     if not table:
         return report
     columns = (
         {target.name: stats} if plain is None else {f"{target.name}, FIM": stats, f"{target.name}, prefix only": plain}
     )
     console.print(E.report_table(columns, title="flywheel eval"))
+    if curve:
+        console.print(E.gate_curve_table(curve, current=gate))
     console.print(
         f"{target.name}: {target.label}; {stats.n} sites of {len(files)} held-out files in {corpus_name} "
-        f"(seed {cfg.seed}, max_tokens {cfg.max_tokens}), replayed in {stats.seconds:.0f} s",
+        f"(seed {cfg.seed}, max_tokens {cfg.max_tokens}), replayed in {stats.seconds:.0f} s; "
+        + (
+            f"the confidence gate (model.min_confidence={gate}) withheld {stats.withheld} suggestions"
+            if gate
+            else "no confidence gate (model.min_confidence=0)"
+        ),
         markup=False,
         soft_wrap=True,
     )

@@ -15,8 +15,8 @@ choice (sampled token ids, behaviour logprobs, routing when the engine recorded 
 `rewards.id` order. `rewards.id` is the learner's consumer offset. One sink writes rewards,
 so ids become visible in order; with several sinks on PostgreSQL a row could commit below
 an id already read and be missed (run one sink per database, as `flywheel up` does).
-Samples whose outcome is not in `learn.outcomes` (by default: `unseen`, never shown) are
-skipped and counted. An empty suggestion (just an EOS token) is a legal action, reward 0.
+Samples whose outcome is not in `learn.outcomes` (by default: `unseen` and `withheld`, never
+shown) are skipped and counted. An empty suggestion (just an EOS token) is a legal action, reward 0.
 One editor client can post accepts for every completion it was served, so two rules keep it
 from supplying a version's rewards: samples of requests that pinned their version (`model:
 flywheel@vN`: the client aimed its feedback) are skipped, and each user (`user_hash`)
@@ -940,6 +940,7 @@ class Learner:
             sites,
             max_tokens=g.max_tokens,
             stable_stats=cached[2] if cached else None,
+            min_confidence=self.s.model.min_confidence,
         )
         self._stable_cache = (stable_v, stable_model, stable_stats)
         kl = policy_kl(candidate, stable_model, self._kl_windows())

@@ -85,7 +85,8 @@ class LearnSection(Section):
     counted (`capped`), so one editor client posting accepts for its own completions cannot supply a
     version's rewards. Samples of requests that pinned their version (`model: flywheel@vN`) never train."""
     outcomes: list[str] = ["select", "edit", "dismiss", "ignored", "no_suggestion"]
-    """Reward outcomes that train (feedback/reward.py); `unseen` suggestions carry no signal."""
+    """Reward outcomes that train (feedback/reward.py); `unseen` and `withheld` suggestions (never
+    shown) carry no signal."""
     importance: Literal["ppo_clip", "tis"] = "ppo_clip"
     """Off-policy correction: PPO-style clipped ratio, or truncated importance sampling."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)

@@ -87,7 +87,14 @@ def run_bench(
 
     def evaluate(model) -> E.ReplayStats:
         return E.evaluate(
-            model, tok, model_format, corpus.heldout, sites=n_held, seed=ev.seed, max_tokens=ev.max_tokens
+            model,
+            tok,
+            model_format,
+            corpus.heldout,
+            sites=n_held,
+            seed=ev.seed,
+            max_tokens=ev.max_tokens,
+            min_confidence=s.model.min_confidence,
         )
 
     train = cursor_sites(corpus.train, train_sites, random.Random(7))

@@ -4,7 +4,7 @@
     flywheel pretrain --base PATH --corpus DIR [--minutes N] [--steps N]
     flywheel base import PATH [--fp4 nvfp4|mxfp4|off]
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
-    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--compare-prefix] [--json]
+    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--compare-prefix] [--gate-curve P ...] [--json]
     flywheel bench fp4 [--steps N] [--out results.json]
     flywheel bench train [--steps N] [--warmup N] [--size small] [--out results.json]
     flywheel bench routes [--sites N] [--out results.json]
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="continue an imported Hugging Face model's pretraining instead (model.base; imported first if needed), "
         "and publish the result as a new version",
     )
-    p.add_argument("--size", help="model size: tiny or small (pretrain.size)")
+    p.add_argument("--size", help="model size: tiny, small or medium (pretrain.size)")
     p.add_argument("--minutes", type=float, help="training time budget (pretrain.minutes)")
     p.add_argument("--steps", type=int, help="train exactly N steps (pretrain.steps)")
     p.add_argument("--fp4", choices=["nvfp4", "mxfp4", "off"], help="QAT format (pretrain.fp4)")
@@ -108,6 +108,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="also replay the same sites prompted with the prefix alone, beside the FIM prompt (eval.compare_prefix)",
     )
+    ev.add_argument(
+        "--gate-curve",
+        type=float,
+        nargs="+",
+        metavar="P",
+        help="also show the confidence gate's trade-off at these model.min_confidence thresholds (eval.gate_curve)",
+    )
     ev.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress on stderr)")
     add_config_args(ev)
     ev.set_defaults(fn=cmd_eval)
@@ -136,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     tr.add_argument("--steps", type=int, default=20, help="timed training steps per arm (default 20)")
     tr.add_argument("--warmup", type=int, default=2, help="untimed steps per arm first (default 2)")
-    tr.add_argument("--size", help="model size: tiny or small (pretrain.size)")
+    tr.add_argument("--size", help="model size: tiny, small or medium (pretrain.size)")
     tr.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(tr)
     tr.set_defaults(fn=cmd_bench_train)
@@ -315,6 +322,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "max_tokens": args.max_tokens,
         "compare_prefix": args.compare_prefix,
+        "gate_curve": args.gate_curve,
     }
     overrides = list(args.overrides) + [f"eval.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     s = EvalSettings.load(args.config, overrides)

@@ -352,7 +352,7 @@ def _response(st: ApiState, r: GenerateResult, body, created: int, *, crlf: bool
                 pos += len(p)
             top = [{st.decode([t]): v for t, v in alt.items()} for alt in s.top_logprobs] if body.logprobs else None
             lp = LogProbs(tokens=pieces, token_logprobs=s.logprobs, top_logprobs=top, text_offset=offsets)
-        finish = s.finish_reason if s.finish_reason in ("stop", "length") else None
+        finish = client_finish(s.finish_reason)
         text = s.text.replace("\n", "\r\n") if crlf else s.text
         choices.append(Choice(index=s.index, text=text, logprobs=lp, finish_reason=finish))
     completion_tokens = sum(len(s.token_ids) for s in r.samples)
@@ -368,6 +368,12 @@ def _response(st: ApiState, r: GenerateResult, body, created: int, *, crlf: bool
         ),
         system_fingerprint=f"v{r.model_version}",
     )
+
+
+def client_finish(reason: str | None) -> str | None:
+    """A choice's finish_reason as OpenAI's clients know them: a suggestion the confidence gate
+    withheld (learner/confidence.py) ended, empty: "stop"."""
+    return "stop" if reason == "withheld" else reason if reason in ("stop", "length") else None
 
 
 def _routing(st: ApiState, r: GenerateResult) -> str | None:
@@ -397,7 +403,7 @@ def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
                 token_ids=s.token_ids,
                 logprobs=[min(lp, 0.0) for lp in s.logprobs],
                 text=s.text,
-                finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "abort") else None,
+                finish_reason=s.finish_reason if s.finish_reason in ("stop", "length", "abort", "withheld") else None,
             )
             for s in r.samples
         ],
@@ -437,7 +443,7 @@ async def _sse(st: ApiState, replica: ReplicaClient, gen: GenerateRequest, meta:
             final = r
             for s in r.samples:
                 delta = s.text[len(sent.get(s.index, "")) :]
-                finish = (s.finish_reason if s.finish_reason in ("stop", "length") else None) if r.done else None
+                finish = client_finish(s.finish_reason) if r.done else None
                 if delta or finish:
                     sent[s.index] = s.text
                     chunk = {

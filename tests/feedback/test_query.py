@@ -134,8 +134,36 @@ def test_views_give_hand_computed_numbers(url):
     word, edit = 0.75 * 5 / 11, 0.75 * 14 / 22
     assert v[1]["rewarded"] == 4 and v[1]["mean_reward"] == pytest.approx((0.75 + word - 0.25 + 0) / 4)
     assert v[1]["mean_reward_shown"] == pytest.approx((0.75 + word - 0.25) / 3)
-    assert (v[1]["accepted"], v[1]["dismissed"], v[1]["no_suggestion"], v[1]["edited"]) == (2, 1, 1, 0)
+    assert (v[1]["accepted"], v[1]["dismissed"], v[1]["no_suggestion"], v[1]["edited"], v[1]["withheld"]) == (
+        2,
+        1,
+        1,
+        0,
+        0,
+    )
     assert v[2]["mean_reward"] == pytest.approx((-0.25 + edit) / 2) and (v[2]["ignored"], v[2]["edited"]) == (1, 1)
+
+
+def test_version_rewards_count_withheld_suggestions_apart_from_the_shown(url):
+    """The confidence gate's withheld choices (finish_reason "withheld", reward 0) are not shown:
+    they stay out of mean_reward_shown and have a column of their own (migration 0007)."""
+    from feedback.schemas import CompletionChoice
+
+    c = completion("w", "", version=1, created_at=T0)
+    c = c.model_copy(
+        update={
+            "choices": [CompletionChoice(index=0, token_ids=[5], logprobs=[-3.0], text="", finish_reason="withheld")]
+        }
+    )
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        ingest.write_batch(conn, Batch(completions=[(c, Origin("c", 0, 99, None, None))]), now=T0, feedback_window_s=60)
+        ingest.compute_due_rewards(conn, now=T0 + timedelta(minutes=2), feedback_window_s=60, weights=RewardWeights())
+    engine.dispose()
+    v1 = {r["model_version"]: r for r in rows(url, "SELECT * FROM v_version_rewards")}[1]
+    word = 0.75 * 5 / 11
+    assert (v1["rewarded"], v1["withheld"], v1["no_suggestion"]) == (5, 1, 1)
+    assert v1["mean_reward_shown"] == pytest.approx((0.75 + word - 0.25) / 3)  # as before the withheld one
 
 
 def test_cli_query_answers_from_daily_acceptance(tmp_path):

@@ -105,6 +105,13 @@ def test_reward_table(case, events, text, n_chars, weights, expected, outcome):
     assert parts["n_events"] == len(events)
 
 
+def test_a_withheld_suggestion_scores_as_unseen_whatever_the_events_say():
+    """The confidence gate kept it from the editor (learner/confidence.py): nobody saw it."""
+    for events in ([], [VIEW, FULL], [VIEW, DISMISS]):
+        r, parts = reward(ChoiceFeedback(0, "", events, withheld=True), RewardWeights(unseen=-0.1, no_suggestion=0.3))
+        assert (r, parts["outcome"]) == (-0.1, "withheld")
+
+
 def test_components_explain_the_reward():
     _, parts = reward(ChoiceFeedback(11, TEXT, [ev("select", "line")]))
     assert parts == {"outcome": "select", "fraction": 0.0, "n_events": 1, "unknown_partial": 1}

@@ -150,6 +150,46 @@ def test_replay_suggestions_are_the_decoders_greedy_middles(tok, fmt, sites):
         assert not any(s in r.text for s in stops)
 
 
+def test_the_confidence_gate_withholds_what_serving_would_and_counts_it(tok, fmt, sites):
+    """min_confidence (model.min_confidence): a suggestion whose first token the model gave less
+    probability is not shown, scored as the sink scores a withheld one; the rest are unchanged."""
+    import math
+
+    model = random_model(tok)
+    builder = E.prompt_builder(tok, fmt, WINDOW)
+    open_ = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
+    first = []
+    for site in sites:
+        c = decode(
+            model,
+            tok,
+            E.site_prompt(builder, site)[0],
+            MAX_TOKENS,
+            stop_ids=fmt.eos_ids,
+            stop=editor_stops(site.language, site.prefix),
+        )
+        first.append(math.exp(c.logprobs[0]))
+    threshold = sorted(first)[len(first) // 2]  # withholds about half of them
+    gated = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS, min_confidence=threshold)
+    hidden = [bool(o.text) and p < threshold for o, p in zip(open_.results, first)]
+    assert 0 < sum(hidden) < len(sites) and gated.withheld == sum(hidden) == gated.summary()["withheld"]
+    for o, g, h in zip(open_.results, gated.results, hidden):
+        if h:
+            assert (g.text, g.withheld, g.verdict, g.outcome, g.reward, g.exact) == (
+                "",
+                True,
+                "none",
+                "withheld",
+                0.0,
+                False,
+            )
+        else:
+            assert g == o
+    assert gated.shown == open_.shown - sum(hidden)
+    # the gate only hides: the same stats from the replay without it (what `--gate-curve` reports)
+    assert open_.gated(threshold).results == gated.results and open_.gated(0.0).results == open_.results
+
+
 def test_an_accepted_suggestion_earns_the_sinks_reward_for_an_edit(tok):
     assert reward(E.editor_feedback("foo(x)", judge("foo(x)", "foo(x)")))[0] == 0.75  # full accept, kept verbatim
     partial, parts = reward(E.editor_feedback("foo(y)", judge("foo(y)", "foo(x)")))  # the word `foo(` kept

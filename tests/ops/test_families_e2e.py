@@ -48,7 +48,10 @@ def family_settings(tmp_path, kafka_settings, folder, port: int):
         data_dir=tmp_path / "data",
         cache_dir=kafka_settings.cache_dir,
         kafka=kafka_settings.kafka,
-        model={"base": str(folder)},
+        model={
+            "base": str(folder),
+            "min_confidence": 0.0,
+        },  # a random test model is unsure of nearly every token: show all (the gate has tests of its own)
         serve={
             "port": port,
             "auth_tokens": [TOKEN],

@@ -35,6 +35,9 @@ def test_demo_closes_the_loop(tmp_path, kafka_settings):
         cache_dir=tmp_path / "cache",
         kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
         pretrain=tiny_pretrain(corpus, seq_len=128),
+        model={
+            "min_confidence": 0.0
+        },  # a tiny test model is unsure of nearly every token: show all (the gate has tests of its own)
         serve={"port": free_port(), "ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
         # The editors' timeout scales with the machine: on a loaded one a completion queues behind the
@@ -182,7 +185,10 @@ def test_demo_runs_on_an_imported_model(tmp_path, kafka_settings):
         data_dir=tmp_path / "data",
         cache_dir=tmp_path / "cache",
         kafka={"bootstrap_servers": kafka_settings.kafka.bootstrap},
-        model={"base": str(folder)},
+        model={
+            "base": str(folder),
+            "min_confidence": 0.0,
+        },  # a random test model is unsure of nearly every token: show all (the gate has tests of its own)
         pretrain={"corpus": str(make_corpus(tmp_path / "corpus")), "heldout_fraction": 0.25},
         serve={"port": free_port(), "ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},

@@ -33,6 +33,7 @@ class FakeEngine:
     fail: bool = False
     first_token_s: float | None = None  # what the engine reports as its time to first token
     routing: str | None = None  # the routing trace it reports with a finished request's first sample
+    first_logprob: float = -0.5  # the logprob it gives the first token (the others get -0.5)
 
     async def generate(self, prompt_ids, spec: SamplingSpec, request_id):
         self.calls.append((prompt_ids, spec, request_id))
@@ -45,7 +46,7 @@ class FakeEngine:
                 Sample(
                     index=i,
                     token_ids=ids[:k],
-                    logprobs=[-0.5] * k,
+                    logprobs=[self.first_logprob] + [-0.5] * (k - 1),
                     top_logprobs=[{t: -0.5} for t in ids[:k]] if spec.top_logprobs else [],
                     text=self.tok.decode(ids[:k]),
                     finish_reason=("length" if k == spec.max_tokens else "stop") if done else None,
@@ -85,11 +86,11 @@ class ListSink:
         return True
 
 
-def make_client(tok, engine=None, routers=(), **cfg_overrides):
+def make_client(tok, engine=None, routers=(), *, min_confidence: float = 0.0, **cfg_overrides):
     """A client of an app of serving's routes and `routers` over a FakeEngine pool on v3, its sink, its engine."""
     cfg = ServeSettings(**({"auth_tokens": [TOKEN]} | cfg_overrides))
     engine = engine or FakeEngine(tok)
-    service = CompletionService(engine, tok, own_format(tok, 2048), cfg, version=3)
+    service = CompletionService(engine, tok, own_format(tok, 2048), cfg, version=3, min_confidence=min_confidence)
     sink = ListSink()
     app = build_app(routers=routers)
     app.state.api = ApiState(

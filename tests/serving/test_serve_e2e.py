@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import statistics
 import textwrap
 import time
@@ -101,13 +102,15 @@ def test_openai_client_streaming_and_not_with_and_without_suffix(stack):
 
     s, url, _ = stack
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN)
-    ids = set()
+    ids, at_cursor = set(), set()
     for suffix in (None, "\n    return y\n"):
         r = client.completions.create(
             model="flywheel", prompt="def f(x):\n    y = ", suffix=suffix, max_tokens=8, temperature=0
         )
         assert r.object == "text_completion" and r.model == "flywheel@v0" and r.usage.completion_tokens > 0
         ids.add(r.id)
+        if suffix is not None:
+            at_cursor.add(r.id)
         chunks = list(
             client.completions.create(
                 model="flywheel", prompt="def f(x):\n    y = ", suffix=suffix, max_tokens=8, temperature=0, stream=True
@@ -115,9 +118,21 @@ def test_openai_client_streaming_and_not_with_and_without_suffix(stack):
         )
         assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text  # greedy: same text either way
         ids.add(chunks[0].id)
+        if suffix is not None:
+            at_cursor.add(chunks[0].id)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").completions.create(model="flywheel", prompt="x")
-    assert set(_records(s, ids)) == ids
+    records = _records(s, ids)
+    assert set(records) == ids
+    # The confidence gate (model.min_confidence, on by default) on vLLM's own logprobs: a suggestion
+    # at a cursor whose first token is below it reaches the client empty and is recorded as withheld.
+    gate = s.model.min_confidence
+    assert gate > 0
+    for cid, rec in records.items():
+        (choice,) = rec.choices
+        unsure = math.exp(choice.logprobs[0]) < gate
+        assert (choice.finish_reason == "withheld") == (unsure and cid in at_cursor), (cid, choice)
+        assert choice.text == "" or choice.finish_reason != "withheld"
 
 
 def test_tabby_request_and_events(stack):

@@ -14,7 +14,7 @@ from feedback import db
 from feedback.core.errors import UserError
 from feedback.reward import RewardWeights
 from feedback.routing import encode_routing
-from feedback.schemas import FeedbackEvent, encode
+from feedback.schemas import CompletionChoice, FeedbackEvent, encode
 from feedback.sink import ingest
 from feedback.sink.ingest import Batch, Origin
 from feedback.sink.loop import SinkSettings, _sweep, _write, _write_until_done, database_unavailable
@@ -624,3 +624,25 @@ def test_cursor_text_with_nul_is_stored_spelled_out_and_judged(engine):
             conn.execute(select(db.completions.c.before_cursor).where(db.completions.c.completion_id == "z1")).scalar()
             == "s = '\\x00'\n"
         )
+
+
+def test_a_withheld_choice_is_rewarded_as_withheld_whatever_events_claim(engine):
+    """The confidence gate kept it from the editor: an event about it (an implicit accept inferred
+    from what the user typed, a buggy client) cannot make it an accept the learner trains on."""
+    o = Offsets()
+    c = completion("w1", "", created_at=T0)
+    c = c.model_copy(
+        update={
+            "choices": [
+                CompletionChoice(index=0, token_ids=[7, 8], logprobs=[-2.0, -0.1], text="", finish_reason="withheld")
+            ]
+        }
+    )
+    accept = FeedbackEvent(completion_id="w1", type="select", created_at=T0 + timedelta(seconds=1))
+    write(engine, completions=[o(c)], events=[o(accept)])
+    assert sweep(engine, T0 + timedelta(seconds=61)) == (0, 1)
+    with engine.connect() as conn:
+        row = conn.execute(select(db.rewards)).one()
+        choice = conn.execute(select(db.completion_choices)).one()
+    assert (row.outcome, row.reward) == ("withheld", 0.0)
+    assert (choice.finish_reason, choice.token_ids, choice.n_chars) == ("withheld", [7, 8], 0)

@@ -68,11 +68,46 @@ def test_eval_json_reports_the_in_process_replays_numbers_with_intervals(base, t
     tok = load_tokenizer(folder / "hf")
     files = load_training_corpus(s.pretrain).heldout  # the CLI's sites: eval.seed 0 on pretraining's split
     fmt = read_format(folder / "hf")
-    here = E.evaluate(model, tok, fmt, files, sites=SITES, seed=0, max_tokens=s.eval.max_tokens, token_accuracy=True)
+    gate = s.model.min_confidence  # serving's confidence gate, on by default: the replay applies it too
+    assert report["min_confidence"] == gate > 0
+    here = E.evaluate(
+        model,
+        tok,
+        fmt,
+        files,
+        sites=SITES,
+        seed=0,
+        max_tokens=s.eval.max_tokens,
+        token_accuracy=True,
+        min_confidence=gate,
+    )
     assert (st["n"], st["shown"], st["accepted"], st["exact"]) == (here.n, here.shown, here.accepted, here.exact)
+    assert st["withheld"] == here.withheld
     assert st["intervals"]["token_accuracy"] == pytest.approx(here.intervals()["token_accuracy"].as_dict())
     assert st["outcomes"] == here.outcomes and st["mean_reward"] == pytest.approx(here.mean_reward, abs=1e-6)
     assert st["intervals"]["suggestion_rate"] == pytest.approx(here.intervals()["suggestion_rate"].as_dict())
+
+
+def test_the_gate_curve_is_one_replay_seen_at_each_threshold(base, tmp_path):
+    """`--gate-curve`: suggestion rate, accept rate and accepted characters at each threshold; the
+    current setting's row is the report itself, 0 shows everything."""
+    _, s, _ = base
+    r = run_eval(base, tmp_path, "--json", "--gate-curve", "0.5", "0", str(s.model.min_confidence))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    curve = {row["min_confidence"]: row for row in report["gate_curve"]}
+    assert list(curve) == sorted({0.0, 0.5, s.model.min_confidence})
+    st = report["stats"]
+    mine = curve[s.model.min_confidence]
+    assert (mine["shown"], mine["accepted"], mine["withheld"]) == (st["shown"], st["accepted"], st["withheld"])
+    assert curve[0.0]["withheld"] == 0 and curve[0.0]["shown"] >= mine["shown"] >= curve[0.5]["shown"]
+    assert all(row["n"] == SITES and "accept_rate" in row["intervals"] for row in curve.values())
+
+    table = run_eval(base, tmp_path, "--gate-curve", "0", "0.5")
+    assert table.returncode == 0, table.stderr
+    assert "the confidence gate's trade-off" in table.stdout and "0.5" in table.stdout
+    bad = run_eval(base, tmp_path, "--gate-curve", "1.5")
+    assert bad.returncode != 0 and "gate_curve" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_every_form_of_model_gives_the_same_replay(base, tmp_path):
@@ -106,7 +141,16 @@ def test_compare_prefix_replays_the_same_sites_without_the_fim_template(base, tm
     model, _ = load_hf(folder / "hf")
     tok, fmt = load_tokenizer(folder / "hf"), read_format(folder / "hf")
     files = load_training_corpus(s.pretrain).heldout
-    here = E.evaluate(model, tok, E.prefix_only(fmt), files, sites=SITES, seed=0, max_tokens=s.eval.max_tokens)
+    here = E.evaluate(
+        model,
+        tok,
+        E.prefix_only(fmt),
+        files,
+        sites=SITES,
+        seed=0,
+        max_tokens=s.eval.max_tokens,
+        min_confidence=s.model.min_confidence,  # an editor's request has a suffix: gated either way
+    )
     assert (plain["shown"], plain["accepted"], plain["exact"]) == (here.shown, here.accepted, here.exact)
     assert plain["outcomes"] == here.outcomes
 

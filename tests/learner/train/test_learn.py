@@ -159,6 +159,9 @@ def test_unseen_and_malformed_samples_are_skipped_and_counted(tmp_path, base):
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
     write_samples(lr.engine, v0, lr.tok, texts(4), reward_fn=lambda t: (0.0, "unseen"))
     assert lr.poll() == 0 and lr.state.samples_skipped == 4 and lr.state.samples_read == 4
+    # the confidence gate kept these from the editor: nobody saw them, nothing to learn
+    write_samples(lr.engine, v0, lr.tok, texts(3), reward_fn=lambda t: (0.0, "withheld"))
+    assert lr.poll() == 0 and lr.state.samples_skipped == 7 and lr.state.samples_read == 7
 
 
 def test_a_sample_of_another_models_vocabulary_is_skipped_not_trained_on(tmp_path, base):

@@ -57,6 +57,9 @@ def test_a_small_run_measures_agreement_on_its_own_stack(tmp_path):
         data_dir=base.data_dir,
         cache_dir=base.cache_dir,
         pretrain={"corpus": str(make_corpus(tmp_path / "corpus")), "heldout_fraction": 0.4},
+        model={
+            "min_confidence": 0.0
+        },  # a random test model is unsure of nearly every token: show all (the gate has tests of its own)
         serve={"ray_num_cpus": 2, "context_budget": 256, "summary_chunk_tokens": 64, "engine": {"max_model_len": 512}},
         simulate={"requests": 16, "walk_sites": 4, "users": 2, "rate": 20.0, "edit_delay_s": 0.0, "max_tokens": 8},
     )

@@ -49,7 +49,9 @@ def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
         sites=6,
         seed=s.eval.seed,
         max_tokens=8,
+        min_confidence=s.model.min_confidence,  # serving's confidence gate, as the benchmark scores
     )
+    assert s.model.min_confidence > 0
     assert base_row["accept_rate"] == here.accept_rate and base_row["exact_match"] == here.exact_match
     assert base_row["reward"] == pytest.approx(here.mean_reward)
     assert base_row["intervals"]["suggestion_rate"] == pytest.approx(here.intervals()["suggestion_rate"].as_dict())

@@ -44,6 +44,9 @@ def tiny_soak(tmp_path, **soak) -> SoakSettings:
         data_dir=tmp_path / "data",
         cache_dir=cache,
         pretrain=tiny_pretrain(corpus, seq_len=128),
+        model={
+            "min_confidence": 0.0
+        },  # a tiny test model is unsure of nearly every token: show all (the gate has tests of its own)
         serve={"ray_num_cpus": 2},
         sink={"feedback_window_s": 3.0, "grace_period_s": 30.0},
         simulate={"users": 4, "rate": 2.0, "max_tokens": 8, "edit_delay_s": 0.5, "timeout_s": scaled(60.0)},

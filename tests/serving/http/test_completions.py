@@ -38,6 +38,43 @@ def test_continue_streams_a_completion_of_its_rendered_fim_prompt_through_flywhe
     assert topic == bus.COMPLETIONS and rec.completion_id == chunks[0]["id"] and rec.prompt_token_ids == prompt_ids
 
 
+def test_the_confidence_gate_withholds_an_unsure_suggestion_at_a_cursor_and_records_what_it_hid(tok):
+    """model.min_confidence (learner/confidence.py): a first token below it means an empty
+    completion that ends normally; the record keeps the tokens with finish_reason "withheld"."""
+    import math
+
+    body = {"prompt": "x = ", "suffix": "\n", "max_tokens": 8}
+    unsure = FakeEngine(tok, first_logprob=math.log(0.2))
+    client, sink, _ = make_client(tok, unsure, min_confidence=0.25)
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0] | {"logprobs": None} == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    assert (
+        "".join(c["choices"][0]["text"] for c in chunks) == "" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    )
+    records = [m for t, m in sink.sent if t == bus.COMPLETIONS]
+    assert [(c.finish_reason, c.text, len(c.token_ids)) for rec in records for c in rec.choices] == [
+        ("withheld", "", len(tok.encode("return x", add_special_tokens=False).ids))
+    ] * 2
+
+    # a sure one is shown; a plain continuation (no cursor) is never gated; 0 turns the gate off
+    sure = FakeEngine(tok, first_logprob=math.log(0.3))
+    assert (
+        make_client(tok, sure, min_confidence=0.25)[0].post("/v1/completions", json=body).json()["choices"][0]["text"]
+        == "return x"
+    )
+    plain = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 8}).json()["choices"][0]
+    assert plain["text"] == "return x"
+    assert make_client(tok, unsure)[0].post("/v1/completions", json=body).json()["choices"][0]["text"] == "return x"
+
+
 def test_a_rendered_prompt_with_the_repository_keeps_its_files_and_path(tok):
     client, sink, engine = make_client(tok)
     prompt = (
