@@ -386,7 +386,7 @@ def gate_curve_table(curve: Mapping[float, ReplayStats], *, current: float) -> T
     what is shown, what is accepted of it, and what the user gets per request."""
     fmts = dict((key, fmt) for key, _, fmt in _REPORT_ROWS)
     t = Table(
-        "model.min_confidence",
+        "min_confidence",
         "suggestion rate",
         "accept rate (of shown)",
         "accepted chars / request",

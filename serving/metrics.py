@@ -40,7 +40,14 @@ STAGE_LATENCY = Histogram(
 )
 COMPLETIONS = Counter("flywheel_completions_total", "Completions served", ["version", "shape"])
 TOKENS = Counter("flywheel_tokens_total", "Tokens processed", ["kind"])  # prompt | completion
-EMPTY = Counter("flywheel_empty_completions_total", "Completions with no suggestion (abstained)", ["version"])
+EMPTY = Counter(
+    "flywheel_empty_completions_total", "Completions with no suggestion (abstained, or withheld)", ["version"]
+)
+WITHHELD = Counter(
+    "flywheel_withheld_suggestions_total",
+    "Suggestions the confidence gate kept from the editor (model.min_confidence; learner/confidence.py)",
+    ["version"],
+)
 # cached | generated: used in a prompt; skipped: older chunks left out (no room, or the per-request cap);
 # deferred: not cached, queued to be written in the background (serve.summarize_in_background)
 SUMMARIES = Counter("flywheel_summaries_total", "Self-summaries of prompt chunks", ["source"])

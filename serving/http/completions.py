@@ -425,6 +425,8 @@ def record(st: ApiState, r: GenerateResult, meta: RecordMeta) -> None:
     metrics.TOKENS.labels("completion").inc(sum(len(s.token_ids) for s in r.samples))
     if all(not s.text for s in r.samples):
         metrics.by_version(metrics.EMPTY, v).inc()
+    if withheld := sum(s.finish_reason == "withheld" for s in r.samples):
+        metrics.by_version(metrics.WITHHELD, v).inc(withheld)
     metrics.SUMMARIES.labels("cached").inc(r.summaries_cached)
     metrics.SUMMARIES.labels("generated").inc(r.summaries_generated)
     metrics.SUMMARIES.labels("skipped").inc(r.summaries_skipped)

@@ -43,9 +43,12 @@ def test_the_confidence_gate_withholds_an_unsure_suggestion_at_a_cursor_and_reco
     completion that ends normally; the record keeps the tokens with finish_reason "withheld"."""
     import math
 
+    from serving import metrics
+
     body = {"prompt": "x = ", "suffix": "\n", "max_tokens": 8}
     unsure = FakeEngine(tok, first_logprob=math.log(0.2))
     client, sink, _ = make_client(tok, unsure, min_confidence=0.25)
+    counted = metrics.WITHHELD.labels("3")._value.get()
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0] | {"logprobs": None} == {
@@ -63,6 +66,7 @@ def test_the_confidence_gate_withholds_an_unsure_suggestion_at_a_cursor_and_reco
     assert [(c.finish_reason, c.text, len(c.token_ids)) for rec in records for c in rec.choices] == [
         ("withheld", "", len(tok.encode("return x", add_special_tokens=False).ids))
     ] * 2
+    assert metrics.WITHHELD.labels("3")._value.get() == counted + 2  # flywheel_withheld_suggestions_total{version}
 
     # a sure one is shown; a plain continuation (no cursor) is never gated; 0 turns the gate off
     sure = FakeEngine(tok, first_logprob=math.log(0.3))
