@@ -214,8 +214,9 @@ class CompletionService:
 
 def _gated(sample: Sample, min_confidence: float) -> Sample:
     """The sample as the client gets it: no text when the confidence gate withholds it (its tokens
-    and logprobs stay for the record), finishing with reason "withheld"."""
-    if not withheld(sample.logprobs, min_confidence):
+    and logprobs stay for the record), finishing with reason "withheld". An empty one (the model
+    abstained, or a stop string cut everything) has nothing to withhold, as in the replay."""
+    if not sample.text or not withheld(sample.logprobs, min_confidence):
         return sample
     return dataclasses.replace(sample, text="", finish_reason="withheld" if sample.finish_reason else None)
 

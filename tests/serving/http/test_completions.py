@@ -78,6 +78,13 @@ def test_the_confidence_gate_withholds_an_unsure_suggestion_at_a_cursor_and_reco
     assert plain["text"] == "return x"
     assert make_client(tok, unsure)[0].post("/v1/completions", json=body).json()["choices"][0]["text"] == "return x"
 
+    # an abstention (or a suggestion a stop string cut to nothing) has nothing to withhold
+    from serving.engine import Sample
+    from serving.replica import _gated
+
+    empty = Sample(index=0, token_ids=[5], logprobs=[math.log(0.01)], text="", finish_reason="stop")
+    assert _gated(empty, 0.25) is empty
+
 
 def test_a_rendered_prompt_with_the_repository_keeps_its_files_and_path(tok):
     client, sink, engine = make_client(tok)
