@@ -93,7 +93,8 @@ class CompletionChoice(Message):
     """Subject to the retention setting: None once dropped; token ids stay for training."""
     finish_reason: Literal["stop", "length", "abort", "withheld"] | None = None
     """"withheld": the confidence gate (model.min_confidence) kept it from the editor, which got an
-    empty completion (`text` ""); `token_ids` and `logprobs` are what the engine generated."""
+    empty completion (`text` ""); `token_ids` and `logprobs` are what the engine generated. A sink
+    older than this value dead-letters such a record: upgrade the sinks before the replicas."""
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> Self:
