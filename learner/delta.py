@@ -17,6 +17,13 @@ weight_packed, weight_scale and (NVFP4) weight_global_scale; a plain tensor is o
                         full-size XOR array); while the calling thread builds tensors, other
                         threads sha256-check the ones already built (hashlib releases the GIL).
     encode / decode     the wire form (below), zstd-compressed; decoding keeps the sparse form.
+                        `decode(background=True)` returns after the header, while a thread
+                        decompresses the payload (zstd's streaming decoder releases the GIL), and
+                        `apply` builds each group of tensors as soon as its bytes are in.
+
+Order: a delta lists its tensors largest first (`diff`), on the wire too, and `apply` builds them
+in that order, so the long hashes of the big tensors start early and the first group's bytes
+are a small share of the payload.
 
 Checksums: `tensor_sha256` hashes an entry's layout (kind, format, shapes, dtypes) and its
 bytes; `checkpoint_digest` hashes the sorted (name, sha256) table: the identity of a whole
@@ -53,9 +60,10 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -128,7 +136,11 @@ def checkpoint_digest(hashes: Mapping[str, str]) -> str:
 
 def checkpoint_nbytes(ckpt: Checkpoint) -> int:
     """Bytes of the raw tensors (what a full snapshot stores, headers aside)."""
-    return sum(p.numel() * p.element_size() for e in ckpt.values() for p in parts(e))
+    return sum(_entry_nbytes(e) for e in ckpt.values())
+
+
+def _entry_nbytes(entry: Entry) -> int:
+    return sum(p.numel() * p.element_size() for p in parts(entry))
 
 
 def _rebuild(base: Entry, new_parts: list[torch.Tensor]) -> Entry:
@@ -202,7 +214,14 @@ class Delta:
     version: int | None
     base_digest: str
     digest: str  # of the new checkpoint
-    changed: dict[str, TensorDelta]
+    changed: dict[str, TensorDelta]  # largest first (`diff`), as on the wire
+    payload: _Payload | None = field(default=None, repr=False)  # set by `decode(background=True)`
+
+    def wait(self) -> Delta:
+        """Block until a background decode is done and checked (raises its DeltaError); self."""
+        if self.payload is not None:
+            self.payload.result()
+        return self
 
     @property
     def xor_nbytes(self) -> int:
@@ -233,7 +252,9 @@ def diff(
     old_hashes = dict(old_hashes) if old_hashes is not None else tensor_hashes(old)
     new_hashes = dict(new_hashes) if new_hashes is not None else tensor_hashes(new)
     changed = {}
-    for name in sorted(new):
+    # largest first: the order `encode` writes and `apply` builds in, so the big tensors' long
+    # hashes start early, and a background decode has the first tensors ready soonest
+    for name in sorted(new, key=lambda n: (-_entry_nbytes(new[n]), n)):
         if old_hashes[name] == new_hashes[name]:
             continue
         lo, ln = layout(old[name]), layout(new[name])
@@ -285,41 +306,46 @@ def apply(
     raws = [[_bytes(p) for p in ps] for ps in touched]
     sizes = [sum(r.size for r in rs) for rs in raws]
 
-    def check(group: list[int], built: list[list[np.ndarray]]) -> None:
-        """sha256-check the tensors `group` (indices into `names`), built as `built`."""
-        for i, new_raw in zip(group, built, strict=True):
+    new_raws: list[list[np.ndarray]] = [[] for _ in names]
+
+    def check(tensors: list[int]) -> None:
+        """sha256-check the built tensors `tensors` (indices into `names`)."""
+        for i in tensors:
             td = delta.changed[names[i]]
-            if _sha256(td.layout, new_raw) != td.sha256:  # XOR keeps the layout: the base's is the result's
+            if _sha256(td.layout, new_raws[i]) != td.sha256:  # XOR keeps the layout: the base's is the result's
                 if _sha256(td.layout, raws[i]) != td.base_sha256:
                     raise _modified_base(names[i])
                 raise DeltaError(f"{names[i]}: result sha256 mismatch after applying the delta (corrupt delta)")
 
     hashers = min(len(names), hashing_threads() if threads is None else threads)
-    # Largest tensors first, in groups: the calling thread XORs a group while `hashers` threads
-    # hash the groups before it (hashlib releases the GIL; most of the XOR's numpy calls do
-    # not, so a second XOR thread would mostly wait). The big tensors' long hashes start
-    # early, and the last group's, which nothing overlaps, is short.
-    order = sorted(range(len(names)), key=lambda i: -sizes[i])
-    groups = [[order[j] for j in g] for g in _groups([sizes[i] for i in order], max(1, hashers) * _GROUPS_PER_THREAD)]
-    new_raws: list[list[np.ndarray]] = [[] for _ in names]
+    # In the delta's order (largest first, as `diff` makes and the wire keeps): the calling
+    # thread XORs a group of tensors while `hashers` threads hash the tensors built before it
+    # (hashlib releases the GIL; most of the XOR's numpy calls do not, so a second XOR thread
+    # would mostly wait) and, after `decode(background=True)`, a thread decompresses the ones
+    # after it. The first tensor is a group of its own, so that hashing starts soon; the
+    # hashes are handed out in smaller runs than the groups, so that the calling thread, done
+    # XORing, takes over the runs no thread has started yet.
+    count = max(1, hashers) * _GROUPS_PER_THREAD
+    groups = [range(0, min(1, len(names))), *(range(1 + g.start, 1 + g.stop) for g in _groups(sizes[1:], count))]
+    checks = []
     with ThreadPoolExecutor(max_workers=max(1, hashers)) as pool:
-        checks = []
-        for group in groups:
+        for group in (g for g in groups if len(g)):
+            if delta.payload is not None:
+                delta.payload.wait([names[i] for i in group])
             items = [
                 (raw, part) for i in group for raw, part in zip(raws[i], delta.changed[names[i]].parts, strict=True)
             ]
-            built = _unflatten(xor_parts(items), [raws[i] for i in group])
-            for i, b in zip(group, built, strict=True):
+            for i, b in zip(group, _unflatten(xor_parts(items), [raws[i] for i in group]), strict=True):
                 new_raws[i] = b
-            if hashers > 0:
-                checks.append((pool.submit(check, group, built), group, built))
-            else:
-                check(group, built)
-        for future, group, built in checks:
-            if future.cancel():  # not started yet: the calling thread, done building, checks it
-                check(group, built)
-            else:
+            for run in _runs(group, sizes, sum(sizes) / (count * _HASH_RUNS_PER_GROUP)):
+                checks.append((pool.submit(check, run) if hashers > 0 else None, run))
+        for future, run in reversed(checks):  # the last built first: the threads work from the front
+            if future is None or future.cancel():
+                check(run)
+        for future, _ in checks:
+            if future is not None and not future.cancelled():
                 future.result()
+    delta.wait()  # the payload's end: zstd's content checksum, no trailing bytes
     out = dict(base)
     for name, ps, rs in zip(names, touched, new_raws, strict=True):
         out[name] = _rebuild(base[name], [_like(r, p) for p, r in zip(ps, rs, strict=True)])
@@ -409,6 +435,10 @@ _GROUPS_PER_THREAD = 4
 """Groups of tensors per hashing thread: enough that hashing starts early and ends soon after
 the last XOR, few enough that each group's XOR is a handful of numpy calls."""
 
+_HASH_RUNS_PER_GROUP = 4
+"""Runs of tensors to hash per group: small enough that the calling thread, done XORing, finds
+runs no hashing thread has started."""
+
 _MAX_HASHERS = 4
 """At most this many hashing threads by default: past that, the XOR on the calling thread is the
 longer part, and more threads only cut the groups smaller."""
@@ -428,6 +458,19 @@ def _groups(sizes: list[int], count: int) -> list[range]:
             out.append(range(start, i + 1))
             start = i + 1
     return [*out, range(start, len(sizes))]
+
+
+def _runs(indices: range, sizes: list[int], at_least: float) -> list[list[int]]:
+    """`indices` cut into consecutive runs whose `sizes` add up to at least `at_least` (the last
+    may be smaller)."""
+    out, run, acc = [], [], 0
+    for i in indices:
+        run.append(i)
+        acc += sizes[i]
+        if acc >= at_least:
+            out.append(run)
+            run, acc = [], 0
+    return [*out, run] if run else out
 
 
 def _unflatten(flat: list, shape: list[list]) -> list[list]:
@@ -505,20 +548,21 @@ def read_header(data: bytes) -> dict:
     return header
 
 
-def decode(data: bytes) -> Delta:
-    """Inverse of encode. Corrupt bytes raise DeltaError (zstd's checksum, sizes, the header)."""
+def decode(data: bytes, *, background: bool = False) -> Delta:
+    """Inverse of encode. Corrupt bytes raise DeltaError (zstd's checksum, sizes, the header).
+
+    `background`: return once the header is read, while a thread decompresses the payload (zstd's
+    streaming decoder releases the GIL); `apply` waits for each group of tensors it builds, so
+    it XORs the first while the rest decompress. The returned delta's masks and values must not
+    be read before `Delta.wait()` (which `apply` calls); a corrupt payload raises there, or in
+    `apply`, instead of here."""
     h = read_header(data)
+    pos, changed, pieces, piece, ends = 0, {}, [], [], {}
     try:
-        payload = zstandard.ZstdDecompressor().decompress(
-            data[h["_payload_offset"] :], max_output_size=h["payload_nbytes"]
-        )
-    except zstandard.ZstdError as e:
-        raise DeltaError(f"corrupt delta payload: {e}") from None
-    if len(payload) != h["payload_nbytes"]:
-        raise DeltaError(f"corrupt delta payload: {len(payload)} bytes, the header says {h['payload_nbytes']}")
-    buf = np.frombuffer(payload, dtype=np.uint8)
-    pos, changed, bounds, owners = 0, {}, [], []
-    try:
+        nbytes = h["payload_nbytes"]
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise DeltaError(f"corrupt delta header: payload_nbytes {nbytes!r}")
+        buf = np.empty(nbytes, dtype=np.uint8)
         for e in h["changed"]:
             part_deltas = []
             for p in e["parts"]:
@@ -528,20 +572,102 @@ def decode(data: bytes) -> Delta:
                 if w < 1 or n < 0 or not 0 <= k <= n or end > buf.size:
                     raise DeltaError(f"{e['name']}: corrupt delta payload (mask and values disagree)")
                 part_deltas.append(PartDelta(n, w, buf[pos:mask_end], buf[mask_end:end]))
-                bounds.append((n, k))
-                owners.append(e["name"])
                 pos = end
-            changed[e["name"]] = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(part_deltas))
+            changed[e["name"]] = td = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(part_deltas))
+            ends[e["name"]] = pos
+            piece.append((e["name"], td))
+            if pos >= (len(pieces) + 1) * nbytes / _PIECES:
+                pieces.append((pos, piece))
+                piece = []
         if pos != buf.size:
             raise DeltaError(f"corrupt delta payload: {buf.size - pos} trailing bytes")
-        if bounds:
-            n_k = np.array(bounds, dtype=np.int64).reshape(-1, 2)
-            bad = _bad_masks([p.mask for td in changed.values() for p in td.parts], n_k[:, 0], n_k[:, 1])
-            if bad.size:
-                raise DeltaError(f"{owners[bad[0]]}: corrupt delta payload (mask and values disagree)")
-        return Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed)
+        if piece or not pieces:
+            pieces.append((pos, piece))
     except (KeyError, TypeError) as e:
         raise DeltaError(f"corrupt delta header: {e!r}") from None
+    payload = _Payload(data[h["_payload_offset"] :], buf, pieces, ends)
+    delta = Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed, payload)
+    return delta if background else delta.wait()
+
+
+_PIECES = 8
+"""A background decode hands the payload over in about this many pieces (at tensor boundaries):
+`apply` waits for its first group's pieces only, and each hand-over costs a GIL round trip."""
+
+
+class _Payload:
+    """A delta's payload, decompressed into `buf` piece by piece by a thread of its own, which
+    needs the GIL only between pieces. The caller's thread checks a piece's masks
+    (`_check_masks`) before it reads the piece."""
+
+    def __init__(
+        self, frame: bytes, buf: np.ndarray, pieces: list[tuple[int, list[tuple[str, TensorDelta]]]], ends: dict
+    ) -> None:
+        self._buf, self._pieces, self._ends = buf, pieces, ends
+        self._ready, self._error = 0, None  # pieces decompressed; the DeltaError that stopped it
+        self._checked = 0  # pieces whose masks were checked
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._run, args=(frame,), name="delta-decode", daemon=True)
+        self._thread.start()
+
+    def _run(self, frame: bytes) -> None:
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(frame, read_size=max(1, len(frame)))
+            view, pos = memoryview(self._buf), 0
+            for i, (end, _) in enumerate(self._pieces):
+                while pos < end:
+                    got = reader.readinto(view[pos:end])
+                    if not got:
+                        raise DeltaError(f"corrupt delta payload: {pos} bytes, the header says {self._buf.size}")
+                    pos += got
+                with self._done:
+                    self._ready = i + 1
+                    self._done.notify_all()
+            if reader.read(1):  # also has zstd check the frame's content checksum
+                raise DeltaError(f"corrupt delta payload: more than the {self._buf.size} bytes the header says")
+        except zstandard.ZstdError as e:
+            self._fail(DeltaError(f"corrupt delta payload: {e}"))
+        except DeltaError as e:
+            self._fail(e)
+        except BaseException as e:  # never leave a waiter hanging
+            self._fail(DeltaError(f"delta payload: {e!r}"))
+
+    def _fail(self, error: DeltaError) -> None:
+        with self._done:
+            self._error = error
+            self._done.notify_all()
+
+    def wait(self, names: list[str]) -> None:
+        """Block until the tensors `names` are decompressed, and check their masks."""
+        end = max((self._ends[n] for n in names), default=0)
+        need = next((i + 1 for i, (stop, _) in enumerate(self._pieces) if stop >= end), len(self._pieces))
+        if self._ready < need:
+            with self._done:
+                self._done.wait_for(lambda: self._ready >= need or self._error is not None)
+        if self._ready < need:
+            raise self._error  # type: ignore[misc]
+        while self._checked < need:
+            _check_masks(self._pieces[self._checked][1])
+            self._checked += 1
+
+    def result(self) -> None:
+        """Block until the whole payload is decompressed, and check what is left of it."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self.wait(list(self._ends))
+
+
+def _check_masks(tensors: list[tuple[str, TensorDelta]]) -> None:
+    """Each part's mask has exactly k bits set and none past its last element (DeltaError naming
+    the tensor otherwise)."""
+    ps = [(name, p) for name, td in tensors for p in td.parts]
+    if not ps:
+        return
+    n_k = np.array([(p.n, p.k) for _, p in ps], dtype=np.int64).reshape(-1, 2)
+    bad = _bad_masks([p.mask for _, p in ps], n_k[:, 0], n_k[:, 1])
+    if bad.size:
+        raise DeltaError(f"{ps[bad[0]][0]}: corrupt delta payload (mask and values disagree)")
 
 
 def _bad_masks(masks: list[np.ndarray], n: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -755,7 +755,7 @@ class Store:
                 plan.have,
             )
         for v in plan.deltas:
-            d = codec.decode(self._payload(v, "delta"))
+            d = codec.decode(self._payload(v, "delta"), background=True)  # apply XORs as it decompresses
             if d.version != v or d.base_version != prev:
                 raise codec.DeltaError(
                     f"version {v}: its delta goes from {d.base_version} to {d.version}, expected {prev} -> {v}"

@@ -1,11 +1,13 @@
 """The XOR delta codec on a tiny model's packed checkpoint before and after real optimizer steps."""
 
 import dataclasses
+import struct
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -105,7 +107,8 @@ def corrupt(blob: bytes, at: int) -> bytes:
     return bytes(b)
 
 
-def test_corrupt_bytes_are_rejected(versions):
+@pytest.mark.parametrize("background", [False, True])  # refused by decode, or by apply as it reads
+def test_corrupt_bytes_are_rejected(versions, background):
     v0, v1 = versions
     blob = D.encode(D.diff(v0, v1))
     for bad in (
@@ -118,7 +121,67 @@ def test_corrupt_bytes_are_rejected(versions):
         corrupt(blob, len(blob) - 1),
     ):
         with pytest.raises(D.DeltaError):
-            D.apply(v0, D.decode(bad))
+            D.apply(v0, D.decode(bad, background=background))
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_a_background_decode_applies_as_the_eager_one(versions, threads):
+    v0, v1 = versions
+    blob = D.encode(D.diff(v0, v1))
+    eager, late = D.decode(blob), D.decode(blob, background=True)
+    out = D.apply(v0, late, threads=threads)
+    assert all(same_bits(out[n], v1[n]) for n in v1)
+    assert list(late.changed) == list(eager.changed)
+    for name, td in late.wait().changed.items():
+        assert [(p.mask.tobytes(), p.values.tobytes()) for p in td.parts] == [
+            (p.mask.tobytes(), p.values.tobytes()) for p in eager.changed[name].parts
+        ]
+
+
+def test_the_delta_lists_its_tensors_largest_first(versions):
+    v0, v1 = versions
+    d = D.decode(D.encode(D.diff(v0, v1)))
+    sizes = [sum(p.nbytes for p in td.parts) for td in d.changed.values()]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1
+
+
+def reframed(blob: bytes, payload: bytes) -> bytes:
+    """`blob` with its payload frame replaced by `payload`, zstd-compressed (the header kept)."""
+    (n,) = struct.unpack_from("<I", blob, len(D.MAGIC))
+    frame = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(payload)
+    return blob[: len(D.MAGIC) + 4 + n] + frame
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_payload_longer_or_shorter_than_its_header_says_is_refused(versions, background):
+    v0, v1 = versions
+    blob = D.encode(D.diff(v0, v1))
+    payload = zstandard_payload(blob)
+    assert D.apply(v0, D.decode(reframed(blob, payload), background=background)).keys() == v1.keys()
+    with pytest.raises(D.DeltaError, match="the header says"):
+        D.apply(v0, D.decode(reframed(blob, payload[:-3]), background=background))
+    with pytest.raises(D.DeltaError, match="more than the"):
+        D.apply(v0, D.decode(reframed(blob, payload + b"\0"), background=background))
+
+
+def zstandard_payload(blob: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(blob[D.read_header(blob)["_payload_offset"] :])
+
+
+def test_a_bad_mask_in_a_later_piece_is_refused_by_apply_after_a_background_decode(versions):
+    v0, v1 = versions
+    d = D.diff(v0, v1)
+    name = list(d.changed)[-1]  # in the payload's last piece
+    td = d.changed[name]
+    part = td.parts[0]
+    flags = part.changed().copy()
+    flags[np.flatnonzero(~flags)[0]] = True  # one flag more than values
+    bad = dataclasses.replace(
+        td, parts=(dataclasses.replace(part, mask=np.packbits(flags, bitorder="little")), *td.parts[1:])
+    )
+    late = D.decode(D.encode(dataclasses.replace(d, changed={**d.changed, name: bad})), background=True)
+    with pytest.raises(D.DeltaError, match=f"{name}: corrupt delta payload"):
+        D.apply(v0, late)
 
 
 def test_wrong_base_is_rejected(versions):
