@@ -560,8 +560,13 @@ def decode(data: bytes, *, background: bool = False) -> Delta:
     pos, changed, pieces, piece, ends = 0, {}, [], [], {}
     try:
         nbytes = h["payload_nbytes"]
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise DeltaError(f"corrupt delta header: payload_nbytes {nbytes!r}")
+        frame = data[h["_payload_offset"] :]
+        try:
+            size = zstandard.frame_content_size(frame)  # encode writes it; -1 would be unknown
+        except zstandard.ZstdError as e:
+            raise DeltaError(f"corrupt delta payload: {e}") from None
+        if size != nbytes:  # before allocating what the header says
+            raise DeltaError(f"corrupt delta payload: {size} bytes, the header says {nbytes}")
         buf = np.empty(nbytes, dtype=np.uint8)
         for e in h["changed"]:
             part_deltas = []
@@ -585,7 +590,7 @@ def decode(data: bytes, *, background: bool = False) -> Delta:
             pieces.append((pos, piece))
     except (KeyError, TypeError) as e:
         raise DeltaError(f"corrupt delta header: {e!r}") from None
-    payload = _Payload(data[h["_payload_offset"] :], buf, pieces, ends)
+    payload = _Payload(frame, buf, pieces, ends)
     delta = Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed, payload)
     return delta if background else delta.wait()
 

@@ -160,7 +160,7 @@ def test_a_payload_longer_or_shorter_than_its_header_says_is_refused(versions, b
     assert D.apply(v0, D.decode(reframed(blob, payload), background=background)).keys() == v1.keys()
     with pytest.raises(D.DeltaError, match="the header says"):
         D.apply(v0, D.decode(reframed(blob, payload[:-3]), background=background))
-    with pytest.raises(D.DeltaError, match="more than the"):
+    with pytest.raises(D.DeltaError, match="the header says"):
         D.apply(v0, D.decode(reframed(blob, payload + b"\0"), background=background))
 
 
