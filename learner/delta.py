@@ -326,7 +326,7 @@ def apply(
     # hashes are handed out in smaller runs than the groups, so that the calling thread, done
     # XORing, takes over the runs no thread has started yet.
     count = max(1, hashers) * _GROUPS_PER_THREAD
-    groups = [range(0, min(1, len(names))), *(range(1 + g.start, 1 + g.stop) for g in _groups(sizes[1:], count))]
+    groups = [range(1), *(range(1 + g.start, 1 + g.stop) for g in _groups(sizes[1:], count))] if names else []
     checks = []
     with ThreadPoolExecutor(max_workers=max(1, hashers)) as pool:
         for group in (g for g in groups if len(g)):
@@ -557,7 +557,7 @@ def decode(data: bytes, *, background: bool = False) -> Delta:
     be read before `Delta.wait()` (which `apply` calls); a corrupt payload raises there, or in
     `apply`, instead of here."""
     h = read_header(data)
-    pos, changed, pieces, piece, ends = 0, {}, [], [], {}
+    pos, changed, pieces, piece, piece_of = 0, {}, [], [], {}
     try:
         nbytes = h["payload_nbytes"]
         frame = data[h["_payload_offset"] :]
@@ -579,7 +579,7 @@ def decode(data: bytes, *, background: bool = False) -> Delta:
                 part_deltas.append(PartDelta(n, w, buf[pos:mask_end], buf[mask_end:end]))
                 pos = end
             changed[e["name"]] = td = TensorDelta(e["layout"], e["base_sha256"], e["sha256"], tuple(part_deltas))
-            ends[e["name"]] = pos
+            piece_of[e["name"]] = len(pieces)  # the piece its bytes end in
             piece.append((e["name"], td))
             if pos >= (len(pieces) + 1) * nbytes / _PIECES:
                 pieces.append((pos, piece))
@@ -590,7 +590,7 @@ def decode(data: bytes, *, background: bool = False) -> Delta:
             pieces.append((pos, piece))
     except (KeyError, TypeError) as e:
         raise DeltaError(f"corrupt delta header: {e!r}") from None
-    payload = _Payload(frame, buf, pieces, ends)
+    payload = _Payload(frame, buf, pieces, piece_of)
     delta = Delta(h["base_version"], h["version"], h["base_digest"], h["digest"], changed, payload)
     return delta if background else delta.wait()
 
@@ -606,9 +606,13 @@ class _Payload:
     (`_check_masks`) before it reads the piece."""
 
     def __init__(
-        self, frame: bytes, buf: np.ndarray, pieces: list[tuple[int, list[tuple[str, TensorDelta]]]], ends: dict
+        self,
+        frame: bytes,
+        buf: np.ndarray,
+        pieces: list[tuple[int, list[tuple[str, TensorDelta]]]],
+        piece_of: dict[str, int],
     ) -> None:
-        self._buf, self._pieces, self._ends = buf, pieces, ends
+        self._buf, self._pieces, self._piece_of = buf, pieces, piece_of
         self._ready, self._error = 0, None  # pieces decompressed; the DeltaError that stopped it
         self._checked = 0  # pieces whose masks were checked
         self._done = threading.Condition()
@@ -644,8 +648,17 @@ class _Payload:
 
     def wait(self, names: list[str]) -> None:
         """Block until the tensors `names` are decompressed, and check their masks."""
-        end = max((self._ends[n] for n in names), default=0)
-        need = next((i + 1 for i, (stop, _) in enumerate(self._pieces) if stop >= end), len(self._pieces))
+        self._through(1 + max((self._piece_of[n] for n in names), default=0))
+
+    def result(self) -> None:
+        """Block until the whole payload is decompressed, and check what is left of it."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._through(len(self._pieces))
+
+    def _through(self, need: int) -> None:
+        """Block until the first `need` pieces are decompressed; check the masks of those not yet checked."""
         if self._ready < need:
             with self._done:
                 self._done.wait_for(lambda: self._ready >= need or self._error is not None)
@@ -654,13 +667,6 @@ class _Payload:
         while self._checked < need:
             _check_masks(self._pieces[self._checked][1])
             self._checked += 1
-
-    def result(self) -> None:
-        """Block until the whole payload is decompressed, and check what is left of it."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        self.wait(list(self._ends))
 
 
 def _check_masks(tensors: list[tuple[str, TensorDelta]]) -> None:
