@@ -22,6 +22,9 @@ files. Each row is one of three kinds:
   - summary (`summary_rate`, Python files only): code chunks followed by their structural
     summary (learner.summary), then a plain window;
   - plain: a window of the train token stream (files joined by the model's end-of-document token).
+`TrainingData.weighted(step)` also gives each target position its loss weight: with
+`middle_weight` above 1 the FIM middles and the end-of-text after them (what serving asks the
+model to write) weigh that much more than the rest of the row.
 Everything about a batch derives from (seed, step), so the data position of a resumed run
 is its step: no iterator state to save, and a resumed run sees the same rows as an
 uninterrupted one.
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from learner.fim import context_block_ids, fim_example_ids
+from learner.fim import context_block_ids, encode, fim_example_ids
 from learner.formats import ModelFormat, SummaryFormat
 from learner.summary import summarize_python, summary_example_ids
 
@@ -209,12 +212,14 @@ class TrainingData:
         stream: torch.Tensor | None = None,
         summary_context_rate: float = 0.3,
         context_rate: float = 0.0,
+        middle_weight: float = 1.0,
     ):
         self.tok, self.fmt, self.files = tok, fmt, list(files)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.fim_rate, self.summary_rate, self.seed = fim_rate, summary_rate, seed
         self.summary_context_rate = summary_context_rate  # share of Python FIM rows with a summarized prefix
         self.context_rate = context_rate  # share of FIM rows with other files of the folder before the file
+        self.middle_weight = middle_weight  # loss weight of a FIM middle's tokens and its end-of-text
         self.stream = token_stream(fmt, tok, files) if stream is None else stream
         if len(self.stream) <= seq_len + 1:
             raise ValueError(
@@ -228,22 +233,41 @@ class TrainingData:
 
     def batch(self, step: int) -> torch.Tensor:
         """Rows [B, S+1] for this step; identical for the same (seed, step)."""
-        rng = random.Random(f"{self.seed}:{step}")
-        return torch.tensor([self._row(rng) for _ in range(self.batch_size)], dtype=torch.long)
+        return self.weighted(step)[0]
 
-    def _row(self, rng: random.Random) -> list[int]:
+    def weighted(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of `batch(step)` and each target position's loss weight [B, S] (the target
+        of position t is row[t + 1]): `middle_weight` where the target is a FIM middle's token
+        or its end-of-text, 1 elsewhere; None when `middle_weight` is 1."""
+        rng = random.Random(f"{self.seed}:{step}")
+        rows, spans = zip(*(self._row(rng) for _ in range(self.batch_size)), strict=True)
+        ids = torch.tensor(rows, dtype=torch.long)
+        if self.middle_weight == 1.0:
+            return ids, None
+        weights = torch.ones(ids.shape[0], ids.shape[1] - 1)
+        for r, row_spans in enumerate(spans):
+            for a, b in row_spans:
+                weights[r, a - 1 : b - 1] = self.middle_weight
+        return ids, weights
+
+    def _row(self, rng: random.Random) -> tuple[list[int], list[tuple[int, int]]]:
+        """One row's ids and its FIM middles' [start, end) positions in it."""
         L = self.seq_len + 1
         u = rng.random()
         fim = self._fim if self.fmt.fim is not None else None
         make = fim if u < self.fim_rate else self._summary if u < self.fim_rate + self.summary_rate else None
         ids: list[int] = []
+        spans: list[tuple[int, int]] = []
         while make is not None:
-            ex = make(rng)
-            if ex is None or len(ids) + len(ex) > L:
+            made = make(rng)
+            if made is None or len(ids) + len(made[0]) > L:
                 break
+            ex, middle = made
             ids += ex
+            if middle:
+                spans.append((len(ids) - middle, len(ids)))
         start = rng.randrange(len(self.stream) - (L - len(ids)) + 1)
-        return ids + self.stream[start : start + L - len(ids)].tolist()
+        return ids + self.stream[start : start + L - len(ids)].tolist(), spans
 
     def _chunk(self, rng: random.Random, file_ids: Sequence[int] | None, max_chars: int) -> tuple[SourceFile, str]:
         """Whole lines of one file, about max_chars long at most, from a random line."""
@@ -261,7 +285,8 @@ class TrainingData:
             n += len(line)
         return f, "".join(out)[: max_chars * 2]
 
-    def _fim(self, rng: random.Random) -> list[int] | None:
+    def _fim(self, rng: random.Random) -> tuple[list[int], int] | None:
+        """One FIM example and how many of its last tokens are the middle and its end-of-text."""
         f, text = self._chunk(rng, None, rng.randint(self.seq_len, 3 * self.seq_len))
         if len(text) < 2:
             return None
@@ -277,7 +302,7 @@ class TrainingData:
             context = self._context(rng, f, self.seq_len + 1 - len(ids))
             if context:
                 ids = fim_example_ids(self.fmt, self.tok, prefix, text[a:b], text[b:], path=path, context=context)
-        return ids
+        return ids, len(encode(self.tok, text[a:b])) + 1
 
     def _context(self, rng: random.Random, f: SourceFile, room: int) -> list[int]:
         """Parts of one or two other files of `f`'s folder, as serving lays out repository context
@@ -296,7 +321,8 @@ class TrainingData:
             room -= len(ids)
         return [t for ids in reversed(blocks) for t in ids]
 
-    def _summary(self, rng: random.Random) -> list[int] | None:
+    def _summary(self, rng: random.Random) -> tuple[list[int], int] | None:
+        """One summary example (0: no middle in it), or a FIM one where no Python file is."""
         if not self._python:
             return self._fim(rng) if self.fmt.fim is not None else None
         for _ in range(4):  # chunks inside one function body summarize to nothing: try another
@@ -304,7 +330,7 @@ class TrainingData:
             summary = summarize_python(text)
             if summary:
                 ids = summary_example_ids(self.fmt, self.tok, text, summary)
-                return ids if len(ids) <= self.seq_len + 1 else None
+                return (ids, 0) if len(ids) <= self.seq_len + 1 else None
         return None
 
 

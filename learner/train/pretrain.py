@@ -83,9 +83,17 @@ RECIPE_VERSION = 5  # 3: the FIM rows in Qwen's template, the path as `<|file_se
 # --- pure pieces ------------------------------------------------------------------------------------
 
 
-def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean next-token cross-entropy and accuracy (argmax == target) over every position."""
-    loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+def lm_loss(
+    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, weights_BS: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Next-token cross-entropy, its mean over every position (weighted by `weights_BS` when
+    given: sum(w * ce) / sum(w)), and accuracy (argmax == target) over every position."""
+    if weights_BS is None:
+        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+    else:
+        ce = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction="none")
+        w = weights_BS.flatten().to(ce.dtype)
+        loss = (ce * w).sum() / w.sum()
     accuracy = (logits_BSV.argmax(-1) == targets_BS).float().mean()
     return loss, {"loss": loss.item(), "accuracy": accuracy.item()}
 
@@ -124,7 +132,11 @@ class Curriculum:
     def of(cls, tok, fmt: ModelFormat, files, cfg: PretrainSection, *, seq_len: int | None = None) -> Curriculum:
         seq_len = seq_len or cfg.seq_len
         common = dict(
-            fim_rate=cfg.fim_rate, context_rate=cfg.context_rate, summary_rate=cfg.summary_rate, seed=cfg.seed
+            fim_rate=cfg.fim_rate,
+            context_rate=cfg.context_rate,
+            summary_rate=cfg.summary_rate,
+            seed=cfg.seed,
+            middle_weight=cfg.fim_middle_weight,
         )
         long = TrainingData(tok, fmt, files, seq_len=seq_len, batch_size=cfg.batch_size, **common)
         if cfg.short_seq_len >= seq_len or cfg.long_fraction >= 1:
@@ -214,8 +226,10 @@ def train_step(
     *,
     hook: WeightHook | None,
     cfg: PretrainSection,
+    weights_BS: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """One optimizer step of FP4 QAT with high-precision router replay (see the module docstring)."""
+    """One optimizer step of FP4 QAT with high-precision router replay (see the module docstring);
+    `weights_BS`: each target's loss weight (TrainingData.weighted), None for all equal."""
     x, y = batch_BS1[:, :-1], batch_BS1[:, 1:]
     with _autocast(x.device, cfg.precision):
         routing = None
@@ -224,7 +238,7 @@ def train_step(
                 _, routing = model(x, return_routing=True)
         balance: list[torch.Tensor] = []
         logits = model(x, routing=routing, fp4=hook, balance_losses=balance)
-        loss, metrics = lm_loss(logits, y)
+        loss, metrics = lm_loss(logits, y, weights_BS)
         balance_loss = torch.stack(balance).mean() if balance else torch.zeros((), device=x.device)  # dense: none
     (loss + cfg.balance_coef * balance_loss).backward()
     metrics["balance_loss"] = balance_loss.item()
@@ -407,9 +421,11 @@ def _train_loop(
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, progress_of(state.step, state.elapsed_s, cfg), cfg)
             rows = data.at(progress_of(state.step, state.elapsed_s, cfg))
-            batch = rows.batch(state.step).to(next(model.parameters()).device)
+            batch, weights = rows.weighted(state.step)
+            device = next(model.parameters()).device
+            batch, weights = batch.to(device), None if weights is None else weights.to(device)
             tokens_per_step = batch.shape[0] * (batch.shape[1] - 1)
-            m = train_step(model, opt, batch, hook=hook, cfg=cfg)
+            m = train_step(model, opt, batch, hook=hook, cfg=cfg, weights_BS=weights)
             tps = tokens_per_step / (time.perf_counter() - t0)
             state.step += 1
             state.tokens += tokens_per_step

@@ -90,6 +90,10 @@ class PretrainSection(Section):
     (feedback/core/precision.py measures both at start)."""
     fim_rate: float = Field(default=0.5, ge=0, le=1)
     """Fraction of training rows that are fill-in-the-middle examples."""
+    fim_middle_weight: float = Field(default=1.0, ge=1.0, le=100.0)
+    """Loss weight of a FIM example's middle and the end-of-text after it, against 1 for every
+    other token of the row. The middle is what serving asks the model to write, and only a few
+    percent of a FIM row's tokens."""
     fim_template: Literal["qwen-spm", "qwen"] = "qwen-spm"
     """The FIM layout the base is trained in, and which its exported tokenizer_config.json names
     (learner/formats.py): `qwen-spm` puts the suffix first, so the middle continues the prefix;
@@ -138,7 +142,10 @@ class PretrainSection(Section):
         return self
 
     def cache_key_fields(self) -> dict:
-        return self.model_dump(mode="json", exclude=set(NOT_IN_CACHE_KEY))
+        fields = self.model_dump(mode="json", exclude=set(NOT_IN_CACHE_KEY))
+        if fields["fim_middle_weight"] == 1.0:  # the recipe from before the setting: its bases stay valid
+            del fields["fim_middle_weight"]
+        return fields
 
 
 class PretrainSettings(FlywheelSettings):

@@ -76,6 +76,34 @@ def test_training_rows_are_a_function_of_seed_and_step(tmp_path):
     assert w.shape[1] == 17 and torch.equal(w, heldout_windows(stream, 16, 4))
 
 
+def test_middle_weight_marks_each_fim_middle_and_its_end_of_text(tmp_path):
+    c = load_corpus(write_corpus(tmp_path), heldout_fraction=0.2)
+    tok = train_tokenizer((f.text for f in c.train), 400)
+    fmt = own_format(tok, 64)
+    kw = dict(seq_len=64, batch_size=32, fim_rate=0.6, summary_rate=0.2, seed=0)
+    plain = TrainingData(tok, fmt, c.train, **kw)
+    assert plain.weighted(4)[1] is None  # weight 1: no weights to carry
+    rows, weights = TrainingData(tok, fmt, c.train, middle_weight=5.0, **kw).weighted(4)
+    assert torch.equal(rows, plain.batch(4))  # the weight changes the loss, never the rows
+    assert weights.shape == (32, 64) and set(weights.unique().tolist()) == {1.0, 5.0}
+    eos, fim_prefix, summary_start = (tok.token_to_id(t) for t in (EOS, FIM_PREFIX, SUMMARY_START))
+    targets = rows[:, 1:]
+    for r in range(len(rows)):
+        heavy = (weights[r] == 5.0).nonzero().flatten().tolist()
+        is_fim = bool((rows[r] == fim_prefix).any()) and rows[r, 0] != summary_start
+        assert bool(heavy) == is_fim, r  # every FIM row has a middle, no other row does
+        runs = [[heavy[0]]] if heavy else []
+        for t in heavy[1:]:
+            runs[-1].append(t) if t == runs[-1][-1] + 1 else runs.append([t])
+        for run in runs:
+            assert targets[r, run[-1]] == eos  # a middle ends with its end-of-text...
+            assert not (targets[r, run[:-1]] == eos).any()
+            # ...and starts right after the prefix: in the suffix-first layout, after <|fim_prefix|>
+            # and the prefix, so <|fim_prefix|> comes before it with no end-of-text in between
+            before = rows[r, : run[0] + 1].tolist()
+            assert fim_prefix in before and eos not in before[len(before) - before[::-1].index(fim_prefix) :]
+
+
 def test_fim_rows_carry_other_files_of_the_folder_as_serving_lays_them_out(tmp_path):
     c = load_corpus(write_corpus(tmp_path), heldout_fraction=0.2)
     tok = train_tokenizer((f.text for f in c.train), 400)

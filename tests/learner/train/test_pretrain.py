@@ -195,6 +195,12 @@ def test_loss_schedule_and_bigram_are_plain_functions():
     logits[0, :, 2] = 10.0
     loss, m = lm_loss(logits, torch.tensor([[2, 2, 1]]))
     assert m["accuracy"] == pytest.approx(2 / 3) and loss.item() > 0
+    # weights: equal ones change nothing; all on one position gives that position's loss
+    targets = torch.tensor([[2, 2, 1]])
+    assert lm_loss(logits, targets, torch.full((1, 3), 3.0))[0].item() == pytest.approx(loss.item())
+    only_last = lm_loss(logits, targets, torch.tensor([[0.0, 0.0, 1.0]]))[0].item()
+    assert only_last == pytest.approx(torch.nn.functional.cross_entropy(logits[0, 2:], targets[0, 2:]).item())
+    assert only_last > loss.item()  # the mispredicted position alone
 
     cfg = PretrainSection(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, steps=100)
     assert lr_at(0, 0.0, cfg) == pytest.approx(0.1) and lr_at(9, 0.09, cfg) == pytest.approx(1.0)
