@@ -5,8 +5,11 @@ One run, one process, the learner's own code path on simulated editor feedback:
     for each learning rate:                      (the base model is the baseline, replayed in the same run)
       for version 1..K:
         N updates: the FP4 policy (as served) samples completions at cursor sites of the
-                   *training* files, the simulated editor judges them (learner.judge),
-                   feedback.reward scores them as the sink would, learner.train.learn.rl_update trains
+                   *training* files; serving's confidence gate withholds the unsure ones
+                   (model.min_confidence), which no editor sees and the learner never trains
+                   on, so they are drawn again; the simulated editor judges the rest
+                   (learner.judge), feedback.reward scores them as the sink would,
+                   learner.train.learn.rl_update trains
         publish:   pack to FP4, the delta against the previous version as the store encodes it
                    (learner.delta, zstd at learn.zstd_level), then the evaluation
                    (learner.eval.evaluate, as `flywheel eval`: eval.sites held-out sites, or
@@ -59,6 +62,7 @@ def run_bench(
     from learner import delta as codec
     from learner import eval as E
     from learner import store as S
+    from learner.confidence import withheld
     from learner.decode import decode, room
     from learner.formats import read_format
     from learner.judge import cursor_sites, judge
@@ -119,6 +123,7 @@ def run_bench(
             "train_reward": None,
             "mismatch_kl_replay": None,
             "mismatch_kl_no_replay": None,
+            "train_withheld": None,
             "delta_bytes": None,
             "full_bytes": codec.checkpoint_nbytes(base_packed),
         }
@@ -138,12 +143,16 @@ def run_bench(
         with console.status(f"lr {lr:g}") as status:
             for v in range(1, versions + 1):
                 rewards, mism_replay, mism_none = [], [], []
+                drawn_shown = drawn_withheld = 0
                 for _ in range(updates):
                     batch = []
                     behaviour = model_from_packed(
                         S.pack_checkpoint(policy.state_dict(), fmt), args
                     )  # what serving would run
-                    for i in rng.sample(range(len(train)), cfg.batch_size):
+                    for _draw in range(cfg.batch_size * _MAX_DRAWS):
+                        if len(batch) == cfg.batch_size:
+                            break
+                        i = rng.randrange(len(train))
                         # Sampled like the replica samples (raw logprobs of the sampled tokens).
                         c = decode(
                             behaviour,
@@ -155,11 +164,20 @@ def run_bench(
                             generator=gen,
                             stop=editor_stops(train[i].language, train[i].prefix),
                         )
+                        if c.text and withheld(c.logprobs, s.model.min_confidence):
+                            drawn_withheld += 1  # serving's gate: never shown, so never trained
+                            continue
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
                         batch.append(
                             Sample(step, f"b{step}", 0, v - 1, prompts[i], c.ids, c.logprobs, r, parts["outcome"])
                         )
                         rewards.append(r)
+                    if not batch:
+                        raise UserError(
+                            f"the confidence gate (model.min_confidence={s.model.min_confidence}) withheld all "
+                            f"{cfg.batch_size * _MAX_DRAWS} sampled suggestions: nothing to train on"
+                        )
+                    drawn_shown += len(batch)
                     m = rl_update(policy, ref, opt, make_batch(batch, args, model_format), hook=hook, cfg=cfg)
                     mism_replay.append(m["mismatch_kl_replay"])
                     mism_none.append(m["mismatch_kl_no_replay"])
@@ -186,6 +204,7 @@ def run_bench(
                         "train_reward": sum(rewards) / len(rewards),
                         "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
                         "mismatch_kl_no_replay": sum(mism_none) / len(mism_none),
+                        "train_withheld": drawn_withheld / (drawn_shown + drawn_withheld),
                         "delta_bytes": delta_bytes,
                         "full_bytes": codec.checkpoint_nbytes(packed),
                     }
@@ -202,6 +221,7 @@ def run_bench(
         "accepted chars / request [95% CI]",
         "KL to base",
         "train reward",
+        "withheld (training traffic)",
         "mismatch KL replay / none",
         "delta (share of full)",
         title=f"learning curve: {n_held} held-out sites (flywheel eval's replay), {cfg.batch_size} samples/update, "
@@ -219,6 +239,7 @@ def run_bench(
             _with_interval(r, "accepted_chars_per_request", "{:.2f}"),
             f"{r['kl_to_base']:.2e}",
             "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
+            "" if r["train_withheld"] is None else f"{r['train_withheld']:.0%}",
             ""
             if r["mismatch_kl_replay"] is None
             else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}",
@@ -240,6 +261,10 @@ def run_bench(
     if out:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+# Most draws per sample of an update: the gate may withhold most of an unsure model's suggestions.
+_MAX_DRAWS = 100
 
 
 def _summary(st) -> dict:
@@ -272,5 +297,6 @@ def _row_text(r: dict, base: dict) -> str:
     return (
         f"lr {r['lr']:g} v{r['version']} ({r['updates']} updates): held-out reward {r['reward']:+.3f} (base {base['reward']:+.3f}), "
         f"accept {r['accept_rate']:.1%} (base {base['accept_rate']:.1%}), suggestions {r['suggestion_rate']:.1%} "
-        f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f}, delta {_delta_share(r)}"
+        f"(base {base['suggestion_rate']:.1%}), train reward {r['train_reward']:+.3f} ({r['train_withheld']:.0%} of "
+        f"sampled suggestions withheld by the gate), delta {_delta_share(r)}"
     )

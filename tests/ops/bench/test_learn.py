@@ -60,3 +60,41 @@ def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
     # Each version's delta against the one before, as the store would publish it.
     assert base_row["delta_bytes"] is None and 0 < v1["delta_bytes"] < v1["full_bytes"] == base_row["full_bytes"]
     assert f"(1/{v1['full_bytes'] / v1['delta_bytes']:.0f})" in out.getvalue()
+
+
+def test_training_traffic_passes_through_serving_confidence_gate(tmp_path, monkeypatch):
+    """What the simulated editors never see is never trained on, as in the learner: a sampled
+    suggestion the gate withholds is drawn again, and counted."""
+    import learner.confidence
+    import learner.train.learn as L
+
+    tiny = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    s = BenchLearnSettings(
+        **{**tiny.model_dump(), "model": {**tiny.model.model_dump(), "min_confidence": 0.5}},
+        eval={"sites": 4, "max_tokens": 8},
+    )
+    ensure_base_model(s, Console(file=io.StringIO()))
+    trained: list = []
+    make_batch = L.make_batch
+    monkeypatch.setattr(
+        L, "make_batch", lambda samples, *a, **k: trained.extend(samples) or make_batch(samples, *a, **k)
+    )
+
+    def curve() -> dict:
+        trained.clear()
+        kw = dict(lrs=(1e-4,), versions=1, updates=2, temperature=0.7, train_sites=8, out=None, command="test")
+        return run_bench(s, Console(file=io.StringIO(), width=240), **kw)["rows"][1]
+
+    # serving's gate: the tiny model is unsure of every first token, so what it trains on is what
+    # it shows: empty suggestions, or a first token at 0.5 or more
+    v1 = curve()
+    gate = learner.confidence.withheld
+    assert trained and all(x.outcome == "no_suggestion" or not gate(x.behaviour, 0.5) for x in trained)
+    assert 0.5 < v1["train_withheld"] < 1
+
+    # every other sampled suggestion withheld (an empty one is never asked about): full batches all
+    # the same, and at most half the draws counted withheld
+    draws = iter(range(10**6))
+    monkeypatch.setattr(learner.confidence, "withheld", lambda logprobs, gate: next(draws) % 2 == 0)
+    v1 = curve()
+    assert len(trained) == 2 * s.learn.batch_size and 0 < v1["train_withheld"] <= 0.5
