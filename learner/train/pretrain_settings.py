@@ -35,6 +35,10 @@ NOT_IN_CACHE_KEY = frozenset(
     }
 )
 
+# Fields added to the recipe later, with the value that trains as before they existed: at that
+# value they stay out of the cache key, so the bases trained before them stay valid.
+KEYED_UNLESS = {"fim_middle_weight": 1.0}
+
 
 class PretrainSection(Section):
     corpus: Path | None = None
@@ -143,9 +147,7 @@ class PretrainSection(Section):
 
     def cache_key_fields(self) -> dict:
         fields = self.model_dump(mode="json", exclude=set(NOT_IN_CACHE_KEY))
-        if fields["fim_middle_weight"] == 1.0:  # the recipe from before the setting: its bases stay valid
-            del fields["fim_middle_weight"]
-        return fields
+        return {k: v for k, v in fields.items() if KEYED_UNLESS.get(k, object()) != v}
 
 
 class PretrainSettings(FlywheelSettings):

@@ -143,7 +143,7 @@ def run_bench(
         with console.status(f"lr {lr:g}") as status:
             for v in range(1, versions + 1):
                 rewards, mism_replay, mism_none = [], [], []
-                drawn_shown = drawn_withheld = 0
+                withheld_draws = 0  # the samples trained are `rewards`
                 for _ in range(updates):
                     batch = []
                     behaviour = model_from_packed(
@@ -165,7 +165,7 @@ def run_bench(
                             stop=editor_stops(train[i].language, train[i].prefix),
                         )
                         if c.text and withheld(c.logprobs, s.model.min_confidence):
-                            drawn_withheld += 1  # serving's gate: never shown, so never trained
+                            withheld_draws += 1  # serving's gate: never shown, so never trained
                             continue
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
                         batch.append(
@@ -177,7 +177,6 @@ def run_bench(
                             f"the confidence gate (model.min_confidence={s.model.min_confidence}) withheld all "
                             f"{cfg.batch_size * _MAX_DRAWS} sampled suggestions: nothing to train on"
                         )
-                    drawn_shown += len(batch)
                     m = rl_update(policy, ref, opt, make_batch(batch, args, model_format), hook=hook, cfg=cfg)
                     mism_replay.append(m["mismatch_kl_replay"])
                     mism_none.append(m["mismatch_kl_no_replay"])
@@ -204,7 +203,7 @@ def run_bench(
                         "train_reward": sum(rewards) / len(rewards),
                         "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
                         "mismatch_kl_no_replay": sum(mism_none) / len(mism_none),
-                        "train_withheld": drawn_withheld / (drawn_shown + drawn_withheld),
+                        "train_withheld": withheld_draws / (len(rewards) + withheld_draws),
                         "delta_bytes": delta_bytes,
                         "full_bytes": codec.checkpoint_nbytes(packed),
                     }
