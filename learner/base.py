@@ -212,7 +212,7 @@ def import_base(
         )
     packed = pack_base(info, fp4_format=fp4_format, patterns=targets)
     stable = store.versions()
-    if stable and not (stable[0] == 0 and store.hashes(0) == codec.tensor_hashes(packed)):
+    if stable and not (stable[0] == 0 and store.hashes(0) == codec.tensor_hashes(packed, store.hash_algorithm(0))):
         raise ValueError(
             f"the weight store {store.uri()} already holds versions {stable[-3:]} of other weights; import into a fresh data_dir"
         )

@@ -12,7 +12,7 @@ publishers ever write the same object:
         STABLE                  the commit, written last and only if absent: "<sha256 of the
                                 manifest> <attempt>/manifest.json"
         <attempt>/manifest.json see `FORMAT` below: every payload's name, sha256 and size, and the
-                                per-tensor sha256 of the whole checkpoint
+                                per-tensor hash of the whole checkpoint (BLAKE3: learner.delta.HASH)
         <attempt>/delta.zst     learner.delta's wire form against `parent` (every version with a parent)
         <attempt>/full.safetensors  the packed checkpoint (kind "full": no parent, a changed layout, or
                                 every `full_every` versions), in the packed artifact's layout
@@ -21,7 +21,10 @@ publishers ever write the same object:
                                 other tensor bf16 under its checkpoint name
 
 Stores written before attempts existed (format 1: manifest.json and the payloads beside STABLE,
-which holds the sha256 alone) still open and read; new versions are written as above.
+which holds the sha256 alone) still open and read; new versions are written as above. Stores
+written before BLAKE3 (formats 1 and 2: no "tensor_hash", per-tensor "sha256") read too, and a
+version keeps its parent's tensor hash, so such a store goes on in sha256 (deltas and digests
+stay comparable along a chain); a fresh store (an import, a new data_dir) uses BLAKE3.
 
 A full version keeps its delta too, so a replica one version behind always fetches a delta;
 the full snapshots only bound how far back a cold reader must go (`materialize`, `plan`).
@@ -96,12 +99,13 @@ log = logging.getLogger(__name__)
 MANIFEST, STABLE, DELTA_FILE, FULL_FILE = "manifest.json", "STABLE", "delta.zst", "full.safetensors"
 MODEL_DIR, BASE_FILE, EXPORT_MARKER = "model", "base.json", "FLYWHEEL_VERSION"
 LOCK_FILE = ".publish.lock"
-FORMAT = "flywheel-weight-store/2"
+FORMAT = "flywheel-weight-store/3"
 DESCRIPTION = (
     "One folder per version, one folder per publish attempt inside it (<attempt>/). manifest.json: version, "
     "parent, kind (full|delta), base_version (the parent the delta applies to), created_at, fp4_format, "
-    "digest (sha256 of the sorted name\\tsha256 lines), chain_length (deltas since the last full snapshot), "
-    "tensors {name: {sha256 (learner.delta.tensor_sha256), kind fp4|dense, shape, dtype, nbytes}}, "
+    "tensor_hash (blake3, or sha256 in a store begun before format 3), digest (that hash of the sorted "
+    "name\\thash lines), chain_length (deltas since the last full snapshot), "
+    "tensors {name: {hash (learner.delta.tensor_hash), kind fp4|dense, shape, dtype, nbytes}}, "
     "full_size_bytes (raw tensor bytes), files {delta|full: {name (relative to the version's folder), sha256, "
     "size}}. delta.zst: learner.delta wire form (XOR of packed bytes per changed tensor, changed-element mask + "
     "byte planes, zstd). full.safetensors: compressed-tensors nvfp4/mxfp4-pack-quantized layout for FP4 targets, "
@@ -200,6 +204,16 @@ class Plan:
 
 class StoreError(ValueError):
     """A version that is not in the store, or that cannot be reached from what is there."""
+
+
+def _hash_algorithm(manifest: dict) -> str:
+    """The hash a manifest's tensors and digest were made with: formats 1 and 2 name none (sha256)."""
+    return manifest.get("tensor_hash", "sha256")
+
+
+def _tensor_hashes(manifest: dict) -> dict[str, str]:
+    key = "hash" if "tensor_hash" in manifest else "sha256"
+    return {n: t[key] for n, t in manifest["tensors"].items()}
 
 
 @dataclass
@@ -751,7 +765,9 @@ class Store:
                 raise ValueError(f"the plan starts from version {plan.have}: pass its checkpoint as base")
             ckpt, hashes, prev = (
                 dict(base),
-                dict(base_hashes) if base_hashes is not None else codec.tensor_hashes(base),
+                dict(base_hashes)
+                if base_hashes is not None
+                else codec.tensor_hashes(base, self.hash_algorithm(plan.have)),
                 plan.have,
             )
         for v in plan.deltas:
@@ -762,8 +778,7 @@ class Store:
                 )
             ckpt = codec.apply(ckpt, d, base_hashes=hashes)
             hashes, prev = d.new_hashes(hashes), v
-        expected = {n: t["sha256"] for n, t in self.manifest(plan.target)["tensors"].items()}
-        if hashes != expected:
+        if hashes != self.hashes(plan.target):
             raise codec.DeltaError(f"version {plan.target}: the result's tensor checksums differ from its manifest")
         return ckpt, hashes
 
@@ -774,8 +789,8 @@ class Store:
         ckpt = from_safetensors(
             tensors, [n for n, k in kinds.items() if k == "fp4"], [n for n, k in kinds.items() if k == "dense"]
         )
-        hashes = codec.tensor_hashes(ckpt)
-        bad = [n for n in hashes if hashes[n] != m["tensors"][n]["sha256"]]
+        hashes, expected = codec.tensor_hashes(ckpt, _hash_algorithm(m)), _tensor_hashes(m)
+        bad = [n for n in hashes if hashes[n] != expected[n]]
         if bad:
             raise codec.DeltaError(
                 f"version {version}: full snapshot tensors do not match their manifest checksums: {bad[:3]}"
@@ -810,7 +825,12 @@ class Store:
                 self.cache = cache
 
     def hashes(self, version: int) -> dict[str, str]:
-        return {n: t["sha256"] for n, t in self.manifest(version)["tensors"].items()}
+        """`version`'s (name, tensor hash) table, made with `hash_algorithm(version)`."""
+        return _tensor_hashes(self.manifest(version))
+
+    def hash_algorithm(self, version: int) -> str:
+        """The hash `version`'s tensors and digest were made with (learner.delta.HASHES)."""
+        return _hash_algorithm(self.manifest(version))
 
     # publishing ------------------------------------------------------------------------------
     def publish(
@@ -834,7 +854,9 @@ class Store:
             if parent is not None and parent not in stable:
                 raise StoreError(f"parent {parent} is not in the store {self.uri()}")
             ckpt = dict(ckpt)
-            hashes = codec.tensor_hashes(ckpt)
+            # a chain keeps one hash, so that a delta's base table is its parent's
+            algorithm = self.hash_algorithm(parent) if parent is not None else codec.HASH
+            hashes = codec.tensor_hashes(ckpt, algorithm)
             attempt = uuid.uuid4().hex[:12]  # this publish's own folder: no other writer's object is ever touched
             files: dict[str, bytes] = {}
             info: dict = {}
@@ -853,6 +875,7 @@ class Store:
                         version=version,
                         old_hashes=self._cache.hashes,
                         new_hashes=hashes,
+                        algorithm=algorithm,
                     )
                     files[f"{attempt}/{DELTA_FILE}"] = codec.encode(d, level=self.zstd_level, threads=self.zstd_threads)
                     info["changed_tensors"], info["xor_nbytes"] = len(d.changed), d.xor_nbytes
@@ -866,7 +889,9 @@ class Store:
                 files[f"{attempt}/{FULL_FILE}"] = st_save(
                     to_safetensors(ckpt), metadata={"format": "pt", "fp4_format": _fp4_format(ckpt) or ""}
                 )
-            manifest = self._manifest_for(version, parent, ckpt, hashes, files, full_reason, chain_length, info)
+            manifest = self._manifest_for(
+                version, parent, ckpt, algorithm, hashes, files, full_reason, chain_length, info
+            )
             raw = (json.dumps(manifest, indent=1) + "\n").encode()
             files[f"{attempt}/{MANIFEST}"] = raw
             sha = hashlib.sha256(raw).hexdigest()
@@ -878,7 +903,7 @@ class Store:
             )
             return self.model_version(version)
 
-    def _manifest_for(self, version, parent, ckpt, hashes, files, full_reason, chain_length, info) -> dict:
+    def _manifest_for(self, version, parent, ckpt, algorithm, hashes, files, full_reason, chain_length, info) -> dict:
         file_info = {
             kind: {"name": name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
             for name, data in files.items()
@@ -895,14 +920,15 @@ class Store:
             "base_version": parent if "delta" in file_info else None,
             "created_at": datetime.now(UTC).isoformat(),
             "fp4_format": _fp4_format(ckpt),
-            "digest": codec.checkpoint_digest(hashes),
+            "tensor_hash": algorithm,
+            "digest": codec.checkpoint_digest(hashes, algorithm),
             "chain_length": chain_length,
             "full_size_bytes": codec.checkpoint_nbytes(ckpt),
             "files": file_info,
             "delta_stats": info,
             "tensors": {
                 n: {
-                    "sha256": hashes[n],
+                    "hash": hashes[n],
                     "kind": codec.layout(e)["kind"],
                     "shape": list(e.shape),
                     "dtype": str(e.dtype).removeprefix("torch."),

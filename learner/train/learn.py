@@ -686,7 +686,9 @@ class Learner:
             else S.pack_checkpoint(self.model.state_dict(), "nvfp4", ())
         )
         stable = self.store.versions()
-        if stable and not (stable == [0] and self.store.hashes(0) == codec.tensor_hashes(packed)):
+        if stable and not (
+            stable == [0] and self.store.hashes(0) == codec.tensor_hashes(packed, self.store.hash_algorithm(0))
+        ):
             raise UserError(
                 f"the weight store {self.store.uri()} already holds versions {stable[-3:]} but there is no learner state in "
                 f"{self.dir}: restore that folder, or give the learner a fresh data_dir"
@@ -729,17 +731,17 @@ class Learner:
         from learner import delta as codec
         from learner.store import StoreError
 
-        mine = None
+        mine: dict[str, str] = {}  # hash algorithm -> the saved weights' digest
         for v in self.store.versions():
             if v <= self.state.version:
                 continue
-            if mine is None:
-                mine = codec.checkpoint_digest(codec.tensor_hashes(self._packed()))
             try:
-                theirs = self.store.manifest(v)["digest"]
+                algorithm, theirs = self.store.hash_algorithm(v), self.store.manifest(v)["digest"]
+                if algorithm not in mine:
+                    mine[algorithm] = codec.checkpoint_digest(codec.tensor_hashes(self._packed(), algorithm), algorithm)
             except (StoreError, codec.DeltaError) as e:
-                theirs = f"unreadable: {e}"
-            if theirs != mine:
+                algorithm, theirs = None, f"unreadable: {e}"
+            if algorithm is None or theirs != mine[algorithm]:
                 log.info("v%d in the store is not this learner's (not its saved weights); left alone", v)
                 continue
             with self.engine.connect() as conn:

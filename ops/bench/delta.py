@@ -349,7 +349,7 @@ def run_bench(
         "zstd_level": level,
         "zstd_threads": threads,
         "torch_threads": torch.get_num_threads(),
-        "apply_hash_threads": codec.hashing_threads(),  # learner.delta.apply's default
+        "tensor_hash": codec.HASH,  # what encode and apply hash each tensor with
         "batch": [BATCH, SEQ_LEN],
         "runs": [],
     }
@@ -403,7 +403,7 @@ def run_bench(
         console.print(_swap_table(results["swap"]))
     console.print(
         f"command: [bold]{command}[/]  ({results['wall_s']:.0f} s; torch threads {results['torch_threads']}, "
-        f"apply's hashing threads {results['apply_hash_threads']}, zstd threads {threads})"
+        f"tensor hash {results['tensor_hash']}, zstd threads {threads})"
     )
     if out:
         Path(out).write_text(json.dumps(results, indent=2) + "\n")

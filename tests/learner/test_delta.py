@@ -1,6 +1,7 @@
 """The XOR delta codec on a tiny model's packed checkpoint before and after real optimizer steps."""
 
 import dataclasses
+import json
 import struct
 from unittest import mock
 
@@ -83,7 +84,7 @@ def test_unchanged_tensors_are_skipped(versions):
     d = D.diff(v0, v0)
     assert d.changed == {} and d.digest == d.base_digest
     blob = D.encode(d)
-    assert len(blob) < 200
+    assert len(blob) < 256  # the header alone: versions, two digests, the hash's name
     assert D.apply(v0, D.decode(blob)).keys() == v0.keys()
 
 
@@ -124,12 +125,11 @@ def test_corrupt_bytes_are_rejected(versions, background):
             D.apply(v0, D.decode(bad, background=background))
 
 
-@pytest.mark.parametrize("threads", [0, 1, 3])
-def test_a_background_decode_applies_as_the_eager_one(versions, threads):
+def test_a_background_decode_applies_as_the_eager_one(versions):
     v0, v1 = versions
     blob = D.encode(D.diff(v0, v1))
     eager, late = D.decode(blob), D.decode(blob, background=True)
-    out = D.apply(v0, late, threads=threads)
+    out = D.apply(v0, late)
     assert all(same_bits(out[n], v1[n]) for n in v1)
     assert list(late.changed) == list(eager.changed)
     for name, td in late.wait().changed.items():
@@ -193,10 +193,10 @@ def test_wrong_base_is_rejected(versions):
         D.apply({k: v for k, v in v0.items() if k != "lm_head.weight"}, d)
 
 
-@pytest.mark.parametrize("threads", [0, 1, 3])  # checked on the calling thread, or beside it
-def test_checksum_mismatches_are_rejected(versions, threads):
+@pytest.mark.parametrize("algorithm", D.HASHES)
+def test_checksum_mismatches_are_rejected(versions, algorithm):
     v0, v1 = versions
-    d = D.diff(v0, v1)
+    d = D.diff(v0, v1, algorithm=algorithm)
     name = next(iter(d.changed))
     # a flipped bit in the XOR bytes: the result is not the recorded new tensor
     td = d.changed[name]
@@ -204,17 +204,17 @@ def test_checksum_mismatches_are_rejected(versions, threads):
     values[0] ^= 1
     flipped = (dataclasses.replace(td.parts[0], values=values), *td.parts[1:])
     bad = dataclasses.replace(d, changed={**d.changed, name: dataclasses.replace(td, parts=flipped)})
-    with pytest.raises(D.DeltaError, match="result sha256"):
-        D.apply(v0, bad, threads=threads)
+    with pytest.raises(D.DeltaError, match="result hash"):
+        D.apply(v0, bad)
     # a base tensor modified behind the caller's back (its stale hash passed in)
-    hashes = D.tensor_hashes(v0)
+    hashes = D.tensor_hashes(v0, algorithm)
     base = dict(v0)
     entry = base[name]
     first = D.parts(entry)[0].clone()
     first.view(torch.uint8).view(-1)[0] ^= 1
     base[name] = dataclasses.replace(entry, weight_packed=first) if isinstance(entry, fp4.PackedTensor) else first
     with pytest.raises(D.DeltaError, match="base tensor"):
-        D.apply(base, d, base_hashes=hashes, threads=threads)
+        D.apply(base, d, base_hashes=hashes)
 
 
 def test_a_part_of_the_wrong_width_or_count_is_a_delta_error_not_a_crash(versions):
@@ -254,11 +254,40 @@ def test_parts_hold_exactly_the_changed_elements_and_apply_only_them():
     )
 
 
-def test_parallel_apply_equals_serial(versions):
+def test_blake3_hashes_a_large_tensor_on_many_threads_to_the_same_digest(monkeypatch):
+    t = torch.arange(1 << 16, dtype=torch.int32)  # 256 KiB
+    one = D.tensor_hash(t)
+    monkeypatch.setattr(D, "_PARALLEL_HASH_BYTES", 1024)
+    assert D.tensor_hash(t) == one
+    assert D.tensor_hash(t, "sha256") != one and len(D.tensor_hash(t, "sha256")) == len(one) == 64
+    with pytest.raises(D.DeltaError, match="unknown tensor hash 'md5'"):
+        D.tensor_hash(t, "md5")
+
+
+def test_a_delta_keeps_its_hash_on_the_wire_and_a_wire_version_1_delta_still_applies(versions):
     v0, v1 = versions
-    d = D.decode(D.encode(D.diff(v0, v1)))
-    one, many = D.apply(v0, d, threads=0), D.apply(v0, d, threads=3)
-    assert all(same_bits(one[n], many[n]) and same_bits(one[n], v1[n]) for n in v1)
+    for algorithm in D.HASHES:
+        d = D.decode(D.encode(D.diff(v0, v1, algorithm=algorithm)))
+        assert d.algorithm == algorithm and d.digest == D.checkpoint_digest(D.tensor_hashes(v1, algorithm), algorithm)
+        assert all(same_bits(D.apply(v0, d)[n], v1[n]) for n in v1)
+    # what Flywheel wrote before BLAKE3: wire version 1, sha256 under the keys of then
+    blob = D.encode(D.diff(v0, v1, algorithm="sha256"))
+    header = D.read_header(blob)
+    header.pop("_payload_offset")
+    header["wire_version"] = 1
+    del header["hash"]
+    for e in header["changed"]:
+        e["base_sha256"], e["sha256"] = e.pop("base_hash"), e.pop("hash")
+    (n,) = struct.unpack_from("<I", blob, len(D.MAGIC))
+    hdr = zstandard.ZstdCompressor().compress(json.dumps(header).encode())
+    old = D.MAGIC + struct.pack("<I", len(hdr)) + hdr + blob[len(D.MAGIC) + 4 + n :]
+    d = D.decode(old, background=True)
+    assert d.algorithm == "sha256"
+    assert all(same_bits(D.apply(v0, d)[n], v1[n]) for n in v1)
+    header["wire_version"], header["hash"] = 2, "md5"
+    hdr = zstandard.ZstdCompressor().compress(json.dumps(header).encode())
+    with pytest.raises(D.DeltaError, match="unknown tensor hash 'md5'"):
+        D.decode(D.MAGIC + struct.pack("<I", len(hdr)) + hdr + blob[len(D.MAGIC) + 4 + n :])
 
 
 def test_a_mask_bit_past_the_last_element_is_corrupt():
@@ -296,7 +325,7 @@ def test_masks_wrong_by_opposite_counts_pass_decode_and_are_refused_by_apply(ver
 
     (_, (a, b, *_)), (_, (c, *_)) = sorted(widths.items(), key=lambda kv: -len(kv[1]))[:2]
     # one width: its count is right, unless apply XORs a and b in different groups of tensors
-    with pytest.raises(D.DeltaError, match="result sha256|mask and values disagree"):
+    with pytest.raises(D.DeltaError, match="result hash|mask and values disagree"):
         applied({a: moved(a, True), b: moved(b, False)})
     with pytest.raises(D.DeltaError, match="mask and values disagree"):  # two widths: each is off
         applied({a: moved(a, True), c: moved(c, False)})

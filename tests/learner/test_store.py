@@ -66,7 +66,8 @@ def test_publish_writes_stable_last_and_a_complete_manifest(tmp_path, chain):
         "sha256": hashlib.sha256((attempt / "delta.zst").read_bytes()).hexdigest(),
         "size": (attempt / "delta.zst").stat().st_size,
     }
-    assert man["tensors"]["lm_head.weight"]["sha256"] == D.tensor_sha256(ckpts[1]["lm_head.weight"])
+    assert man["tensor_hash"] == D.HASH == "blake3"
+    assert man["tensors"]["lm_head.weight"]["hash"] == D.tensor_hash(ckpts[1]["lm_head.weight"])
     assert man["digest"] == D.checkpoint_digest(D.tensor_hashes(ckpts[1])) and man["created_at"] and man["description"]
     # STABLE names the manifest and holds its sha256
     assert (tmp_path / "v000001" / "STABLE").read_text() == f"{m1.sha256} {attempt.name}/manifest.json\n"
@@ -147,6 +148,36 @@ def test_a_store_written_in_format_1_still_opens(tmp_path, chain):
     assert store.unfinished() == {} and D.tensor_hashes(S.open_store(tmp_path).materialize(4)) == D.tensor_hashes(
         ckpts[4]
     )
+
+
+def test_a_store_begun_before_blake3_still_reads_and_goes_on_in_sha256(tmp_path, chain, monkeypatch):
+    """Format 2 named no tensor hash and kept each tensor's sha256: such a store verifies, and
+    its new versions keep their parent's hash, so each delta's base table is its parent's."""
+    ckpts, _, _ = chain
+    with monkeypatch.context() as m:
+        m.setattr(D, "HASH", "sha256")
+        publish_all(S.open_store(tmp_path, full_every=3), ckpts, 4)
+    for v in range(4):  # rewrite the manifests as format 2 wrote them, and STABLE to match
+        folder = tmp_path / f"v{v:06d}"
+        (attempt,) = [p for p in folder.iterdir() if p.is_dir()]
+        manifest = json.loads((attempt / "manifest.json").read_text())
+        assert manifest.pop("tensor_hash") == "sha256"
+        manifest["format"] = "flywheel-weight-store/2"
+        manifest["tensors"] = {n: {"sha256": t.pop("hash"), **t} for n, t in manifest["tensors"].items()}
+        raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        (attempt / "manifest.json").write_bytes(raw)
+        (folder / "STABLE").write_text(f"{hashlib.sha256(raw).hexdigest()} {attempt.name}/manifest.json\n")
+    store = S.open_store(tmp_path, full_every=3)
+    for v in range(4):
+        store.verify(v)
+        assert store.hash_algorithm(v) == "sha256" and store.hashes(v) == D.tensor_hashes(ckpts[v], "sha256")
+        assert D.tensor_hashes(S.open_store(tmp_path).materialize(v)) == D.tensor_hashes(ckpts[v])
+    assert store.publish(ckpts[4], parent=3).version == 4
+    assert store.hash_algorithm(4) == "sha256" and store.manifest(4)["format"] == S.FORMAT
+    reader = S.open_store(tmp_path)
+    assert D.tensor_hashes(reader.materialize(4)) == D.tensor_hashes(ckpts[4]) and reader.plan(4, have=3).deltas == (4,)
+    # the learner's and the importer's checks of version 0 hash with the store's own hash
+    assert reader.hashes(0) == D.tensor_hashes(ckpts[0], reader.hash_algorithm(0))
 
 
 def test_full_snapshot_every_n_versions_and_materialize(tmp_path, chain):

@@ -188,7 +188,7 @@ async def test_adopt_and_a_replica_far_behind(tok, published):
     swapper.adopt(0)
     r = await swapper.swap_to(3)
     assert r.plan["have"] == 0 and r.plan["deltas"] == [1, 2, 3]  # the deltas are far smaller than a snapshot
-    changed = {n for n in ckpts[3] if D.tensor_sha256(ckpts[3][n]) != D.tensor_sha256(ckpts[0][n])}
+    changed = {n for n in ckpts[3] if D.tensor_hash(ckpts[3][n]) != D.tensor_hash(ckpts[0][n])}
     assert set(engine.reloads[-1]) == set(reload_set(changed, ckpts[3]))
     assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[3]))
 
@@ -201,7 +201,7 @@ async def test_a_replica_started_from_the_stored_weights_swaps_only_changes(tok,
     save_file(S.to_hf_tensors(ckpts[0]), str(tmp_path / "model.safetensors"))  # the folder vLLM loaded: v0 exactly
     engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
     r = await HotSwapper(make_service(tok, engine), S.open_store(root), loaded_from=tmp_path).swap_to(1)
-    changed = {n for n in ckpts[1] if D.tensor_sha256(ckpts[1][n]) != D.tensor_sha256(ckpts[0][n])}
+    changed = {n for n in ckpts[1] if D.tensor_hash(ckpts[1][n]) != D.tensor_hash(ckpts[0][n])}
     assert (
         r.plan["have"] == 0
         and r.plan["deltas"] == [1]
