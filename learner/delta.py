@@ -135,10 +135,26 @@ def tensor_hash(entry: Entry, algorithm: str = HASH) -> str:
 
 def _hash(algorithm: str, entry_layout: dict, raws: list[np.ndarray]) -> str:
     h = _hasher(algorithm, sum(r.size for r in raws))
-    h.update(json.dumps(entry_layout, sort_keys=True).encode())
+    h.update(_layout_json(entry_layout))
     for raw in raws:
         h.update(raw)
     return h.hexdigest()
+
+
+_LAYOUT_JSON: dict[str, bytes] = {}
+"""Canonical JSON of the layouts seen, by their repr: a checkpoint has few distinct layouts
+(7 among the `small` model's 135 tensors), and repr costs half what sorted JSON does."""
+
+
+def _layout_json(entry_layout: dict) -> bytes:
+    """`entry_layout` as sorted JSON: what a tensor hash starts with."""
+    key = repr(entry_layout)  # str, int, list, dict and None only: equal reprs, equal layouts
+    out = _LAYOUT_JSON.get(key)
+    if out is None:
+        if len(_LAYOUT_JSON) >= 4096:  # bounded, whatever a process loads
+            _LAYOUT_JSON.clear()
+        out = _LAYOUT_JSON[key] = json.dumps(entry_layout, sort_keys=True).encode()
+    return out
 
 
 def _hasher(algorithm: str, nbytes: int = 0):
@@ -308,7 +324,9 @@ def apply(base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | No
     """base XOR delta, verified (see the module docstring). `base_hashes` (made with the delta's
     algorithm), when the caller already verified `base`, skips hashing it: a touched tensor
     whose result is right had the right base, and one whose result is wrong is hashed to tell a
-    modified base from a corrupt delta. Unchanged entries are shared with `base`, not copied."""
+    modified base from a corrupt delta. Unchanged entries, and the unchanged parts of changed
+    ones (an FP4 tensor's global scale when its codes changed), are shared with `base`, not
+    copied."""
     algorithm = delta.algorithm
     hashed = tensor_hashes(base, algorithm) if base_hashes is None else None  # by us, so it is the base's own
     hashes = dict(base_hashes) if base_hashes is not None else dict(hashed)
@@ -347,14 +365,25 @@ def apply(base: Checkpoint, delta: Delta, *, base_hashes: Mapping[str, str] | No
     for group in (g for g in _groups(sizes, _APPLY_GROUPS) if len(g)):
         if delta.payload is not None:
             delta.payload.wait([names[i] for i in group])
-        items = [(raw, part) for i in group for raw, part in zip(raws[i], delta.changed[names[i]].parts, strict=True)]
-        for i, built in zip(group, _unflatten(xor_parts(items), [raws[i] for i in group]), strict=True):
+        built = {i: list(raws[i]) for i in group}  # a part with no change keeps the base's bytes, shared
+        items, at = [], []  # the parts with a change, and where each one's result goes
+        for i in group:
+            for j, (raw, part) in enumerate(zip(raws[i], delta.changed[names[i]].parts, strict=True)):
+                if part.k:
+                    items.append((raw, part))
+                    at.append((i, j))
+                elif raw.size != part.nbytes:
+                    raise DeltaError(f"{names[i]}: a delta part has {part.nbytes} bytes, its base part {raw.size}")
+        for (i, j), b in zip(at, xor_parts(items), strict=True):
+            built[i][j] = b
+        for i in group:
             name, td = names[i], delta.changed[names[i]]
-            if _hash(algorithm, td.layout, built) != td.hash:  # XOR keeps the layout: the base's is the result's
+            if _hash(algorithm, td.layout, built[i]) != td.hash:  # XOR keeps the layout: the base's is the result's
                 if _hash(algorithm, td.layout, raws[i]) != td.base_hash:
                     raise _modified_base(name)
                 raise DeltaError(f"{name}: result hash mismatch after applying the delta (corrupt delta)")
-            out[name] = _rebuild(base[name], [_like(r, p) for p, r in zip(touched[i], built, strict=True)])
+            new_parts = [p if b is r else _like(b, p) for p, r, b in zip(touched[i], raws[i], built[i], strict=True)]
+            out[name] = _rebuild(base[name], new_parts)
             hashes[name] = td.hash
     delta.wait()  # the payload's end: zstd's content checksum, no trailing bytes
     if checkpoint_digest(hashes, algorithm) != delta.digest:
@@ -453,15 +482,6 @@ def _groups(sizes: list[int], count: int) -> list[range]:
             out.append(range(start, i + 1))
             start = i + 1
     return [*out, range(start, len(sizes))]
-
-
-def _unflatten(flat: list, shape: list[list]) -> list[list]:
-    """`flat` cut into lists as long as those of `shape`."""
-    out, pos = [], 0
-    for group in shape:
-        out.append(flat[pos : pos + len(group)])
-        pos += len(group)
-    return out
 
 
 def _like(raw: np.ndarray, p: torch.Tensor) -> torch.Tensor:

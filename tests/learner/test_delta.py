@@ -254,6 +254,23 @@ def test_parts_hold_exactly_the_changed_elements_and_apply_only_them():
     )
 
 
+def test_unchanged_parts_of_a_changed_tensor_are_shared_with_the_base(versions):
+    v0, v1 = versions
+    d = D.decode(D.encode(D.diff(v0, v1)))
+    out = D.apply(v0, d)
+    shared = kept = 0
+    for name, td in d.changed.items():
+        for a, b, part in zip(D.parts(v0[name]), D.parts(out[name]), td.parts, strict=True):
+            if part.k == 0:
+                assert b is a
+                shared += 1
+            else:
+                assert b.data_ptr() != a.data_ptr()  # a copy: the base is never modified
+                kept += 1
+    assert shared and kept  # the global scales stay; codes and bf16 weights change
+    assert all(same_bits(out[n], v1[n]) for n in v1)
+
+
 def test_blake3_hashes_a_large_tensor_on_many_threads_to_the_same_digest(monkeypatch):
     t = torch.arange(1 << 16, dtype=torch.int32)  # 256 KiB
     one = D.tensor_hash(t)
