@@ -169,8 +169,8 @@ def versions(ev: Evidence) -> Check:
     planted_bad = sorted(v for v in ev.damaged if v not in planted_ok)
     evidence = (
         f"v0-v{top}: {len(recorded)} recorded, {len(stored)} stored; gaps {_vs(gaps)}; recorded not stored {_vs(unstored)}; "
-        f"stored not recorded {_vs(unrecorded)}; sha256 differs {_vs(mismatch)}; {len(good)} verify (every file and tensor "
-        f"against its sha256)"
+        f"stored not recorded {_vs(unrecorded)}; sha256 differs {_vs(mismatch)}; {len(good)} verify (every file against its sha256, "
+        f"every tensor against its hash)"
     )
     if planted_ok:
         evidence += f"; damaged on purpose and refused: {_vs(planted_ok)}"
