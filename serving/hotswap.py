@@ -8,7 +8,7 @@
                   decode and apply them, verifying the base digest, every touched
                   tensor and the result against the target's manifest (learner.delta); a
                   corrupt or mismatched delta stops here, before the engine is touched
-      3. write    the tensors whose sha256 changed, widened to whole vLLM layers (`reload_set`),
+      3. write    the tensors whose hash changed, widened to whole vLLM layers (`reload_set`),
                   as the bf16 tensors vLLM loads (learner.store.to_hf_tensors), into one
                   safetensors file in a temp folder
       4. stage    the vLLM worker (WeightSwapExtension, via collective_rpc with the file's path,
