@@ -421,10 +421,12 @@ def json_number(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else round(float(x), 6)
 
 
-def heldout_sites(files: Sequence[SourceFile], n: int = 48, *, seed: int = 0) -> list[Site]:
-    """The replay's cursor sites: a pure function of (files, n, seed), so candidate and stable
-    see the same ones. Pass the held-out split pretraining used (pretrain.load_training_corpus)."""
-    return cursor_sites(files, n, random.Random(seed))
+def heldout_sites(
+    files: Sequence[SourceFile], n: int = 48, *, seed: int = 0, cursor: str = "end_of_line"
+) -> list[Site]:
+    """The replay's cursor sites: a pure function of (files, n, seed, cursor), so candidate and
+    stable see the same ones. Pass the held-out split pretraining used (pretrain.load_training_corpus)."""
+    return cursor_sites(files, n, random.Random(seed), cursor=cursor)
 
 
 def prompt_builder(
@@ -611,15 +613,17 @@ def evaluate(
     progress: Callable[[SiteResult], None] | None = None,
     token_accuracy: bool = False,
     min_confidence: float = 0.0,
+    cursor: str = "end_of_line",
 ) -> ReplayStats:
-    """The evaluation: `sites` cursor sites of the held-out `files` picked by `seed`, replayed with
+    """The evaluation: `sites` cursor sites of the held-out `files` picked by `seed` (`cursor`: where
+    in a line, learner.judge.cursor_sites), replayed with
     `model` (heldout_replay, serve settings at their defaults). `flywheel eval`, the learning
     benchmark and the demo's summary call it; the gate replays the same sites for two models."""
     return heldout_replay(
         model,
         tok,
         fmt,
-        heldout_sites(files, sites, seed=seed),
+        heldout_sites(files, sites, seed=seed, cursor=cursor),
         max_tokens=max_tokens,
         fp4_hook=fp4_hook,
         threads=threads,

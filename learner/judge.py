@@ -2,7 +2,10 @@
 user keeps of a suggestion there.
 
 Each site is a cursor inside a non-trivial line of a real file: the prefix is the code before
-the cursor, the suffix the code after the line, the truth the rest of that line. `judge()`
+the cursor, the suffix the code after the line, the truth the rest of that line. With
+`cursor="in_brackets"` the cursor sits instead inside the brackets that close the line, as an
+editor that auto-closes brackets leaves it: the suffix then begins with the closing bracket and
+the truth is what goes between. `judge()`
 accepts what matches the truth (all of it, its first line, or its first words) and dismisses
 the rest; `editor_events()` is what the editor then reports about the suggestion. All are
 pure, so the simulated editors (ops/simulate.py), which send those events over HTTP, and the
@@ -44,8 +47,19 @@ class Verdict:
     kept_text: str | None = None
 
 
-def cursor_sites(files: Sequence[SourceFile], n: int, rng: random.Random, *, min_chars: int = 4) -> list[Site]:
-    """n cursor positions: inside a non-trivial line, after its leading indentation and a few characters."""
+CURSORS = ("end_of_line", "in_brackets")
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def cursor_sites(
+    files: Sequence[SourceFile], n: int, rng: random.Random, *, min_chars: int = 4, cursor: str = "end_of_line"
+) -> list[Site]:
+    """n cursor positions: inside a non-trivial line, after its leading indentation and a few
+    characters (`end_of_line`: nothing after the cursor on its line), or inside the innermost
+    bracket pair that closes the line (`in_brackets`: the closing bracket after the cursor)."""
+    if cursor not in CURSORS:
+        raise ValueError(f"cursor must be one of {', '.join(CURSORS)}, not {cursor!r}")
+    pick = _site if cursor == "end_of_line" else _bracket_site
     sites: list[Site] = []
     candidates = [f for f in files if f.text.count("\n") > 5]
     attempts = 0
@@ -53,7 +67,7 @@ def cursor_sites(files: Sequence[SourceFile], n: int, rng: random.Random, *, min
         attempts += 1
         f = rng.choice(candidates)
         lines = f.text.splitlines(keepends=True)
-        site = _site(f, lines, rng.randrange(1, len(lines)), rng, min_chars)
+        site = pick(f, lines, rng.randrange(1, len(lines)), rng, min_chars)
         if site is not None:
             sites.append(site)
     return sites
@@ -102,6 +116,40 @@ def _site(f: SourceFile, lines: list[str], i: int, rng: random.Random, min_chars
     truth = line[cut:].rstrip("\n")
     suffix = "\n" + "".join(lines[i + 1 :])
     return Site(f.path, f.language, prefix, suffix, truth)
+
+
+def _bracket_site(f: SourceFile, lines: list[str], i: int, rng: random.Random, min_chars: int) -> Site | None:
+    """The cursor inside the innermost bracket pair that closes line i (`foo(a, |b)` in
+    `x = foo(a, b)` or `def f(|x, y):`), at least `min_chars` before the closing bracket; None
+    where the line is a comment or no such pair holds a word."""
+    line = lines[i]
+    body = line.rstrip()
+    if body.lstrip().startswith("#"):
+        return None
+    end = len(body.rstrip(":;,"))
+    close = end
+    while close > 0 and body[close - 1] in _CLOSE:
+        close -= 1
+    if close == end:
+        return None
+    depth, opener = 0, None
+    for k in range(close, -1, -1):  # the opener of the closing run's first (innermost) bracket
+        ch = body[k]
+        if ch in _CLOSE:
+            depth += 1
+        elif ch in _OPEN:
+            depth -= 1
+            if depth == 0:
+                opener = k
+                break
+    if opener is None or _OPEN.index(body[opener]) != _CLOSE.index(body[close]):
+        return None
+    if close - opener - 1 < min_chars or not re.search(r"\w", body[opener + 1 : close]):
+        return None
+    cut = rng.randint(opener + 1, close - min_chars)
+    prefix = "".join(lines[:i]) + line[:cut]
+    suffix = line[close:] + "".join(lines[i + 1 :])
+    return Site(f.path, f.language, prefix, suffix, line[cut:close])
 
 
 def judge(suggestion: str, truth: str) -> Verdict:

@@ -49,7 +49,7 @@ from feedback.sink.loop import SinkSection, SinkSettings
 from learner.train.eval_settings import EvalSection, EvalSettings
 from learner.train.learn_settings import GateSection, LearnSection, LearnSettings
 from ops import stack
-from ops.rollout.settings import RolloutSection, RolloutSettings
+from ops.rollout.settings import RolloutSection, RolloutSettings, Thresholds
 from ops.simulate import SimulateSection, SimulateSettings
 from serving.settings import ServingSettings
 
@@ -79,13 +79,23 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     learn: LearnSection = LearnSection(
         publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
     )
-    # The production rule: a version is promoted only once its accept rate is shown within 2
-    # points of stable's. The demo's steps gather a few dozen shown choices per arm, far from
-    # the ~1,200 that takes, so its last steps hold and roll back ("not shown non-inferior")
-    # unless a version is clearly better. On "no significant harm" (`promote_rule = "no_harm"`)
-    # the demo promoted versions that looked worse, once the injected fault itself.
+    # The production rule promotes a version only once its accept rate is shown within 2 points
+    # of stable's, which takes about 1,200 shown choices per arm; the demo's steps gather a few
+    # dozen, so under it every demo version held and rolled back ("not shown non-inferior").
+    # The demo promotes on expected loss instead: once the accept rate users would lose on average
+    # by promoting, under each arm's posterior, is at most 2 points. An equal version needs about
+    # 150 shown choices per arm for that; one that looks better, fewer. On "no significant harm"
+    # (`promote_rule = "no_harm"`) the demo promoted versions that looked worse, once the injected
+    # fault itself.
     rollout: RolloutSection = RolloutSection(
-        auto=True, weights=[25.0, 50.0, 100.0], interval_s=20.0, min_samples=8, max_holds=8, poll_s=2.0
+        auto=True,
+        weights=[25.0, 50.0, 100.0],
+        interval_s=20.0,
+        min_samples=8,
+        max_holds=8,
+        poll_s=2.0,
+        promote_rule="expected_loss",
+        thresholds=Thresholds(accept_rate_loss=0.02),
     )
     eval: EvalSection = EvalSection(sites=200, token_accuracy=False)  # a 1536-token prompt's forward each
 
@@ -356,6 +366,7 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, mi
                 max_tokens=cfg.max_tokens,
                 threads=cfg.threads,
                 min_confidence=min_confidence,
+                cursor=cfg.cursor,
             )
     title = f"held-out evaluation: {cfg.sites} sites (`flywheel eval --model vN --sites {cfg.sites}`)"
     console.print(E.report_table(stats, title=title))

@@ -5,6 +5,8 @@ Light on purpose (no torch), so the CLI can parse and validate it before importi
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from feedback.core.config import Section
@@ -20,6 +22,12 @@ class EvalSection(Section):
     points (the 95% interval's half width); the interval narrows as 1/sqrt(sites)."""
     seed: int = 0
     """Picks the sites: the same seed and corpus give the same sites, so two models compare on them."""
+    cursor: Literal["end_of_line", "in_brackets"] = "end_of_line"
+    """Where each site's cursor is. `end_of_line`: after code on its line, nothing to its right
+    (the suffix starts at the newline; the truth is the rest of the line). `in_brackets`: inside
+    the bracket pair that closes its line, as an editor that auto-closes brackets leaves it (the
+    suffix starts with the closing bracket; the truth is what goes between): the sites where the
+    suffix says where a suggestion ends, so `compare_prefix` there shows whether the model uses it."""
     max_tokens: int = Field(default=32, ge=1)
     """Longest suggestion decoded per site (greedy), as the gate's learn.gate.max_tokens."""
     token_accuracy: bool = True

@@ -5,7 +5,8 @@
               a version in the weight store (`v7` or `7`: its served weights, FP4 dequantized, on
               the base model's config and tokenizer, as a replica runs it); default: the base
               model of the [pretrain] settings
-    sites     eval.sites cursor sites picked by eval.seed from the held-out split of the corpus
+    sites     eval.sites cursor sites picked by eval.seed from the held-out split of the corpus,
+              at the end of a line or inside its closing brackets (eval.cursor)
               (pretrain.corpus, or --corpus; the split is pretraining's, by a hash of each path,
               so a model pretrained on that corpus never saw these files)
     replay    learner.eval.evaluate: serving's prompt format, greedy decoding, the simulated
@@ -194,6 +195,7 @@ def replay(
             progress=on_site,
             token_accuracy=cfg.token_accuracy,
             min_confidence=min_confidence,
+            cursor=cfg.cursor,
         )
 
 
@@ -221,6 +223,7 @@ def run(
         "heldout_files": len(files),
         "sites": stats.n,
         "seed": cfg.seed,
+        "cursor": cfg.cursor,
         "max_tokens": cfg.max_tokens,
         "min_confidence": gate,
         "stats": stats.summary(),
@@ -240,7 +243,7 @@ def run(
         console.print(E.gate_curve_table(curve, current=gate))
     console.print(
         f"{target.name}: {target.label}; {stats.n} sites of {len(files)} held-out files in {corpus_name} "
-        f"(seed {cfg.seed}, max_tokens {cfg.max_tokens}), replayed in {stats.seconds:.0f} s; "
+        f"(seed {cfg.seed}, cursor {cfg.cursor}, max_tokens {cfg.max_tokens}), replayed in {stats.seconds:.0f} s; "
         + (
             f"the confidence gate (model.min_confidence={gate}) withheld {stats.withheld} suggestions"
             if gate

@@ -99,6 +99,7 @@ def run_bench(
             seed=ev.seed,
             max_tokens=ev.max_tokens,
             min_confidence=s.model.min_confidence,
+            cursor=ev.cursor,
         )
 
     train = cursor_sites(corpus.train, train_sites, random.Random(7))

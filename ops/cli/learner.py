@@ -4,7 +4,7 @@
     flywheel pretrain --base PATH --corpus DIR [--minutes N] [--steps N]
     flywheel base import PATH [--fp4 nvfp4|mxfp4|off]
     flywheel learn [--publish-every 3h] [--min-samples N] [--lr X] [--versions N]
-    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--compare-prefix] [--gate-curve P ...] [--json]
+    flywheel eval [--model RUN|HF|vN] [--corpus DIR] [--sites N] [--seed N] [--cursor C] [--compare-prefix] [--gate-curve P ...] [--json]
     flywheel bench fp4 [--steps N] [--out results.json]
     flywheel bench train [--steps N] [--warmup N] [--size small] [--out results.json]
     flywheel bench routes [--sites N] [--out results.json]
@@ -102,6 +102,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--sites", type=int, help="held-out sites to replay (eval.sites, default 500)")
     ev.add_argument("--seed", type=int, help="picks the sites (eval.seed)")
     ev.add_argument("--max-tokens", type=int, help="longest suggestion (eval.max_tokens)")
+    ev.add_argument(
+        "--cursor",
+        choices=("end_of_line", "in_brackets"),
+        help="where each site's cursor is: after code on its line, or inside the brackets that close it (eval.cursor)",
+    )
     ev.add_argument(
         "--compare-prefix",
         action="store_true",
@@ -321,6 +326,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "sites": args.sites,
         "seed": args.seed,
         "max_tokens": args.max_tokens,
+        "cursor": args.cursor,
         "compare_prefix": args.compare_prefix,
         "gate_curve": args.gate_curve,
     }

@@ -1,7 +1,7 @@
 """`flywheel rollout ...`: the canary controller and the commands on rollouts (registered by ops/cli/main.py).
 
     flywheel rollout start VERSION [--weights 5,25,50,100] [--interval 60s] [--min-samples N]
-                                   [--alpha A] [--max-holds N] [--promote-rule non_inferior|no_harm]
+                                   [--alpha A] [--max-holds N] [--promote-rule non_inferior|expected_loss|no_harm]
                                    [--threshold KEY=VALUE]... [--stable V] [--all] [--force]
     flywheel rollout run [--auto]                     the controller loop (settings: [rollout])
     flywheel rollout status [ID] [--json]             the active (else latest) rollout and its steps
@@ -47,8 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-holds", type=int, metavar="N", help="under-sampled evaluations per step before rolling back")
     s.add_argument(
         "--promote-rule",
-        choices=("non_inferior", "no_harm"),
-        help="what the last step needs to promote: the accept rate shown non-inferior (default) or no significant harm",
+        choices=("non_inferior", "expected_loss", "no_harm"),
+        help="what the last step needs to promote: the accept rate shown non-inferior (default), the expected "
+        "loss of accept rate at most thresholds.accept_rate_loss, or no significant harm",
     )
     s.add_argument(
         "--threshold",

@@ -7,14 +7,16 @@ over the step's time window, from the SQL tables, and decides (stats.py):
 
   rollback  a guarded metric is significantly worse (or p99 latency over its ratio), or a
             step stayed under-sampled for `max_holds` evaluations ("insufficient traffic"),
-            or the last step could not show the canary non-inferior in as many;
+            or the last step could not show the canary non-inferior (or its expected loss
+            within bound) in as many;
   hold      too few samples yet, or (last step) not yet enough evidence that the canary's
             accept rate is within the tolerance of stable's: look again `interval_s` later,
             with the window still open;
   advance   enough samples and no significant harm: the next weight;
   promote   at the last weight, the canary's accept rate shown non-inferior (the default
-            `promote_rule`; `no_harm`: no significant harm is enough): the candidate becomes
-            stable.
+            `promote_rule`; `expected_loss`: the expected loss of accept rate from promoting it
+            within `accept_rate_loss`; `no_harm`: no significant harm is enough): the candidate
+            becomes stable.
 
 All state is in SQL, nothing in the process, so a controller can die and restart anywhere:
 

@@ -56,7 +56,9 @@ class RolloutCreate(RequestBody):
     max_holds: int | None = Field(default=None, le=INT32_MAX)
     require_reward: bool | None = None
     promote_rule: str | None = Field(
-        default=None, max_length=16, description="non_inferior (the default) or no_harm: what the last step needs"
+        default=None,
+        max_length=16,
+        description="non_inferior (the default), expected_loss or no_harm: what the last step needs",
     )
     thresholds: dict[str, float] | None = Field(default=None, max_length=16)
     mode: str | None = Field(default=None, max_length=16)

@@ -19,6 +19,8 @@ class Thresholds(Section):
 
     accept_rate_drop: float = Field(default=0.02, ge=0, le=1)
     """Tolerated drop in accept rate (accepted / shown), absolute: 0.02 is 2 percentage points."""
+    accept_rate_loss: float = Field(default=0.005, gt=0, le=1)
+    """`promote_rule = "expected_loss"`: the largest expected loss of accept rate, absolute, a promotion may carry."""
     reward_drop: float = Field(default=0.05, ge=0)
     """Tolerated drop in mean reward per choice, in reward units (sink.reward: accepted = 0.75)."""
     error_rate_increase: float = Field(default=0.01, ge=0, le=1)
@@ -55,12 +57,15 @@ class RolloutSection(Section):
     (rolls back) whenever it has the samples."""
     thresholds: Thresholds = Thresholds()
     """Tolerances of the guarded metrics (section `[rollout.thresholds]`)."""
-    promote_rule: Literal["non_inferior", "no_harm"] = "non_inferior"
+    promote_rule: Literal["non_inferior", "expected_loss", "no_harm"] = "non_inferior"
     """What the last step needs to promote. `non_inferior`: the canary's accept rate shown to be within
     `thresholds.accept_rate_drop` of stable's (the upper confidence bound of its drop below that margin;
     the step holds until it is, and rolls back after `max_holds` holds). At a 10% accept rate and a
-    2-point margin that takes about 1,200 shown choices per arm. `no_harm`: no metric significantly
-    worse, however few the samples beyond `min_samples` (the older rule)."""
+    2-point margin that takes about 1,200 shown choices per arm. `expected_loss`: the expected loss of
+    accept rate if the canary is promoted, under each arm's Beta posterior, at most
+    `thresholds.accept_rate_loss` (holds and rolls back likewise); for traffic too thin to show
+    non-inferiority. `no_harm`: no metric significantly worse, however few the samples beyond
+    `min_samples` (the oldest rule)."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the controller checks the active rollout (and, in auto mode, the versions topic)."""
     auto: bool = False

@@ -38,6 +38,46 @@ def test_cursor_sites_split_a_real_line():
         assert "\n" not in s.truth and s.language == "python"
 
 
+def test_in_brackets_sites_put_the_closing_bracket_in_the_suffix():
+    sites = cursor_sites([SourceFile("pkg/m.py", CODE)], 20, random.Random(0), cursor="in_brackets")
+    assert len(sites) == 20
+    for s in sites:
+        assert s.prefix + s.truth + s.suffix == CODE  # the file, cut twice
+        line_rest = s.suffix.split("\n", 1)[0]
+        assert line_rest[:1] in (")", "]", "}") and len(s.truth) >= 4 and "\n" not in s.truth
+        opener = "([{"[")]}".index(line_rest[0])]
+        assert opener in s.prefix.rsplit("\n", 1)[-1]  # the pair the cursor sits in
+    assert cursor_sites([SourceFile("pkg/m.py", CODE)], 5, random.Random(0)) != sites[:5]
+    with pytest.raises(ValueError, match="cursor"):
+        cursor_sites([SourceFile("pkg/m.py", CODE)], 1, random.Random(0), cursor="middle")
+
+
+@pytest.mark.parametrize(
+    "line, cut_range",
+    [
+        ("    x = foo(alpha, beta)\n", ("    x = foo(", "alpha, beta")),
+        ("def f(alpha, beta):\n", ("def f(", "alpha, beta")),
+        ("    d[some_key] = g(h(value))\n", ("    d[some_key] = g(h(", "value")),  # the innermost pair
+    ],
+)
+def test_in_brackets_site_sits_inside_the_innermost_closing_pair(line, cut_range):
+    text = "a = 1\n" * 6 + line
+    sites = cursor_sites([SourceFile("m.py", text)], 10, random.Random(1), cursor="in_brackets")
+    head, inside = cut_range
+    assert sites
+    for s in sites:
+        cursor_line = s.prefix.rsplit("\n", 1)[-1]
+        assert cursor_line.startswith(head) and (cursor_line[len(head) :] + s.truth) == inside
+
+
+@pytest.mark.parametrize(
+    "line", ["    # call(this_one)\n", "    x = (a)\n", "    return value\n", "    f(a, b), g(c)\n"]
+)
+def test_no_in_brackets_site_where_no_closing_pair_holds_enough(line):
+    text = "a = 1\n" * 6 + line
+    assert cursor_sites([SourceFile("m.py", text)], 3, random.Random(1), cursor="in_brackets") == []
+
+
 @pytest.mark.parametrize(
     "suggestion, truth, events",
     [

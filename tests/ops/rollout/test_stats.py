@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import random
 
 import pytest
 
@@ -13,7 +14,9 @@ from ops.rollout.stats import (
     ROLLBACK,
     Arm,
     Policy,
+    beta_greater,
     decide,
+    expected_loss,
     non_inferiority,
     normal_sf,
     t_sf,
@@ -171,6 +174,59 @@ def test_non_inferiority_bound(x_c, n_c, x_s, n_s, shown):
     a_c, a_s = (x_c + 1) / (n_c + 2), (x_s + 1) / (n_s + 2)  # Agresti-Caffo, by hand
     se = math.sqrt(a_c * (1 - a_c) / (n_c + 2) + a_s * (1 - a_s) / (n_s + 2))
     assert r["drop_upper"] == pytest.approx(a_s - a_c + 1.6448536 * se)
+
+
+@pytest.mark.parametrize(
+    "a1, b1, a2, b2, p",
+    [
+        (1, 1, 1, 1, 1 / 2),
+        (2, 1, 1, 1, 2 / 3),  # the integral of x * 2x over [0, 1]
+        (1, 2, 1, 1, 1 / 3),
+        (3, 1, 1, 1, 3 / 4),  # the integral of x * 3x^2
+        (2, 1, 2, 1, 1 / 2),
+        (1, 1, 2, 1, 1 / 3),  # summed the other way round (a2 < a1 swaps)
+    ],
+)
+def test_beta_greater_against_hand_computed_integrals(a1, b1, a2, b2, p):
+    assert beta_greater(a1, b1, a2, b2) == pytest.approx(p, abs=1e-12)
+
+
+def test_expected_loss_by_hand_and_by_sampling():
+    # nothing observed: two uniforms, E[max(S - C, 0)] = E|S - C| / 2 = 1/6
+    r = expected_loss(0, 0, 0, 0, Policy())
+    assert r["loss"] == pytest.approx(1 / 6, abs=1e-12) and r["p_better"] == pytest.approx(0.5)
+    # Monte Carlo with a fixed seed: the difference's sd is at most 0.14 here (the two Beta variances
+    # summed), so the mean of 200,000 draws has a standard error under 0.14 / sqrt(200,000) = 3.2e-4;
+    # five of them bound the check.
+    rng = random.Random(0)
+    for x_c, n_c, x_s, n_s in [(17, 66, 12, 54), (5, 20, 9, 22)]:
+        draws = [
+            max(rng.betavariate(x_s + 1, n_s - x_s + 1) - rng.betavariate(x_c + 1, n_c - x_c + 1), 0.0)
+            for _ in range(200_000)
+        ]
+        assert expected_loss(x_c, n_c, x_s, n_s, Policy())["loss"] == pytest.approx(sum(draws) / len(draws), abs=1.6e-3)
+    # past 20,000 accepted per arm the normal approximation takes over, continuously
+    exact = expected_loss(19_990, 70_000, 19_990, 70_000, Policy())
+    approx = expected_loss(20_010, 70_000, 20_010, 70_000, Policy())
+    assert approx["loss"] == pytest.approx(exact["loss"], rel=2e-3) and approx["p_better"] == pytest.approx(0.5)
+
+
+def test_expected_loss_rule_promotes_at_demo_traffic_only_what_looks_no_worse():
+    """About 60 shown choices per arm, as the demo's last step gathers: a canary that looks better
+    promotes at a 2-point expected loss, an equal one needs more traffic, a worse one rolls back."""
+    policy = Policy(min_samples=8, max_holds=3, promote_rule="expected_loss", accept_rate_loss=0.02)
+    better = decide(Arm(shown=66, accepted=17), Arm(shown=54, accepted=12), policy, holds=0, last_step=True)
+    el = better.evidence["expected_loss"]
+    assert (better.action, better.rule) == (PROMOTE, "expected_loss") and 0.015 < el["loss"] < 0.02
+    assert "25.8% of 66 vs 22.2% of 54" in better.reason and el["p_better"] > 0.5
+    equal = decide(Arm(shown=60, accepted=15), Arm(shown=60, accepted=15), policy, holds=0, last_step=True)
+    assert (equal.action, equal.rule) == (HOLD, "expected_loss") and equal.evidence["expected_loss"]["loss"] > 0.02
+    more = decide(Arm(shown=200, accepted=50), Arm(shown=200, accepted=50), policy, holds=1, last_step=True)
+    assert more.action == PROMOTE  # an equal canary, once each arm has ~150 shown choices
+    worse = decide(Arm(shown=60, accepted=11), Arm(shown=60, accepted=15), policy, holds=3, last_step=True)
+    assert (worse.action, worse.rule) == (ROLLBACK, "expected_loss_high") and "after 3 holds" in worse.reason
+    assert not worse.evidence["expected_loss"]["within"]
+    json.dumps(better.evidence, allow_nan=False)
 
 
 def test_a_rollout_recorded_before_the_rule_keeps_no_harm():
