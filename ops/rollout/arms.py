@@ -95,9 +95,10 @@ def read_arm(
     ).subquery()
     q = ranked_choices.c
     shown_kept = and_(q.shown == 1, within_cap(q.srn))
-    choices, errors, shown, accepted, shown_all = conn.execute(
+    choices, choices_shown, errors, shown, accepted, shown_all = conn.execute(
         select(
             func.coalesce(func.sum(case((within_cap(q.urn), 1), else_=0)), 0),
+            func.coalesce(func.sum(case((and_(within_cap(q.urn), q.shown == 1), 1), else_=0)), 0),
             func.coalesce(
                 func.sum(case((and_(within_cap(q.urn), q.finish_reason.in_(ERROR_FINISH_REASONS)), 1), else_=0)), 0
             ),
@@ -136,6 +137,7 @@ def read_arm(
         log_latency_var=log_var,
         choices=int(choices),
         errors=int(errors),
+        choices_shown=int(choices_shown),
         shown=int(shown),
         accepted=int(accepted),
         rewards=int(n_rewards),

@@ -11,6 +11,11 @@ Metrics, each compared canary against stable (definitions match the `v_*` analys
   mean reward   mean of `rewards.reward` over the arm's choices (v_version_rewards). Rewards
                 appear only once a choice's feedback window (sink.feedback_window_s) closes,
                 so a short step may see none.
+  suggestion    shown / choices: the share of choices the user saw at all (an empty or
+  rate          withheld suggestion is never shown). A version may learn to abstain, so its
+                tolerance is wide; a version that shows nothing (a broken head, a tokenizer
+                mismatch: every suggestion empty) is rolled back on it, where the accept rate,
+                which counts only shown choices, never gets its samples.
   error rate    share of served choices the engine aborted (finish_reason 'abort', or
                 'error' should an engine report it). A request that fails outright (HTTP
                 503) never becomes a completion record, so SQL cannot count it: this is the
@@ -218,6 +223,9 @@ class Arm:
     log_latency_var: float | None = None  # its sample variance
     choices: int = 0
     errors: int = 0
+    choices_shown: int = 0
+    """Of `choices` (each user's first `max_per_user`), those shown: the suggestion rate's numerator.
+    `shown` caps each user's shown choices on their own, so it is not a share of `choices`."""
     shown: int = 0
     accepted: int = 0
     rewards: int = 0
@@ -243,6 +251,7 @@ class Policy:
     accept_rate_drop: float = 0.02
     accept_rate_loss: float = 0.005
     """`expected_loss`: the largest expected loss of accept rate, absolute, a promotion may carry."""
+    suggestion_rate_drop: float = 0.10
     reward_drop: float = 0.05
     error_rate_increase: float = 0.01
     p99_latency_ratio: float = 1.5
@@ -417,7 +426,13 @@ def expected_loss(x_c: int, n_c: int, x_s: int, n_s: int, policy: Policy) -> dic
     }
 
 
-_SAMPLE_NAMES = {"accept_rate": "shown choices", "reward": "rewards", "error_rate": "choices", "latency": "completions"}
+_SAMPLE_NAMES = {
+    "accept_rate": "shown choices",
+    "reward": "rewards",
+    "suggestion_rate": "choices",
+    "error_rate": "choices",
+    "latency": "completions",
+}
 
 
 def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str, Any]]:
@@ -448,6 +463,23 @@ def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str
         out["reward"] = _untested(n, canary.reward_mean, stable.reward_mean, policy.reward_drop)
 
     n = (canary.choices, stable.choices)
+    if min(n) >= k:
+        t = two_proportion_ztest(
+            canary.choices_shown,
+            canary.choices,
+            stable.choices_shown,
+            stable.choices,
+            margin=policy.suggestion_rate_drop,
+        )
+        out["suggestion_rate"] = _tested(t, n, policy.alpha)
+    else:
+        out["suggestion_rate"] = _untested(
+            n,
+            _rate(canary.choices_shown, canary.choices),
+            _rate(stable.choices_shown, stable.choices),
+            policy.suggestion_rate_drop,
+        )
+
     if min(n) >= k:
         margin = policy.error_rate_increase
         t = two_proportion_ztest(
@@ -517,7 +549,12 @@ def _describe(name: str, t: dict[str, Any], policy: Policy) -> str:
             f"latency x{t['ratio']:.2f} of stable's (geometric mean; limit x{t['threshold']:.2f}, p={t['p']:.2g}{cmp}{policy.alpha:g}; "
             f"p99 {t['canary_p99_ms']:.0f} vs {t['stable_p99_ms']:.0f} ms)"
         )
-    label = {"accept_rate": "accept rate", "reward": "mean reward", "error_rate": "error rate"}[name]
+    label = {
+        "accept_rate": "accept rate",
+        "reward": "mean reward",
+        "suggestion_rate": "suggestion rate",
+        "error_rate": "error rate",
+    }[name]
     if name == "reward":
         values = f"{t['canary']:.3f} vs {t['stable']:.3f}"
     else:

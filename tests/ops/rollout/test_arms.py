@@ -54,7 +54,20 @@ def test_choices_feedback_and_rewards(sqlite_engine):
     with sqlite_engine.connect() as conn:
         arm = read_arm(conn, version=STABLE, since=T0, until=T0 + timedelta(minutes=1))
     assert (arm.choices, arm.shown, arm.accepted, arm.errors, arm.rewards) == (200, 200, 80, 20, 200)
+    assert arm.choices_shown == 200
     assert arm.reward_mean == pytest.approx(0.4 * 0.75 + 0.6 * -0.25)
+
+
+def test_suggestion_rate_counts_shown_among_each_users_capped_choices(engine):
+    """`choices_shown` is a share of `choices`: the shown ones among each user's first
+    max_per_user choices, not each user's first max_per_user shown ones."""
+    serve(engine, CANDIDATE, 100, start=T0, accept=0.1, shown=0.3)  # 100 users, 30% shown
+    serve(engine, CANDIDATE, 20, start=T0, accept=0.0, shown=0.0, user="ana")  # ana's first 20: none shown
+    serve(engine, CANDIDATE, 40, start=T0 + timedelta(seconds=55), accept=0.0, user="ana")  # then 40 shown
+    with engine.connect() as conn:
+        arm = read_arm(conn, version=CANDIDATE, since=T0, until=T0 + timedelta(minutes=2), max_per_user=20)
+    assert (arm.choices, arm.choices_shown) == (120, 30)  # ana adds 20 choices, none of them shown
+    assert (arm.shown, arm.capped_shown) == (50, 20)  # her first 20 shown ones are later choices
 
 
 def test_pinned_completions_are_left_out_and_counted(engine):

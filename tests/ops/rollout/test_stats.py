@@ -115,6 +115,7 @@ def arm(
         p99_latency_ms=p99,
         choices=choices,
         errors=errors,
+        choices_shown=shown,
         shown=shown,
         accepted=round(shown * rate),
         rewards=rewards if rewards is not None else choices,
@@ -174,6 +175,25 @@ def test_non_inferiority_bound(x_c, n_c, x_s, n_s, shown):
     a_c, a_s = (x_c + 1) / (n_c + 2), (x_s + 1) / (n_s + 2)  # Agresti-Caffo, by hand
     se = math.sqrt(a_c * (1 - a_c) / (n_c + 2) + a_s * (1 - a_s) / (n_s + 2))
     assert r["drop_upper"] == pytest.approx(a_s - a_c + 1.6448536 * se)
+
+
+def test_a_canary_that_shows_nothing_rolls_back_on_its_suggestion_rate():
+    """The demo's injected fault (lm_head negated) shows nothing: the accept rate never gets a
+    shown choice, so without this guard it only rolled back, slowly, for insufficient traffic."""
+    policy = Policy(min_samples=8)
+    silent = Arm(completions=12, choices=12, choices_shown=0, shown=0)
+    stable = Arm(completions=30, choices=30, choices_shown=12, shown=12, accepted=3)
+    d = decide(silent, stable, policy, holds=0, last_step=False)
+    t = d.evidence["tests"]["suggestion_rate"]
+    assert (d.action, d.rule) == (ROLLBACK, "suggestion_rate") and t["worse"] and t["canary"] == 0.0
+    assert "suggestion rate 0.0% vs 40.0%" in d.reason
+    # learning to abstain is allowed: 7 points fewer shown (as `flywheel bench learn` measured) is within 10
+    abstains = arm(shown=330, choices=1000)
+    assert not decide(abstains, arm(shown=400, choices=1000), POLICY, holds=0, last_step=False).evidence["tests"][
+        "suggestion_rate"
+    ]["worse"]
+    fewer = arm(shown=250, choices=1000)  # 15 points fewer: beyond the tolerance, significantly
+    assert decide(fewer, arm(shown=400, choices=1000), POLICY, holds=0, last_step=False).rule == "suggestion_rate"
 
 
 @pytest.mark.parametrize(

@@ -48,9 +48,23 @@ def record_versions(engine, versions=((STABLE, True), (CANDIDATE, True), (GATE_F
 _serial = iter(range(10**9))
 
 
-def serve(engine, version, n, *, start, span_s=50.0, accept=0.4, errors=0.0, latency_ms=50.0, user=None, pinned=False):
-    """`n` served single-choice completions of `version` in [start, start + span_s): each shown (a
-    `view`), the first `accept` share of every 100 also selected, `errors` share aborted; each
+def serve(
+    engine,
+    version,
+    n,
+    *,
+    start,
+    span_s=50.0,
+    accept=0.4,
+    errors=0.0,
+    latency_ms=50.0,
+    user=None,
+    pinned=False,
+    shown=1.0,
+):
+    """`n` served single-choice completions of `version` in [start, start + span_s): the first
+    `shown` share of every 100 shown (a `view`; all by default), the first `accept` share of every
+    100 also selected (so `accept` <= `shown`), `errors` share aborted; each
     with the reward the sink would give it (0.75 accepted, -0.25 ignored). Each completion comes
     from a user of its own, or all from `user`; `pinned`: the requests named the version."""
     comps, choices, events, rewards = [], [], [], []
@@ -83,7 +97,8 @@ def serve(engine, version, n, *, start, span_s=50.0, accept=0.4, errors=0.0, lat
                 finish_reason="abort" if (i % 100) < errors * 100 else "stop",
             )
         )
-        events.append(dict(event_id=f"{cid}-v", completion_id=cid, choice_index=0, type="view", created_at=at))
+        if (i % 100) < shown * 100:
+            events.append(dict(event_id=f"{cid}-v", completion_id=cid, choice_index=0, type="view", created_at=at))
         if accepted:
             events.append(
                 dict(
@@ -108,7 +123,8 @@ def serve(engine, version, n, *, start, span_s=50.0, accept=0.4, errors=0.0, lat
     with engine.begin() as conn:
         conn.execute(insert(db.completions), comps)
         conn.execute(insert(db.completion_choices), choices)
-        conn.execute(insert(db.events), events)
+        if events:
+            conn.execute(insert(db.events), events)
         conn.execute(insert(db.rewards), rewards)
 
 
