@@ -71,7 +71,7 @@ class DemoSection(Section):
 
 class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSettings, EvalSettings, RolloutSettings):
     """`flywheel demo`: every section the loop uses, with defaults sized for one 2-core machine
-    and about ten minutes: short feedback windows, a version every 90 s, 20-second canary steps."""
+    and about ten minutes: short feedback windows, a version every 90 s, two 20-second canary steps."""
 
     demo: DemoSection = DemoSection()
     sink: SinkSection = SinkSection(feedback_window_s=10.0, grace_period_s=60.0)
@@ -86,10 +86,11 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     # by promoting, under each arm's posterior, is at most 2 points. An equal version needs about
     # 150 shown choices per arm for that; one that looks better, fewer. On "no significant harm"
     # (`promote_rule = "no_harm"`) the demo promoted versions that looked worse, once the injected
-    # fault itself.
+    # fault itself. Two steps, half the users and then all, so that a rollout ends (and the
+    # injected fault's after it) within the demo's minutes.
     rollout: RolloutSection = RolloutSection(
         auto=True,
-        weights=[25.0, 50.0, 100.0],
+        weights=[50.0, 100.0],
         interval_s=20.0,
         min_samples=8,
         max_holds=8,
