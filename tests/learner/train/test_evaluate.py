@@ -159,6 +159,30 @@ def test_compare_prefix_replays_the_same_sites_without_the_fim_template(base, tm
     assert "base, FIM" in table.stdout and "base, prefix only" in table.stdout
 
 
+def test_cursor_in_brackets_replays_the_in_bracket_sites(base, tmp_path):
+    _, s, folder = base
+    r = run_eval(base, tmp_path, "--json", "--cursor", "in_brackets")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["cursor"] == "in_brackets" and report["stats"]["n"] == SITES
+
+    model, _ = load_hf(folder / "hf")
+    tok, fmt = load_tokenizer(folder / "hf"), read_format(folder / "hf")
+    files = load_training_corpus(s.pretrain).heldout
+    kwargs = dict(sites=SITES, seed=0, max_tokens=s.eval.max_tokens, min_confidence=s.model.min_confidence)
+    here = E.evaluate(model, tok, fmt, files, cursor="in_brackets", **kwargs)
+    st = report["stats"]
+    assert (st["shown"], st["accepted"], st["exact"], st["outcomes"]) == (
+        here.shown,
+        here.accepted,
+        here.exact,
+        here.outcomes,
+    )
+    sites = E.heldout_sites(files, SITES, seed=0, cursor="in_brackets")
+    assert all(site.suffix[:1] in ")]}" for site in sites)  # the closing bracket right after the cursor
+    assert sites != E.heldout_sites(files, SITES, seed=0)
+
+
 def test_eval_prints_a_table_with_intervals(base, tmp_path):
     r = run_eval(base, tmp_path, "--seed", "3")
     assert r.returncode == 0, r.stderr
@@ -174,6 +198,7 @@ def test_eval_prints_a_table_with_intervals(base, tmp_path):
         (("--model", "no/such/folder"), "no such folder"),
         (("--sites", "0"), "eval.sites"),
         (("--corpus", "/no/such/corpus"), "does not exist"),
+        (("--cursor", "middle"), "--cursor"),
     ],
 )
 def test_bad_input_is_one_line(base, tmp_path, args, fragment):

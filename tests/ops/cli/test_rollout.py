@@ -30,8 +30,10 @@ def test_cli(tmp_path):
         "2m",
         "--threshold",
         "reward_drop=0.1",
+        "--threshold",
+        "accept_rate_loss=0.02",
         "--promote-rule",
-        "no_harm",
+        "expected_loss",
         tmp_path=tmp_path,
     )
     assert r.returncode == 0, r.stderr
@@ -47,7 +49,8 @@ def test_cli(tmp_path):
         st["rollout"]["state"] == "paused"
         and st["rollout"]["interval_s"] == 120
         and st["rollout"]["thresholds"]["reward_drop"] == 0.1
-        and st["rollout"]["thresholds"]["promote_rule"] == "no_harm"
+        and st["rollout"]["thresholds"]["accept_rate_loss"] == 0.02
+        and st["rollout"]["thresholds"]["promote_rule"] == "expected_loss"
     )
     assert st["steps"][0]["evidence"]["by"].startswith("cli")
     r = flywheel("rollout", "abort", "--reason", "not today", tmp_path=tmp_path)
