@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "rollout",
         help="canary rollouts: start one, run the controller, pause, resume, promote, abort",
         description="Canary rollouts of model versions: step the canary's traffic share, compare it with stable "
-        "(accept rate, reward, errors, latency) and promote or roll back. Settings: the [rollout] section.",
+        "(accept rate, reward, suggestion rate, errors, latency) and promote or roll back. Settings: the [rollout] section.",
     )
     actions = p.add_subparsers(dest="rollout_command", required=True, metavar="ACTION", parser_class=type(p))
 
