@@ -81,7 +81,7 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     )
     # The production rule promotes a version only once its accept rate is shown within 2 points
     # of stable's, which takes about 1,200 shown choices per arm; the demo's steps gather a few
-    # dozen, so under it every demo version held and rolled back ("not shown non-inferior").
+    # dozen, so under it every demo version held at its last step until its holds or the run ran out.
     # The demo promotes on expected loss instead: once the accept rate users would lose on average
     # by promoting, under each arm's posterior, is at most 2 points. An equal version needs about
     # 150 shown choices per arm for that; one that looks better, fewer. On "no significant harm"
