@@ -336,33 +336,57 @@ def decide(canary: Arm, stable: Arm, policy: Policy, *, holds: int, last_step: b
     passed = ", ".join(_describe(name, t, policy) for name, t in tests.items() if t["tested"])
     if not last_step:
         return _decision(ADVANCE, "no_harm", f"no significant harm ({passed})", evidence)
-    if policy.promote_rule == NO_HARM:
-        return _decision(PROMOTE, "no_harm", f"no significant harm at the last step ({passed})", evidence)
-    if policy.promote_rule == EXPECTED_LOSS:
-        el = expected_loss(canary.accepted, canary.shown, stable.accepted, stable.shown, policy)
-        evidence["expected_loss"] = el
-        shown = (
-            f"accept rate {el['canary']:.1%} of {canary.shown} vs {el['stable']:.1%} of {stable.shown}: expected loss "
-            f"{el['loss']:.2%} if promoted (at most {el['threshold']:.2%}), P(canary better) {el['p_better']:.0%}"
-        )
-        ok, waiting, failed = el["within"], "waiting for the expected loss to fall", "expected_loss_high"
-    else:
-        ni = non_inferiority(canary.accepted, canary.shown, stable.accepted, stable.shown, policy)
-        evidence["non_inferiority"] = ni
-        shown = (
-            f"accept rate {ni['canary']:.1%} of {canary.shown} vs {ni['stable']:.1%} of {stable.shown}: its drop is at "
-            f"most {ni['drop_upper']:+.1%} ({1 - policy.alpha:.0%} upper bound), margin {policy.accept_rate_drop:.1%}"
-        )
-        ok, waiting, failed = ni["shown"], "waiting for evidence the canary is not worse", "not_non_inferior"
     rule = policy.promote_rule
+    if rule == NO_HARM:
+        return _decision(PROMOTE, "no_harm", f"no significant harm at the last step ({passed})", evidence)
+    if rule == EXPECTED_LOSS:
+        el = evidence["expected_loss"] = expected_loss(
+            canary.accepted, canary.shown, stable.accepted, stable.shown, policy
+        )
+        ok = el["within"]
+        detail = (
+            f"expected loss {el['loss']:.2%} if promoted (at most {el['threshold']:.2%}), "
+            f"P(canary better) {el['p_better']:.0%}"
+        )
+    else:
+        ni = evidence["non_inferiority"] = non_inferiority(
+            canary.accepted, canary.shown, stable.accepted, stable.shown, policy
+        )
+        ok = ni["shown"]
+        detail = (
+            f"its drop is at most {ni['drop_upper']:+.1%} ({1 - policy.alpha:.0%} upper bound), "
+            f"margin {policy.accept_rate_drop:.1%}"
+        )
+    shown = (
+        f"accept rate {canary.accepted / canary.shown:.1%} of {canary.shown} vs "
+        f"{stable.accepted / stable.shown:.1%} of {stable.shown}: {detail}"
+    )
+    hold_rule, rollback_rule, promoted, waiting, not_promoted = _LAST_STEP[rule]
     if ok:
-        what = "expected loss within its bound" if rule == EXPECTED_LOSS else "non-inferior"
-        return _decision(PROMOTE, rule, f"{what} at the last step ({shown}; {passed})", evidence)
+        return _decision(PROMOTE, rule, f"{promoted} at the last step ({shown}; {passed})", evidence)
     if holds >= policy.max_holds:
-        what = "expected loss still above its bound" if rule == EXPECTED_LOSS else "not shown non-inferior"
-        return _decision(ROLLBACK, failed, f"{what} after {holds} holds ({shown})", evidence)
-    hold_rule = "expected_loss" if rule == EXPECTED_LOSS else "non_inferiority"
+        return _decision(ROLLBACK, rollback_rule, f"{not_promoted} after {holds} holds ({shown})", evidence)
     return _decision(HOLD, hold_rule, f"{waiting} ({shown}); hold {holds + 1} of {policy.max_holds}", evidence)
+
+
+_LAST_STEP = {
+    # rule: (its hold's rule, its rollback's rule, promoted, still holding, rolled back)
+    NON_INFERIOR: (
+        "non_inferiority",
+        "not_non_inferior",
+        "non-inferior",
+        "waiting for evidence the canary is not worse",
+        "not shown non-inferior",
+    ),
+    EXPECTED_LOSS: (
+        "expected_loss",
+        "expected_loss_high",
+        "expected loss within its bound",
+        "waiting for the expected loss to fall",
+        "expected loss still above its bound",
+    ),
+}
+"""The words of the last step's outcomes under each promote rule that asks for evidence."""
 
 
 def non_inferiority(x_c: int, n_c: int, x_s: int, n_s: int, policy: Policy) -> dict[str, Any]:
