@@ -11,6 +11,9 @@ token's probability were the chance of an accept. It is not that chance (a sugge
 than its first token right), but accept rate rises with it: README, "The confidence gate", has
 the measured trade-off of suggestion rate, accept rate and accepted characters per request.
 
+A version may carry a show policy learned from users' accepts (learner/show.py); it withholds
+more of what the gate would show, never less.
+
 Serving (serving/replica.py) and the held-out replay (learner/eval.py) both call `withheld`, so
 `flywheel eval` scores what editors are shown. A withheld choice is recorded with its tokens and
 `finish_reason: "withheld"`; the sink gives it the outcome `withheld` (feedback/reward.py), which
@@ -21,12 +24,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from learner.show import ShowPolicy
 
 MIN_CONFIDENCE = 0.25
 """`model.min_confidence`'s default (learner/base_settings.py)."""
 
 
-def withheld(logprobs: Sequence[float], min_confidence: float) -> bool:
+def withheld(
+    logprobs: Sequence[float], min_confidence: float, text: str = "", policy: ShowPolicy | None = None
+) -> bool:
     """Whether a suggestion whose tokens have these logprobs is withheld (not shown): its first
-    token's probability is below `min_confidence`. An empty suggestion has nothing to withhold."""
-    return bool(logprobs) and min_confidence > 0 and math.exp(logprobs[0]) < min_confidence
+    token's probability is below `min_confidence`, or the version's show `policy` does not show
+    `text` (the suggestion as served). An empty suggestion has nothing to withhold."""
+    if not logprobs:
+        return False
+    if min_confidence > 0 and math.exp(logprobs[0]) < min_confidence:
+        return True
+    return policy is not None and bool(text) and not policy.shows(logprobs, text)

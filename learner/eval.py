@@ -79,6 +79,7 @@ from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
 from learner.languages import editor_stops
 from learner.model import Transformer, WeightHook
 from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, PromptBuilder, SummaryCache, fit_budget
+from learner.show import ShowPolicy
 
 # --- confidence intervals ---------------------------------------------------------------------------
 
@@ -210,6 +211,7 @@ class SiteResult:
     truth_hits: int = 0  # of them, predicted by the model's argmax
     withheld: bool = False  # the confidence gate kept the suggestion from the editor (`text` is "")
     first_logprob: float | None = None  # the model's logprob of the suggestion's first token (None: no token)
+    policy_withholds: bool = False  # the version's show policy (learner/show.py) does not show it
     # A measurement, not an outcome: two replays of one model agree on everything else.
     latency_s: float = field(default=0.0, compare=False)
 
@@ -492,9 +494,12 @@ def editor_feedback(text: str, verdict: Verdict, *, withheld: bool = False) -> C
 
 
 def gated(result: SiteResult, min_confidence: float, weights: RewardWeights | None = None) -> SiteResult:
-    """`result` as serving's confidence gate at `min_confidence` leaves it: withheld (not shown,
-    scored as the sink scores a withheld choice) when its first token is below the threshold."""
-    if not result.text or result.first_logprob is None or not below_confidence([result.first_logprob], min_confidence):
+    """`result` as serving's confidence gate at `min_confidence` and the version's show policy
+    leave it: withheld (not shown, scored as the sink scores a withheld choice) when its first
+    token is below the threshold or the policy does not show it."""
+    if not result.text or result.first_logprob is None:
+        return result
+    if not result.policy_withholds and not below_confidence([result.first_logprob], min_confidence):
         return result
     r, parts = reward(editor_feedback("", Verdict("none"), withheld=True), weights)
     return dataclasses.replace(
@@ -525,6 +530,7 @@ def heldout_replay(
     progress: Callable[[SiteResult], None] | None = None,
     token_accuracy: bool = False,
     min_confidence: float = 0.0,
+    show_policy: ShowPolicy | None = None,
 ) -> ReplayStats:
     """Simulated editor sessions on `sites` with `model` in-process (see the module docstring).
 
@@ -536,7 +542,8 @@ def heldout_replay(
     thread pool's waits made a 2-thread replay of the small model take 570 s instead of 4 s.
     `progress` is called with each site's result as it is done. `token_accuracy`: also score the
     rest of each line teacher-forced (one more forward per site). `min_confidence`: the confidence
-    gate's threshold (model.min_confidence; 0: every suggestion is shown)."""
+    gate's threshold (model.min_confidence; 0: every suggestion is shown); `show_policy`: the
+    version's learned show policy (learner/show.py), applied after the gate as serving applies it."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     t0 = time.perf_counter()
@@ -585,6 +592,9 @@ def heldout_replay(
                         truth_tokens=scored,
                         truth_hits=hits,
                         first_logprob=c.logprobs[0] if c.logprobs else None,
+                        policy_withholds=bool(c.text)
+                        and show_policy is not None
+                        and not show_policy.shows(c.logprobs, c.text),
                         latency_s=latency,
                     ),
                     min_confidence,
@@ -614,10 +624,11 @@ def evaluate(
     token_accuracy: bool = False,
     min_confidence: float = 0.0,
     cursor: str = "end_of_line",
+    show_policy: ShowPolicy | None = None,
 ) -> ReplayStats:
     """The evaluation: `sites` cursor sites of the held-out `files` picked by `seed` (`cursor`: where
     in a line, learner.judge.cursor_sites), replayed with
-    `model` (heldout_replay, serve settings at their defaults). `flywheel eval`, the learning
+    `model` (heldout_replay, serve settings at their defaults) and its version's `show_policy`. `flywheel eval`, the learning
     benchmark and the demo's summary call it; the gate replays the same sites for two models."""
     return heldout_replay(
         model,
@@ -630,6 +641,7 @@ def evaluate(
         progress=progress,
         token_accuracy=token_accuracy,
         min_confidence=min_confidence,
+        show_policy=show_policy,
     )
 
 
@@ -648,9 +660,11 @@ def evaluate_candidate(
     threads: int | None = 1,
     stable_stats: ReplayStats | None = None,
     min_confidence: float = 0.0,
+    candidate_policy: ShowPolicy | None = None,
+    stable_policy: ShowPolicy | None = None,
 ) -> tuple[ReplayStats, ReplayStats]:
-    """Replay both models on the same `sites` with the same settings: (stable stats, candidate
-    stats), for the gate's `check` to compare.
+    """Replay both models on the same `sites` with the same settings, each with its own show
+    policy: (stable stats, candidate stats), for the gate's `check` to compare.
 
     Pass `stable_stats` from an earlier call to skip replaying an unchanged stable model again."""
     replay = dict(
@@ -663,8 +677,8 @@ def evaluate_candidate(
         min_confidence=min_confidence,
     )
     if stable_stats is None:
-        stable_stats = heldout_replay(stable_model, tok, fmt, sites, **replay)
-    return stable_stats, heldout_replay(candidate_model, tok, fmt, sites, **replay)
+        stable_stats = heldout_replay(stable_model, tok, fmt, sites, **replay, show_policy=stable_policy)
+    return stable_stats, heldout_replay(candidate_model, tok, fmt, sites, **replay, show_policy=candidate_policy)
 
 
 def _frozen(hook: WeightHook | None) -> WeightHook | None:

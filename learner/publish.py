@@ -54,18 +54,19 @@ def publish_version(
     gate_reason: str | None = None,
     metrics: Mapping[str, float] | None = None,
     version: int | None = None,
+    show_policy: Mapping | None = None,
     flush_timeout_s: float = 30.0,
 ) -> ModelVersion:
     """Store `packed` as the next version (or as `version`), a delta against `parent`; record
-    it in `model_versions` on `engine` with the gate's verdict and `metrics` ({name: number});
-    announce it with `producer`. Returns the announced message.
+    it in `model_versions` on `engine` with the gate's verdict and `metrics` ({name: number}),
+    with `show_policy` (learner/show.py) in its manifest; announce it with `producer`. Returns the announced message.
 
     `packed` None: `version` is in the store already (published before the publisher stopped),
     and only its row and announcement are written. An announcement Kafka does not take within
     `flush_timeout_s` stays in the producer's buffer (a warning says so): the version is
     recorded, and the producer delivers it once Kafka is back."""
     if packed is not None:
-        version = store.publish(packed, parent=parent, version=version).version
+        version = store.publish(packed, parent=parent, version=version, show_policy=show_policy).version
     elif version is None or version not in store.versions():
         raise ValueError(f"version {version} is not in the store {store.uri()}: pass its weights to publish it")
     gate = {"gate_passed": gate_passed, "gate_reason": gate_reason}

@@ -687,6 +687,19 @@ class Store:
     def manifest(self, version: int) -> dict:
         return self._manifest(version)[0]
 
+    def show_policy(self, version: int):
+        """The show policy published with `version` (learner/show.py), or None: it has none (a
+        base, or a learner that had too few outcomes to fit one). StoreError if it is unreadable."""
+        from learner.show import ShowPolicy
+
+        d = self.manifest(version).get("show_policy")
+        if d is None:
+            return None
+        try:
+            return ShowPolicy.from_dict(d)
+        except ValueError as e:
+            raise StoreError(f"version {version}: its show policy cannot be applied: {e}") from None
+
     def _manifest(self, version: int) -> tuple[dict, str]:
         if version not in self._manifests:
             if version not in self._stable():
@@ -834,11 +847,17 @@ class Store:
 
     # publishing ------------------------------------------------------------------------------
     def publish(
-        self, ckpt: Mapping[str, codec.Entry], parent: int | None, *, version: int | None = None
+        self,
+        ckpt: Mapping[str, codec.Entry],
+        parent: int | None,
+        *,
+        version: int | None = None,
+        show_policy: Mapping | None = None,
     ) -> ModelVersion:
         """Write `ckpt` as the next version (or `version`): a delta against `parent`, plus a
         full snapshot when there is no parent, the layout changed, or `full_every` versions
-        have passed since the last one. Returns the ModelVersion to announce (gate fields at
+        have passed since the last one; `show_policy` (learner/show.py, as_dict) goes into its
+        manifest. Returns the ModelVersion to announce (gate fields at
         their defaults). The store keeps references to `ckpt`'s tensors: do not modify them.
         StoreError if `version` is taken (another publisher wrote it) or not newer than the latest."""
         with self._writer():
@@ -892,6 +911,8 @@ class Store:
             manifest = self._manifest_for(
                 version, parent, ckpt, algorithm, hashes, files, full_reason, chain_length, info
             )
+            if show_policy is not None:
+                manifest["show_policy"] = dict(show_policy)
             raw = (json.dumps(manifest, indent=1) + "\n").encode()
             files[f"{attempt}/{MANIFEST}"] = raw
             sha = hashlib.sha256(raw).hexdigest()

@@ -47,7 +47,7 @@ from sqlalchemy import text
 from feedback.core.config import Section
 from feedback.sink.loop import SinkSection, SinkSettings
 from learner.train.eval_settings import EvalSection, EvalSettings
-from learner.train.learn_settings import GateSection, LearnSection, LearnSettings
+from learner.train.learn_settings import GateSection, LearnSection, LearnSettings, ShowSection
 from ops import stack
 from ops.rollout.settings import RolloutSection, RolloutSettings, Thresholds
 from ops.simulate import SimulateSection, SimulateSettings
@@ -76,8 +76,13 @@ class DemoSettings(SimulateSettings, ServingSettings, SinkSettings, LearnSetting
     demo: DemoSection = DemoSection()
     sink: SinkSection = SinkSection(feedback_window_s=10.0, grace_period_s=60.0)
     simulate: SimulateSection = SimulateSection(users=6, rate=1.5, edit_delay_s=2.0, max_tokens=16)
+    # A version every 48 samples: its show policy (learner/show.py) is fitted from 32 outcomes on,
+    # so that the first learned version already has one.
     learn: LearnSection = LearnSection(
-        publish_every=90.0, min_samples=48, gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5)
+        publish_every=90.0,
+        min_samples=48,
+        gate=GateSection(sites=16, min_sites=16, max_tokens=16, max_kl=0.5),
+        show=ShowSection(min_samples=32, min_each=4),
     )
     # The production rule promotes a version only once its accept rate is shown within 2 points
     # of stable's, which takes about 1,200 shown choices per arm; the demo's steps gather a few
@@ -343,8 +348,8 @@ def _check_imported_base(s: DemoSettings, console: Console) -> None:
 
 def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, min_confidence: float = 0.0) -> dict:
     """`flywheel eval`'s evaluation of the base (v0) and of the version stable serves now, on the
-    same held-out sites, with serving's confidence gate, printed side by side with their
-    intervals; returns their summaries."""
+    same held-out sites, with serving's confidence gate and each version's show policy
+    (learner/show.py), printed side by side with their intervals; returns their summaries."""
     from feedback import pools
     from learner import eval as E
     from learner.train.learn import model_from_packed
@@ -368,6 +373,7 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, mi
                 threads=cfg.threads,
                 min_confidence=min_confidence,
                 cursor=cfg.cursor,
+                show_policy=learner.store.show_policy(v),
             )
     title = f"held-out evaluation: {cfg.sites} sites (`flywheel eval --model vN --sites {cfg.sites}`)"
     console.print(E.report_table(stats, title=title))

@@ -203,6 +203,8 @@ class ModelReplica:
             fim=settings.model.fim,
             min_confidence=settings.model.min_confidence,
         )
+        if version in store.versions():  # the show policy learned with it (learner/show.py)
+            self.service.show_policy = store.show_policy(version)
         preempt = settings.serve.swap_preempt_after_ms
         self.swapper = HotSwapper(  # gates admission from now on
             self.service,

@@ -441,6 +441,7 @@ class _Prepared:
     served: _Served
     changed: list[str]
     reloaded_all: bool = False  # every tensor is reloaded (the engine's weights were not known)
+    show_policy: object = None  # the version's learned show policy (learner/show.py), None without one
     folder: Path | None = None
     path: str = ""
     sha256: str = ""
@@ -518,6 +519,7 @@ class HotSwapper:
         ckpt = self.store.materialize(version)
         self._served = _Served(version, ckpt, self.store.hashes(version))
         self.service.version = self.service.prompts.version = version
+        self.service.show_policy = self.store.show_policy(version)
 
     async def swap_to(self, version: int) -> SwapReport:
         """Swap to `version`; raises SwapError (replica unchanged) on failure."""
@@ -652,6 +654,7 @@ class HotSwapper:
             _Served(version, ckpt, hashes),
             changed,
             reloaded_all=served is None,
+            show_policy=self.store.show_policy(version),  # read first: an unreadable one fails the swap
         )
         if changed:
             p.folder, p.path, p.sha256, p.nbytes = self._write(to_hf_tensors(ckpt, changed), save)
@@ -709,6 +712,7 @@ class HotSwapper:
                     report.prepared = isinstance(result, dict) and bool(result.get("prepared"))
                 report.reload_s = time.perf_counter() - t1
                 self.service.version = self.service.prompts.version = p.version
+                self.service.show_policy = p.show_policy
                 self._served = p.served
                 if self.gate.refusing is not None and p.reloaded_all:
                     log.warning("every tensor reloaded to v%d: the replica serves again", p.version)

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from learner.confidence import withheld
 from learner.formats import ModelFormat
 from learner.prompts import PromptBuilder, SummaryCache
+from learner.show import ShowPolicy
 from serving.engine import Engine, Sample, SamplingSpec
 from serving.settings import ServeSettings
 
@@ -77,6 +78,7 @@ class CompletionService:
     ):
         self.engine = engine
         self.min_confidence = min_confidence  # model.min_confidence: the confidence gate (learner/confidence.py)
+        self.show_policy: ShowPolicy | None = None  # the served version's (learner/show.py); set on each swap
         self.tok = tok
         self.fmt = fmt
         self.cfg = cfg
@@ -172,10 +174,12 @@ class CompletionService:
             spec = dataclasses.replace(spec, max_tokens=max(1, room))
         samples: list[Sample] = []
         built_ms = (time.perf_counter() - t0) * 1000
-        gate = self.min_confidence if req.suffix is not None else 0.0  # a suggestion at a cursor
+        cursor = req.suffix is not None  # a suggestion at a cursor: the gate and the show policy apply
+        gate, policy = (self.min_confidence, self.show_policy) if cursor else (0.0, None)
         async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
-            samples = [_gated(s, gate) for s in samples]
-            yield self._result(req, prompt, samples, t0, built_ms, done=False)
+            samples = [_gated(s, gate, policy, req.completion_id) for s in samples]
+            if policy is None:  # the policy reads the whole suggestion: what was streamed could not be taken back
+                yield self._result(req, prompt, samples, t0, built_ms, done=False)
         yield self._result(req, prompt, samples, t0, built_ms, done=True)
 
     async def served_version(self) -> int:
@@ -212,11 +216,14 @@ class CompletionService:
         )
 
 
-def _gated(sample: Sample, min_confidence: float) -> Sample:
-    """The sample as the client gets it: no text when the confidence gate withholds it (its tokens
-    and logprobs stay for the record), finishing with reason "withheld". An empty one (the model
+def _gated(sample: Sample, min_confidence: float, policy: ShowPolicy | None = None, key: str = "") -> Sample:
+    """The sample as the client gets it: no text when the confidence gate withholds it, or the
+    version's show policy does and does not explore completion `key` (learner/show.py). Its tokens
+    and logprobs stay for the record, finishing with reason "withheld". An empty one (the model
     abstained, or a stop string cut everything) has nothing to withhold, as in the replay."""
-    if not sample.text or not withheld(sample.logprobs, min_confidence):
+    if not sample.text or not withheld(sample.logprobs, min_confidence, sample.text, policy):
+        return sample
+    if policy is not None and policy.explores(key) and not withheld(sample.logprobs, min_confidence):
         return sample
     return dataclasses.replace(sample, text="", finish_reason="withheld" if sample.finish_reason else None)
 

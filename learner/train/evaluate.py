@@ -32,6 +32,7 @@ from learner import eval as E
 from learner.corpus import SourceFile, load_corpus
 from learner.formats import ModelFormat
 from learner.model import Transformer
+from learner.show import ShowPolicy
 from learner.train.eval_settings import EvalSection, EvalSettings
 
 _VERSION = re.compile(r"v?(\d+)")
@@ -46,6 +47,7 @@ class EvalTarget:
     fmt: ModelFormat  # its tokens, template and window: the prompts are built as serving builds them
     label: str  # where it came from
     name: str  # a column heading: base, v7, the folder's name
+    show_policy: ShowPolicy | None = None  # a store version's learned show policy (learner/show.py)
 
 
 def load_target(spec: str | None, s: EvalSettings) -> EvalTarget:
@@ -131,9 +133,15 @@ def _store_version(version: int, s: EvalSettings) -> EvalTarget:
         raise UserError(f"--model v{version}: {e}") from None
     try:
         model = model_from_packed(packed, args)
+        policy = store.show_policy(version)
     except (RuntimeError, KeyError) as e:  # a store of another base: shapes or names differ
         raise UserError(f"--model v{version} does not fit {where}: {str(e).splitlines()[0]}") from None
-    return EvalTarget(model, tok, fmt, f"v{version} ({store.uri(version)})", f"v{version}")
+    except StoreError as e:
+        raise UserError(f"--model v{version}: {e}") from None
+    label = f"v{version} ({store.uri(version)})"
+    if policy is not None:
+        label += f", with its show policy (fitted on {policy.samples} shown suggestions)"
+    return EvalTarget(model, tok, fmt, label, f"v{version}", policy)
 
 
 def heldout_files(s: EvalSettings, corpus: Path | None = None) -> tuple[list[SourceFile], str]:
@@ -196,6 +204,7 @@ def replay(
             token_accuracy=cfg.token_accuracy,
             min_confidence=min_confidence,
             cursor=cfg.cursor,
+            show_policy=target.show_policy,
         )
 
 

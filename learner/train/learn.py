@@ -416,6 +416,8 @@ class LearnerState:
     online_reward_history: list[float] = field(default_factory=list)  # mean training reward per version window
     last_metrics: dict = field(default_factory=dict)
     trained_ids: list[int] = field(default_factory=list)  # audit: the last AUDIT_IDS reward ids trained
+    show_rows: list[list[float]] = field(default_factory=list)  # learner/show.py: features + accepted, newest last
+    show_policy: dict | None = None  # the last good version's show policy (ShowPolicy.as_dict)
 
 
 def save_state(path: Path, model, opt, state: LearnerState, buffer: ReplayBuffer) -> None:
@@ -749,13 +751,13 @@ class Learner:
             if row is not None:
                 passed, reason, metrics = row.gate_passed, row.gate_reason, row.metrics
             else:  # died between STABLE and recording it: same weights (saved before publishing), same gate
-                passed, reason, metrics = self._gate(self.store.materialize(v))
+                passed, reason, metrics = self._gate(self.store.materialize(v), self.store.show_policy(v))
             log.warning(
                 "v%d was published before the learner stopped; recording it now (gate %s)",
                 v,
                 "passed" if passed else "blocked",
             )
-            self._finish_publish(None, passed, reason, metrics, version=v)
+            self._finish_publish(None, passed, reason, metrics, version=v, show_policy=self.store.show_policy(v))
 
     # steps -------------------------------------------------------------------------------------------
     def poll(self) -> int:
@@ -834,9 +836,43 @@ class Learner:
         st.rewards_since_publish += [s.reward for s in samples]
         st.mismatch_since_publish.append([m["mismatch_kl_replay"], m["mismatch_kl_no_replay"], m["recorded_routing"]])
         st.trained_ids = (st.trained_ids + [s.reward_id for s in samples])[-AUDIT_IDS:]
+        st.show_rows = (st.show_rows + self._show_rows(samples))[-self.cfg.show.window :]
         st.last_metrics = {k: round(v, 6) for k, v in m.items()}
         self._save()
         return m
+
+    def _show_rows(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """The show policy's training rows (learner/show.py) from the samples users saw."""
+        from learner import show
+
+        if not self.cfg.show.enabled:
+            return []
+        return [
+            [*show.features(s.behaviour, self.tok.decode(s.token_ids)), float(show.accepted(s.outcome, s.reward))]
+            for s in samples
+            if s.outcome in show.SHOWN and s.behaviour and s.token_ids
+        ]
+
+    def _show_policy(self):
+        """The show policy to publish with the next version: fitted on the newest outcomes, or
+        the last good version's while there are too few (None: none yet, or `learn.show` is off)."""
+        from learner.show import ShowPolicy, fit
+
+        c = self.cfg.show
+        if not c.enabled:
+            return None
+        fitted = fit(
+            self.state.show_rows,
+            threshold=c.threshold,
+            l2=c.l2,
+            min_samples=c.min_samples,
+            min_each=c.min_each,
+            keep_accepts=c.keep_accepts,
+            explore=c.explore,
+        )
+        if fitted is not None:
+            return fitted
+        return ShowPolicy.from_dict(self.state.show_policy) if self.state.show_policy else None
 
     def publish_due(self, now: float | None = None) -> bool:
         st = self.state
@@ -849,8 +885,9 @@ class Learner:
         """Gate, then store the candidate as the next version (delta against the last good one)."""
         self._save()  # the published weights are a saved state (see the module docstring)
         packed = self._packed()
-        passed, reason, metrics = self._gate(packed)
-        return self._finish_publish(packed, passed, reason, metrics)
+        policy = self._show_policy()
+        passed, reason, metrics = self._gate(packed, policy)
+        return self._finish_publish(packed, passed, reason, metrics, show_policy=policy)
 
     def _packed(self) -> dict:
         """The model's weights as a version: packed FP4 targets, bf16 for the rest."""
@@ -859,10 +896,18 @@ class Learner:
         return S.pack_checkpoint(self.model.state_dict(), self.fmt or "nvfp4", self.fp4_targets if self.fmt else ())
 
     def _finish_publish(
-        self, packed, passed: bool, reason: str | None, metrics: dict, *, version: int | None = None
+        self,
+        packed,
+        passed: bool,
+        reason: str | None,
+        metrics: dict,
+        *,
+        version: int | None = None,
+        show_policy=None,
     ) -> dict:
-        """Publish `packed` as the next version, a delta against the last good one (None: the
-        stored `version`, recovered), then move the learner's state on to it."""
+        """Publish `packed` as the next version with `show_policy` (learner/show.py), a delta
+        against the last good one (None: the stored `version`, recovered), then move the
+        learner's state on to it."""
         from learner.publish import cleanup, publish_version
 
         st = self.state
@@ -873,6 +918,11 @@ class Learner:
             "online_reward": online,
             "samples_trained": st.trained_since_publish,
             "learner_step": st.step,
+            **(
+                {"show_policy_samples": show_policy.samples, "show_policy_accepts": show_policy.accepts}
+                if show_policy is not None
+                else {}
+            ),
             # the train-inference mismatch of this version's updates, and how much of it replayed serving's routes
             **(
                 {
@@ -893,6 +943,7 @@ class Learner:
             gate_passed=passed,
             gate_reason=reason,
             metrics=flat_metrics(metrics),
+            show_policy=show_policy.as_dict() if show_policy is not None else None,
         )
         v = msg.version
         if online is not None:
@@ -902,6 +953,7 @@ class Learner:
         st.user_samples = {}
         if passed:
             st.last_good = v
+            st.show_policy = show_policy.as_dict() if show_policy is not None else None
             self._save_last_good()
         else:
             self._revert_to_last_good()
@@ -918,8 +970,9 @@ class Learner:
             "metrics": metrics,
         }
 
-    def _gate(self, packed) -> tuple[bool, str | None, dict]:
-        """Held-out replay of the candidate against the stable version, then the reward-hacking checks."""
+    def _gate(self, packed, policy=None) -> tuple[bool, str | None, dict]:
+        """Held-out replay of the candidate (with its show `policy`) against the stable version
+        (with its own), then the reward-hacking checks."""
         from feedback import pools
         from learner import eval as E
         from learner.train import gate as G
@@ -943,6 +996,8 @@ class Learner:
             max_tokens=g.max_tokens,
             stable_stats=cached[2] if cached else None,
             min_confidence=self.s.model.min_confidence,
+            candidate_policy=policy,
+            stable_policy=self.store.show_policy(stable_v),
         )
         self._stable_cache = (stable_v, stable_model, stable_stats)
         kl = policy_kl(candidate, stable_model, self._kl_windows())

@@ -58,6 +58,35 @@ class GateSection(GateThresholds):
     """Picks the held-out sites; fixed so every gate compares on the same ones."""
 
 
+class ShowSection(Section):
+    """The show policy (section `[learn.show]`; learner/show.py): when a suggestion is shown,
+    learned from the outcomes of the suggestions users saw, published with each version."""
+
+    enabled: bool = True
+    """Fit a show policy and publish it with each version; off: versions carry none, and only
+    the confidence gate (model.min_confidence) decides what is shown."""
+    threshold: float = Field(default=0.25, gt=0, lt=1)
+    """Show a suggestion when its estimated chance of an accept is at least this (or the lower
+    threshold `keep_accepts` sets). 0.25 is where the sink's default rewards (+0.75 accepted,
+    -0.25 dismissed or ignored, 0 not shown) make showing worth it; with other `[sink.reward]`
+    weights, -dismissed / (accepted - dismissed)."""
+    keep_accepts: float | None = Field(default=0.9, gt=0, le=1)
+    """Lower the threshold as far as needed to show this share of the accepted suggestions the
+    policy is fitted on; empty: the threshold alone (the reward's optimum, which withholds more
+    of what users would have taken)."""
+    explore: float = Field(default=0.05, ge=0, le=1)
+    """Share of the suggestions the policy withholds that serving shows anyway, so that the next
+    fit learns how those fare too (the gate's own withholdings are not explored)."""
+    window: int = Field(default=4096, ge=1)
+    """The newest outcomes of shown suggestions the policy is fitted on."""
+    min_samples: int = Field(default=64, ge=1)
+    """Fewest outcomes to fit on; below them a version keeps the last good version's policy."""
+    min_each: int = Field(default=8, ge=1)
+    """Fewest accepted, and fewest not accepted, among them."""
+    l2: float = Field(default=0.01, ge=0)
+    """Penalty on the policy's (standardized) weights, which keeps a fit on few outcomes tame."""
+
+
 class LearnSection(Section):
     """The RL learner: feedback in, model versions out."""
 
@@ -117,6 +146,7 @@ class LearnSection(Section):
     gpu: bool = False
     """With workers > 1: one GPU per worker (NCCL) instead of CPU workers (gloo)."""
     gate: GateSection = GateSection()
+    show: ShowSection = ShowSection()
 
     @field_validator("train_weights")
     @classmethod

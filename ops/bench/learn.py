@@ -11,14 +11,20 @@ One run, one process, the learner's own code path on simulated editor feedback:
                    (learner.judge), feedback.reward scores them as the sink would,
                    learner.train.learn.rl_update trains
         publish:   pack to FP4, the delta against the previous version as the store encodes it
-                   (learner.delta, zstd at learn.zstd_level), then the evaluation
+                   (learner.delta, zstd at learn.zstd_level), fit the show policy on the
+                   outcomes of the suggestions shown so far (learner.show, as the learner
+                   does; `learn.show`), then the evaluation
                    (learner.eval.evaluate, as `flywheel eval`: eval.sites held-out sites, or
-                   --sites) of the served weights
+                   --sites) of the served weights with their show policy
 
 Only the weights `learn.train_weights` names are trained, as in the learner. Reported per version:
 held-out reward, accept rate and accepted characters per request with their 95% confidence
 intervals, suggestion rate, exact match, the KL to the base, and the delta's size as a share of
-the full checkpoint, each beside the base model's: the trade-off of learning against delta size.
+the full checkpoint, each beside the base model's: the trade-off of learning against delta size;
+and the tests of what the issue asks of learning: the accept rate against the base's (one-sided
+two-proportion test) and the paired change in accepted characters per request on the same sites.
+Training traffic is served as serving serves it: the gate, then the version's show policy with
+its exploration share.
 No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e test run the
 same learner on real traffic.
 """
@@ -61,6 +67,7 @@ def run_bench(
     from feedback.reward import reward
     from learner import delta as codec
     from learner import eval as E
+    from learner import show
     from learner import store as S
     from learner.confidence import withheld
     from learner.decode import decode, room
@@ -89,7 +96,7 @@ def run_bench(
     g, ev = s.learn.gate, s.eval
     n_held = ev.sites
 
-    def evaluate(model) -> E.ReplayStats:
+    def evaluate(model, policy=None) -> E.ReplayStats:
         return E.evaluate(
             model,
             tok,
@@ -100,6 +107,7 @@ def run_bench(
             max_tokens=ev.max_tokens,
             min_confidence=s.model.min_confidence,
             cursor=ev.cursor,
+            show_policy=policy,
         )
 
     train = cursor_sites(corpus.train, train_sites, random.Random(7))
@@ -125,6 +133,9 @@ def run_bench(
             "mismatch_kl_replay": None,
             "mismatch_kl_no_replay": None,
             "train_withheld": None,
+            "show_policy_samples": None,
+            "accept_p_vs_base": None,
+            "chars_vs_base": None,
             "delta_bytes": None,
             "full_bytes": codec.checkpoint_nbytes(base_packed),
         }
@@ -141,6 +152,8 @@ def run_bench(
         gen = torch.Generator().manual_seed(0)
         rng = random.Random(0)
         step = 0
+        shown_rows: list[list[float]] = []  # the show policy's outcomes (learner.show), newest last
+        show_policy = None  # the served version's: the base has none
         with console.status(f"lr {lr:g}") as status:
             for v in range(1, versions + 1):
                 rewards, mism_replay, mism_none = [], [], []
@@ -165,10 +178,16 @@ def run_bench(
                             generator=gen,
                             stop=editor_stops(train[i].language, train[i].prefix),
                         )
-                        if c.text and withheld(c.logprobs, s.model.min_confidence):
-                            withheld_draws += 1  # serving's gate: never shown, so never trained
-                            continue
+                        if c.text and withheld(c.logprobs, s.model.min_confidence, c.text, show_policy):
+                            explored = show_policy is not None and show_policy.explores(f"b{step}-{_draw}")
+                            if not explored or withheld(c.logprobs, s.model.min_confidence):
+                                withheld_draws += 1  # as serving: never shown, so never trained
+                                continue
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
+                        if c.text and cfg.show.enabled:
+                            label = float(show.accepted(parts["outcome"], r))
+                            shown_rows.append([*show.features(c.logprobs, c.text), label])
+                            del shown_rows[: -cfg.show.window]
                         batch.append(
                             Sample(step, f"b{step}", 0, v - 1, prompts[i], c.ids, c.logprobs, r, parts["outcome"])
                         )
@@ -193,7 +212,19 @@ def run_bench(
                 )
                 previous = packed
                 served = model_from_packed(packed, args)
-                stats = evaluate(served)
+                if cfg.show.enabled:  # as the learner: a new fit, else the last one
+                    sc = cfg.show
+                    fitted = show.fit(
+                        shown_rows,
+                        threshold=sc.threshold,
+                        l2=sc.l2,
+                        min_samples=sc.min_samples,
+                        min_each=sc.min_each,
+                        keep_accepts=sc.keep_accepts,
+                        explore=sc.explore,
+                    )
+                    show_policy = fitted or show_policy
+                stats = evaluate(served, show_policy)
                 rows.append(
                     {
                         "lr": lr,
@@ -205,6 +236,8 @@ def run_bench(
                         "mismatch_kl_replay": sum(mism_replay) / len(mism_replay),
                         "mismatch_kl_no_replay": sum(mism_none) / len(mism_none),
                         "train_withheld": withheld_draws / (len(rewards) + withheld_draws),
+                        "show_policy_samples": show_policy.samples if show_policy is not None else None,
+                        **_against_base(stats, base_stats),
                         "delta_bytes": delta_bytes,
                         "full_bytes": codec.checkpoint_nbytes(packed),
                     }
@@ -217,11 +250,12 @@ def run_bench(
         "held-out reward",
         "accept rate [95% CI]",
         "suggestion rate",
-        "exact match",
         "accepted chars / request [95% CI]",
         "KL to base",
-        "train reward",
         "withheld (training traffic)",
+        "show policy (outcomes)",
+        "p (accept rate > base)",
+        "chars - base [95% CI]",
         "mismatch KL replay / none",
         "delta (share of full)",
         title=f"learning curve: {n_held} held-out sites (flywheel eval's replay), {cfg.batch_size} samples/update, "
@@ -235,11 +269,12 @@ def run_bench(
             f"{r['reward']:+.3f}",
             _with_interval(r, "accept_rate", "{:.1%}"),
             f"{r['suggestion_rate']:.1%}",
-            f"{r['exact_match']:.1%}",
             _with_interval(r, "accepted_chars_per_request", "{:.2f}"),
             f"{r['kl_to_base']:.2e}",
-            "" if r["train_reward"] is None else f"{r['train_reward']:+.3f}",
             "" if r["train_withheld"] is None else f"{r['train_withheld']:.0%}",
+            "" if r["show_policy_samples"] is None else str(r["show_policy_samples"]),
+            "" if r["accept_p_vs_base"] is None else f"{r['accept_p_vs_base']:.3f}",
+            "" if r["chars_vs_base"] is None else _difference(r["chars_vs_base"]),
             ""
             if r["mismatch_kl_replay"] is None
             else f"{r['mismatch_kl_replay']:.2e} / {r['mismatch_kl_no_replay']:.2e}",
@@ -278,6 +313,28 @@ def _summary(st) -> dict:
         "sites": st.n,
         "intervals": {name: i.as_dict() for name, i in st.intervals().items()},
     }
+
+
+def _against_base(st, base) -> dict:
+    """What the issue asks of learning, on the same sites: is the accept rate (of shown) higher
+    than the base's (one-sided two-proportion test; None when either showed nothing), and the
+    paired change in accepted characters per request with its 95% t interval."""
+    from learner import eval as E
+    from ops.rollout.stats import two_proportion_ztest
+
+    p = two_proportion_ztest(base.accepted, base.shown, st.accepted, st.shown).p if st.shown and base.shown else None
+    diffs = [a.accepted_chars - b.accepted_chars for a, b in zip(st.results, base.results, strict=True)]
+    i = E.t_interval(diffs)
+    return {
+        "accept_p_vs_base": p,
+        "chars_vs_base": {"mean": sum(diffs) / len(diffs), "low": i.low, "high": i.high},
+    }
+
+
+def _difference(d: dict) -> str:
+    if d["low"] is None or d["high"] is None:
+        return f"{d['mean']:+.2f}"
+    return f"{d['mean']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]"
 
 
 def _delta_share(row: dict) -> str:

@@ -190,6 +190,47 @@ def test_the_confidence_gate_withholds_what_serving_would_and_counts_it(tok, fmt
     assert open_.gated(threshold).results == gated.results and open_.gated(0.0).results == open_.results
 
 
+def test_a_versions_show_policy_withholds_in_the_replay_as_in_serving(tok, fmt, sites):
+    """learner/show.py: the replay applies the version's policy after the gate, with serving's
+    `withheld`; what it hides stays hidden at every gate threshold (`--gate-curve`)."""
+    from learner.confidence import withheld
+    from learner.show import FEATURES, ShowPolicy
+
+    model = random_model(tok)
+    builder = E.prompt_builder(tok, fmt, WINDOW)
+    suggestions = [
+        decode(
+            model,
+            tok,
+            E.site_prompt(builder, site)[0],
+            MAX_TOKENS,
+            stop_ids=fmt.eos_ids,
+            stop=editor_stops(site.language, site.prefix),
+        )
+        for site in sites
+    ]
+    mean_lp = sorted(sum(c.logprobs) / len(c.logprobs) for c in suggestions if c.text)
+    # a policy on the mean logprob alone, at its median: withholds about half
+    policy = ShowPolicy(
+        mean=(0.0, mean_lp[len(mean_lp) // 2], 0.0, 0.0, 0.0),
+        scale=(1.0,) * len(FEATURES),
+        weights=(0.0, 5.0, 0.0, 0.0, 0.0),
+        bias=0.0,
+        threshold=0.5,
+        samples=100,
+        accepts=50,
+    )
+    open_ = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
+    shown = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS, show_policy=policy)
+    hidden = [bool(c.text) and withheld(c.logprobs, 0.0, c.text, policy) for c in suggestions]
+    assert 0 < sum(hidden) < len(sites) and shown.withheld == sum(hidden)
+    assert [r.policy_withholds for r in shown.results] == hidden
+    for o, r, h in zip(open_.results, shown.results, hidden):
+        expected = ("", "withheld") if h else (o.text, o.outcome)
+        assert (r.text, r.outcome) == expected
+    assert shown.gated(0.0).results == shown.results  # the gate's threshold does not bring them back
+
+
 def test_an_accepted_suggestion_earns_the_sinks_reward_for_an_edit(tok):
     assert reward(E.editor_feedback("foo(x)", judge("foo(x)", "foo(x)")))[0] == 0.75  # full accept, kept verbatim
     partial, parts = reward(E.editor_feedback("foo(y)", judge("foo(y)", "foo(x)")))  # the word `foo(` kept

@@ -453,3 +453,22 @@ def test_the_store_is_created_owner_only(tmp_path, chain):
     assert {stat.S_IMODE(p.stat().st_mode) for p in paths if p.is_dir()} == {0o700}
     files = [p for p in paths if p.is_file()]
     assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600} and len(files) == 6 + 1  # + the lock
+
+
+def test_a_version_carries_its_show_policy_in_its_manifest(tmp_path, chain):
+    """learner/show.py: published with the version, read back by every reader of the store; a
+    policy this code cannot apply is a StoreError (one line), not a crash in serving."""
+    from learner.show import ShowPolicy
+
+    ckpts, _, _ = chain
+    policy = ShowPolicy(
+        mean=(0.0,) * 5, scale=(1.0,) * 5, weights=(1.0, 0, 0, 0, 0), bias=0.5, threshold=0.25, samples=80, accepts=20
+    )
+    store = S.open_store(tmp_path)
+    store.publish(ckpts[0], parent=None)
+    store.publish(ckpts[1], parent=0, show_policy=policy.as_dict())
+    store.publish(ckpts[2], parent=1, show_policy={"bias": 1.0})
+    reader = S.open_store(tmp_path)
+    assert reader.show_policy(0) is None and reader.show_policy(1) == policy
+    with pytest.raises(S.StoreError, match="version 2: its show policy cannot be applied: not a show policy"):
+        reader.show_policy(2)

@@ -194,6 +194,37 @@ async def test_adopt_and_a_replica_far_behind(tok, published):
 
 
 @sync
+async def test_a_swap_brings_the_versions_show_policy_and_an_unreadable_one_fails_it(tok, published, tmp_path):
+    """learner/show.py: the policy travels in the version's manifest; the replica applies the one
+    of the version it serves, from adopt() and every swap; one it cannot read fails the swap
+    before anything changes (the replica keeps its version, weights and policy)."""
+    from learner.show import ShowPolicy
+
+    _, ckpts = published
+    policy = ShowPolicy(
+        mean=(0.0,) * 5, scale=(1.0,) * 5, weights=(1.0, 0, 0, 0, 0), bias=0.5, threshold=0.25, samples=80, accepts=20
+    )
+    store = S.open_store(tmp_path, full_every=100)
+    store.publish(ckpts[0], parent=None, show_policy=policy.as_dict())
+    store.publish(ckpts[1], parent=0)
+    store.publish(ckpts[2], parent=1, show_policy=dataclasses.replace(policy, bias=-0.5).as_dict())
+    store.publish(ckpts[3], parent=2, show_policy=policy.as_dict() | {"features": ["first_logprob"]})
+    engine = WeightsEngine(S.to_hf_tensors(ckpts[0]), version=0)
+    service = make_service(tok, engine)
+    swapper = HotSwapper(service, S.open_store(tmp_path))
+    swapper.adopt(0)
+    assert service.show_policy == policy
+    assert (await swapper.swap_to(1)).ok and service.show_policy is None  # v1 has none: the gate alone
+    assert (await swapper.swap_to(2)).ok and service.show_policy.bias == -0.5
+    with pytest.raises(
+        SwapError, match="swap v2 -> v3 failed: StoreError: version 3: its show policy cannot be applied"
+    ):
+        await swapper.swap_to(3)
+    assert service.version == 2 and service.show_policy.bias == -0.5
+    assert bits_equal(engine.weights, S.to_hf_tensors(ckpts[2]))
+
+
+@sync
 async def test_a_replica_started_from_the_stored_weights_swaps_only_changes(tok, published, tmp_path):
     from safetensors.torch import save_file
 

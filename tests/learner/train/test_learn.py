@@ -246,6 +246,37 @@ def test_publish_gates_stores_a_delta_records_and_announces(tmp_path, base):
     assert all(torch.equal(served[k], mine[k]) for k in served)
 
 
+def test_publish_fits_a_show_policy_on_what_users_saw_and_keeps_it_across_a_restart(tmp_path, base):
+    """learner/show.py: every trained sample users saw is an outcome; at publish the policy fitted
+    on them goes into the version's manifest and its row's metrics. Too few outcomes: the last
+    good version's policy (here none). `learn.show.enabled = false`: none at all."""
+    learn = {"min_samples": 16, "batch_size": 16, "publish_every": 0.01, "show": {"min_samples": 24, "min_each": 4}}
+    lr = started(tmp_path, base, **learn)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+    write_samples(lr.engine, v0, lr.tok, texts(16))
+    lr.poll()
+    lr.update()
+    assert len(lr.state.show_rows) == 16 and sum(r[-1] for r in lr.state.show_rows) == 8  # odd ones accepted
+    info = lr.publish()  # 16 outcomes: too few to fit
+    assert info["gate_passed"] and lr.store.show_policy(1) is None and lr.state.show_policy is None
+    write_samples(lr.engine, v0, lr.tok, texts(16), version=1, seed=1)
+    lr.poll()
+    lr.update()
+    info = lr.publish()
+    policy = lr.store.show_policy(2)
+    assert policy is not None and (policy.samples, policy.accepts) == (32, 16) and policy.explore == 0.05
+    assert info["metrics"]["show_policy_samples"] == 32 and lr.state.show_policy == policy.as_dict()
+    again = started(tmp_path, base, **learn)
+    assert len(again.state.show_rows) == 32 and again.state.show_policy == policy.as_dict()
+
+    off = started(tmp_path / "off", base, **learn | {"show": {"enabled": False}})
+    write_samples(off.engine, v0, off.tok, texts(16))
+    off.poll()
+    off.update()
+    off.publish()
+    assert off.state.show_rows == [] and off.store.show_policy(1) is None
+
+
 def test_only_the_weights_train_weights_names_change_and_only_they_are_in_the_delta(tmp_path, base):
     """learn.train_weights freezes the rest: the updates leave it as the base's, bit for bit, so a
     published version differs from its parent only in the trained tensors."""

@@ -25,7 +25,7 @@ def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
     out = io.StringIO()
     result = run_bench(
         s,
-        Console(file=out, width=240),
+        Console(file=out, width=400),
         lrs=(1e-4,),
         versions=1,
         updates=1,
@@ -60,6 +60,12 @@ def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
     # Each version's delta against the one before, as the store would publish it.
     assert base_row["delta_bytes"] is None and 0 < v1["delta_bytes"] < v1["full_bytes"] == base_row["full_bytes"]
     assert f"(1/{v1['full_bytes'] / v1['delta_bytes']:.0f})" in out.getvalue()
+    # Against the base on the same sites: the paired change in accepted characters is the change
+    # of the means; the accept rate's test needs a suggestion shown by both.
+    chars = v1["chars_vs_base"]
+    assert chars["mean"] == pytest.approx(v1["accepted_chars_per_request"] - base_row["accepted_chars_per_request"])
+    assert v1["accept_p_vs_base"] is None or 0 <= v1["accept_p_vs_base"] <= 1
+    assert base_row["show_policy_samples"] is None and "show policy (outcomes)" in out.getvalue()
 
 
 def test_training_traffic_passes_through_serving_confidence_gate(tmp_path, monkeypatch):
@@ -95,6 +101,38 @@ def test_training_traffic_passes_through_serving_confidence_gate(tmp_path, monke
     # every other sampled suggestion withheld (an empty one is never asked about): full batches all
     # the same, and at most half the draws counted withheld
     draws = iter(range(10**6))
-    monkeypatch.setattr(learner.confidence, "withheld", lambda logprobs, gate: next(draws) % 2 == 0)
+    monkeypatch.setattr(learner.confidence, "withheld", lambda logprobs, gate, *policy: next(draws) % 2 == 0)
     v1 = curve()
     assert len(trained) == 2 * s.learn.batch_size and 0 < v1["train_withheld"] <= 0.5
+
+
+def test_a_version_is_evaluated_and_served_with_the_show_policy_fitted_on_its_traffic(tmp_path, monkeypatch):
+    """As the learner does (learner/show.py): the outcomes of the suggestions shown to the
+    simulated editors are fitted after each version; the evaluation applies the fit, and so does
+    the next version's traffic."""
+    from learner import show
+
+    tiny = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    s = BenchLearnSettings(
+        **{**tiny.model_dump(), "model": {**tiny.model.model_dump(), "min_confidence": 0.0}},
+        eval={"sites": 6, "max_tokens": 8},
+    )
+    ensure_base_model(s, Console(file=io.StringIO()))
+    fitted_on: list[int] = []
+    never = show.ShowPolicy(
+        mean=(0.0,) * 5, scale=(1.0,) * 5, weights=(0.0,) * 5, bias=-10.0, threshold=0.25, samples=0, accepts=0
+    )
+
+    def fit(rows, **kw):
+        fitted_on.append(len(rows))
+        return never
+
+    monkeypatch.setattr(show, "fit", fit)
+    kw = dict(lrs=(1e-4,), versions=2, updates=1, temperature=0.7, train_sites=8, out=None, command="test")
+    base_row, v1, v2 = run_bench(s, Console(file=io.StringIO(), width=240), **kw)["rows"]
+    assert base_row["suggestion_rate"] > 0 and v1["suggestion_rate"] == v2["suggestion_rate"] == 0
+    # v1's traffic was shown under no policy: every suggestion that was not empty is an outcome;
+    # v2's under `never`, which withholds all but what it explores (5%): most draws withheld, and
+    # the outcomes accumulate
+    assert 0 < fitted_on[0] <= s.learn.batch_size and fitted_on[1] >= fitted_on[0]
+    assert v1["train_withheld"] == 0 and v2["train_withheld"] > 0.5

@@ -1,6 +1,7 @@
 """POST /v1/completions as real editor clients send it: Continue (a client-rendered FIM prompt, many
 stop strings, streaming) and Tabby's agent (declarations and snippets, language stops, CRLF)."""
 
+import dataclasses
 import json
 
 from feedback import bus
@@ -84,6 +85,37 @@ def test_the_confidence_gate_withholds_an_unsure_suggestion_at_a_cursor_and_reco
 
     empty = Sample(index=0, token_ids=[5], logprobs=[math.log(0.01)], text="", finish_reason="stop")
     assert _gated(empty, 0.25) is empty
+
+
+def test_the_versions_show_policy_withholds_after_the_gate_and_explores_a_share(tok):
+    """learner/show.py: the served version's policy withholds a suggestion the gate would show
+    (recorded "withheld", as the gate's); a completion it explores is shown; streamed, a
+    suggestion under a policy arrives whole, since the policy reads all of it."""
+    from learner.show import ShowPolicy
+    from serving.http.routing import STABLE
+
+    never = ShowPolicy(
+        mean=(0.0,) * 5, scale=(1.0,) * 5, weights=(0.0,) * 5, bias=-10.0, threshold=0.25, samples=64, accepts=8
+    )
+    body = {"prompt": "x = ", "suffix": "\n", "max_tokens": 8}
+    client, sink, _ = make_client(tok, min_confidence=0.25)
+    service = client.app.state.api.replicas[STABLE].service
+    service.show_policy = never
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == ""
+    assert client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 8}).json()["choices"][0]["text"] == (
+        "return x"  # a plain continuation is never gated
+    )
+    records = [m for t, m in sink.sent if t == bus.COMPLETIONS]
+    assert [c.finish_reason for c in records[0].choices] == ["withheld"]
+
+    service.show_policy = dataclasses.replace(never, explore=1.0)  # explores every completion
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "return x"
+
+    service.show_policy = dataclasses.replace(never, bias=10.0)  # shows everything
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "return x" and texts.count("return x") == 1  # one piece, not token by token
 
 
 def test_a_rendered_prompt_with_the_repository_keeps_its_files_and_path(tok):

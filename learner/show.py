@@ -1,0 +1,186 @@
+"""The show policy: whether a suggestion is shown, learned from what users accepted.
+
+The confidence gate (learner/confidence.py) withholds a suggestion whose first token the model
+gave less than `model.min_confidence`. That is a fixed rule on one number. The sink's rewards
+(+0.75 accepted, -0.25 dismissed, 0 not shown) say what the rule stands in for: show a
+suggestion when the chance that it is accepted is at least 0.25 / (0.75 + 0.25) = 25%.
+
+The show policy estimates that chance from what users did. The learner fits a logistic
+regression of "accepted" on features of the suggestions users were shown (the logprobs the
+serving engine returned with every token, and the suggestion's length), on the feedback of its
+recent samples, and publishes it with each version, in the version's manifest (a few hundred
+bytes; learner/store.py). Serving withholds a suggestion the gate would show when the policy puts
+its chance of an accept below the policy's threshold, and `flywheel eval` replays a version with
+its policy, so the held-out accept rate measures what editors of that version are shown.
+
+The threshold is the reward's break-even (`learn.show.threshold`, 25%) or lower: at most
+1 - `learn.show.keep_accepts` of the accepted suggestions the policy was fitted on fall below it.
+At the break-even alone the policy maximizes the reward, and on this project's base it withholds
+three in five suggestions, a fifth of the accepted characters with them (README, "The show
+policy"); users would feel fewer completions rather than better ones. Bounding the accepts it
+may cost keeps what users take, and still removes most of what they dismiss.
+
+Learning when to abstain is part of what online RL learns on Tab; the weights learn it slowly
+(README, "Learning with the confidence gate on"), the policy from a few hundred outcomes.
+
+Only suggestions users saw have outcomes, so the policy is fitted on those the gate showed,
+and it only ever withholds more: a suggestion below `model.min_confidence` stays withheld.
+What the policy withholds has no outcome either, so serving shows a small share of it anyway
+(`learn.show.explore`, picked by the completion id): without those, each fit would know less of
+what the last one hid, and a policy that withheld too much could never learn it had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+FEATURES = ("first_logprob", "mean_logprob", "min_logprob", "log_tokens", "log_chars")
+"""What the policy reads of a suggestion; every one is known when the engine finishes it."""
+
+SHOWN = frozenset({"select", "edit", "dismiss", "ignored"})
+"""feedback.reward outcomes of a suggestion the user saw: the ones the policy learns from."""
+
+
+def features(logprobs: Sequence[float], text: str) -> list[float]:
+    """FEATURES of a suggestion with these token logprobs (raw, as the engine returns them) and text."""
+    if not logprobs:
+        raise ValueError("a suggestion without tokens has no features")
+    n = len(logprobs)
+    return [
+        float(logprobs[0]),
+        float(sum(logprobs)) / n,
+        float(min(logprobs)),
+        math.log1p(n),
+        math.log1p(len(text.strip())),
+    ]
+
+
+def accepted(outcome: str | None, reward: float) -> bool:
+    """The label: the user kept some of the suggestion (a select, or an edit that kept text)."""
+    return outcome in ("select", "edit") and reward > 0
+
+
+@dataclass(frozen=True)
+class ShowPolicy:
+    """A fitted logistic regression over standardized FEATURES, and the chance it must reach."""
+
+    mean: tuple[float, ...]
+    scale: tuple[float, ...]
+    weights: tuple[float, ...]
+    bias: float
+    threshold: float  # show when the estimated chance of an accept is at least this
+    samples: int  # shown suggestions it was fitted on
+    accepts: int  # of them, accepted
+    explore: float = 0.0  # share of what it withholds that serving shows anyway (`explores`)
+    features: tuple[str, ...] = FEATURES
+
+    def p_accept(self, logprobs: Sequence[float], text: str) -> float:
+        x = features(logprobs, text)
+        z = self.bias + sum(w * (v - m) / s for w, v, m, s in zip(self.weights, x, self.mean, self.scale, strict=True))
+        return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, z))))
+
+    def shows(self, logprobs: Sequence[float], text: str) -> bool:
+        """Whether a suggestion is shown; an empty one has nothing to withhold."""
+        return not logprobs or not text or self.p_accept(logprobs, text) >= self.threshold
+
+    def explores(self, key: str) -> bool:
+        """Whether serving shows the suggestion of completion `key` although the policy withholds
+        it: a deterministic pick of `explore` of all keys, so every chunk of a stream agrees."""
+        if self.explore <= 0:
+            return False
+        u = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+        return u < self.explore
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> ShowPolicy:
+        """The policy a manifest holds; ValueError if it is not one this code can apply."""
+        try:
+            names = tuple(d["features"])
+            if names != FEATURES:
+                raise ValueError(f"its features {list(names)} are not this version of Flywheel's {list(FEATURES)}")
+            policy = cls(
+                mean=tuple(float(x) for x in d["mean"]),
+                scale=tuple(float(x) for x in d["scale"]),
+                weights=tuple(float(x) for x in d["weights"]),
+                bias=float(d["bias"]),
+                threshold=float(d["threshold"]),
+                samples=int(d["samples"]),
+                accepts=int(d["accepts"]),
+                explore=float(d.get("explore", 0.0)),
+                features=names,
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a show policy ({type(e).__name__}: {e})") from None
+        n = len(FEATURES)
+        if not (len(policy.mean) == len(policy.scale) == len(policy.weights) == n):
+            raise ValueError(f"a show policy needs {n} means, scales and weights")
+        if any(not math.isfinite(x) for x in (*policy.mean, *policy.weights, policy.bias)) or any(
+            not (math.isfinite(s) and s > 0) for s in policy.scale
+        ):
+            raise ValueError("a show policy's numbers must be finite, its scales positive")
+        if not (0 < policy.threshold < 1 and 0 <= policy.explore <= 1):
+            raise ValueError("a show policy's threshold must lie in (0, 1) and its explore share in [0, 1]")
+        return policy
+
+
+def fit(
+    rows: Sequence[Sequence[float]],
+    *,
+    threshold: float,
+    l2: float,
+    min_samples: int,
+    min_each: int,
+    keep_accepts: float | None = None,
+    explore: float = 0.0,
+) -> ShowPolicy | None:
+    """The policy fitted on `rows` (FEATURES then the label, 1.0 accepted), or None when there
+    are fewer than `min_samples` rows or fewer than `min_each` accepted or not accepted ones
+    (the fit would be noise). `l2`: the penalty on the standardized weights (not the bias).
+    The policy's threshold is `threshold`, or with `keep_accepts` lower where that would withhold
+    more than 1 - `keep_accepts` of the accepted suggestions among `rows`: the highest at which
+    the policy still shows `keep_accepts` of them. `explore`: the policy's (ShowPolicy)."""
+    if len(rows) < min_samples:
+        return None
+    data = torch.tensor([list(r) for r in rows], dtype=torch.float64)
+    x, y = data[:, :-1], data[:, -1]
+    if x.shape[1] != len(FEATURES):
+        raise ValueError(f"rows need {len(FEATURES)} features and a label, got {data.shape[1]} columns")
+    accepts = int(y.sum().item())
+    if min(accepts, len(rows) - accepts) < min_each:
+        return None
+    mean, scale = x.mean(0), x.std(0, correction=0).clamp_min(1e-6)
+    xs = (x - mean) / scale
+    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        opt.zero_grad()
+        logits = xs @ w[:-1] + w[-1]
+        value = torch.nn.functional.binary_cross_entropy_with_logits(logits, y) + l2 * (w[:-1] ** 2).sum()
+        value.backward()
+        return value
+
+    opt.step(loss)
+    w = w.detach()
+    if keep_accepts is not None:
+        p_accepted = torch.sigmoid(xs[y > 0.5] @ w[:-1] + w[-1]).sort().values
+        kept_from = float(p_accepted[min(len(p_accepted) - 1, int((1.0 - keep_accepts) * len(p_accepted)))])
+        threshold = min(threshold, kept_from)
+    return ShowPolicy(
+        mean=tuple(mean.tolist()),
+        scale=tuple(scale.tolist()),
+        weights=tuple(w[:-1].tolist()),
+        bias=float(w[-1]),
+        threshold=threshold,
+        samples=len(rows),
+        accepts=accepts,
+        explore=explore,
+    )

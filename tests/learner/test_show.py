@@ -1,0 +1,134 @@
+"""The show policy (learner/show.py): features, the fit, its manifest form, exploration, and how
+it joins the confidence gate (learner/confidence.py)."""
+
+import json
+import math
+import random
+
+import pytest
+
+from learner import show
+from learner.confidence import withheld
+
+
+def policy(**over) -> show.ShowPolicy:
+    """A policy on the first logprob alone: p = sigmoid(2 * (first_logprob + 1)), shown from 0.25."""
+    fields = dict(
+        mean=(0.0,) * 5,
+        scale=(1.0,) * 5,
+        weights=(2.0, 0.0, 0.0, 0.0, 0.0),
+        bias=2.0,
+        threshold=0.25,
+        samples=100,
+        accepts=30,
+    )
+    return show.ShowPolicy(**(fields | over))
+
+
+def test_features_read_the_logprobs_and_the_text():
+    f = show.features([-0.1, -2.0, -0.3], "  foo()\n")
+    assert f == pytest.approx([-0.1, -0.8, -2.0, math.log(4), math.log(6)])
+    with pytest.raises(ValueError, match="without tokens"):
+        show.features([], "")
+
+
+def test_the_label_is_an_accept_that_kept_something():
+    assert show.accepted("select", 0.75) and show.accepted("edit", 0.3)
+    assert not show.accepted("edit", 0.0)  # the user deleted all of it
+    assert not show.accepted("dismiss", -0.25) and not show.accepted("ignored", -0.25)
+
+
+def test_the_policy_shows_from_its_threshold():
+    p = policy()
+    # sigmoid(2 * (lp + 1)) = 0.25 at lp = -1 - ln(3) / 2
+    edge = -1 - math.log(3) / 2
+    assert p.p_accept([edge], "x") == pytest.approx(0.25)
+    assert p.shows([edge + 0.01], "x") and not p.shows([edge - 0.01], "x")
+    assert p.shows([], "") and p.shows([-9.0], "")  # nothing to withhold
+
+
+def fake_outcomes(n: int, seed: int) -> list[list[float]]:
+    """Suggestions accepted with chance sigmoid(1.5 * first_logprob + 0.5), the rest noise."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        lps = [-rng.expovariate(1.0) for _ in range(rng.randint(1, 12))]
+        text = "x" * rng.randint(1, 40)
+        p = 1 / (1 + math.exp(-(1.5 * lps[0] + 0.5)))
+        rows.append([*show.features(lps, text), float(rng.random() < p)])
+    return rows
+
+
+def test_the_fit_recovers_the_chance_of_an_accept():
+    p = show.fit(fake_outcomes(4000, seed=0), threshold=0.25, l2=0.0, min_samples=64, min_each=8)
+    assert p is not None and p.samples == 4000 and 0 < p.accepts < 4000
+    for lp in (-0.1, -1.0, -2.0):
+        truth = 1 / (1 + math.exp(-(1.5 * lp + 0.5)))
+        # 4,000 outcomes: the fitted chance's standard error is about 0.02; 0.06 is 3 of them
+        assert p.p_accept([lp, -1.0], "xx") == pytest.approx(truth, abs=0.06)
+    # the first logprob carries the signal: its weight dominates the others
+    assert abs(p.weights[0]) > 3 * max(abs(w) for w in p.weights[1:])
+
+
+def test_no_fit_on_too_few_outcomes():
+    rows = fake_outcomes(200, seed=1)
+    assert show.fit(rows[:63], threshold=0.25, l2=0.01, min_samples=64, min_each=8) is None
+    no_accepts = [r[:-1] + [0.0] for r in rows]
+    assert show.fit(no_accepts, threshold=0.25, l2=0.01, min_samples=64, min_each=8) is None
+    with pytest.raises(ValueError, match="features and a label"):
+        show.fit([r[:-2] + [1.0] for r in rows], threshold=0.25, l2=0.0, min_samples=1, min_each=1)
+
+
+def test_a_policy_round_trips_through_json_and_bad_ones_are_refused():
+    p = show.fit(fake_outcomes(500, seed=2), threshold=0.3, l2=0.01, min_samples=64, min_each=8, explore=0.1)
+    again = show.ShowPolicy.from_dict(json.loads(json.dumps(p.as_dict())))
+    assert again == p
+    d = p.as_dict()
+    for broken, message in (
+        ({k: v for k, v in d.items() if k != "bias"}, "not a show policy"),
+        (d | {"features": ["first_logprob"]}, "are not this version"),
+        (d | {"weights": d["weights"][:2]}, "needs 5"),
+        (d | {"scale": [0.0] * 5}, "scales positive"),
+        (d | {"bias": float("nan")}, "finite"),
+        (d | {"threshold": 1.5}, "threshold"),
+        (d | {"explore": -0.1}, "explore"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            show.ShowPolicy.from_dict(broken)
+
+
+def test_exploration_picks_a_fixed_share_of_completions():
+    p = policy(explore=0.05)
+    keys = [f"cmpl-{i}" for i in range(20_000)]
+    share = sum(map(p.explores, keys)) / len(keys)
+    # binomial: sd = sqrt(0.05 * 0.95 / 20000) = 0.0015; 5 of them
+    assert share == pytest.approx(0.05, abs=0.0075)
+    assert [p.explores(k) for k in keys[:50]] == [p.explores(k) for k in keys[:50]]  # the same every time
+    assert not any(map(policy().explores, keys[:1000]))  # explore 0: never
+
+
+def test_the_policy_withholds_only_what_the_gate_shows():
+    p = policy()
+    sure, unsure = [math.log(0.9)], [math.log(0.2)]
+    assert not withheld(sure, 0.25, "x", p)
+    assert withheld(unsure, 0.25, "x", None)  # the gate alone
+    assert withheld([-3.0], 0.0, "x", p)  # the policy alone: p(-3) = sigmoid(-4) < 0.25
+    assert not withheld([-3.0], 0.0, "x", None)
+    assert not withheld([], 0.25, "", p)  # an abstention has nothing to withhold
+
+
+def test_keep_accepts_lowers_the_threshold_to_show_that_share_of_the_accepts():
+    rows = fake_outcomes(2000, seed=3)
+    plain = show.fit(rows, threshold=0.5, l2=0.01, min_samples=64, min_each=8)
+    kept = show.fit(rows, threshold=0.5, l2=0.01, min_samples=64, min_each=8, keep_accepts=0.9)
+    assert plain.threshold == 0.5 and kept.threshold < 0.5 and kept.weights == plain.weights
+    mean, scale = kept.mean, kept.scale
+    ps = [
+        1 / (1 + math.exp(-(kept.bias + sum(w * (v - m) / s for w, v, m, s in zip(kept.weights, r[:-1], mean, scale)))))
+        for r in rows
+        if r[-1]
+    ]
+    shown = sum(p >= kept.threshold for p in ps) / len(ps)
+    assert 0.9 <= shown <= 0.9 + 1 / len(ps) + 1e-9  # the highest threshold that shows 90% of them
+    # a threshold already below that is kept
+    assert show.fit(rows, threshold=0.01, l2=0.01, min_samples=64, min_each=8, keep_accepts=0.9).threshold == 0.01
