@@ -867,7 +867,7 @@ class Learner:
             l2=c.l2,
             min_samples=c.min_samples,
             min_each=c.min_each,
-            keep_accepts=c.keep_accepts,
+            max_withheld=c.max_withheld,
             explore=c.explore,
         )
         if fitted is not None:

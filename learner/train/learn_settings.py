@@ -67,13 +67,13 @@ class ShowSection(Section):
     the confidence gate (model.min_confidence) decides what is shown."""
     threshold: float = Field(default=0.25, gt=0, lt=1)
     """Show a suggestion when its estimated chance of an accept is at least this (or the lower
-    threshold `keep_accepts` sets). 0.25 is where the sink's default rewards (+0.75 accepted,
+    threshold `max_withheld` sets). 0.25 is where the sink's default rewards (+0.75 accepted,
     -0.25 dismissed or ignored, 0 not shown) make showing worth it; with other `[sink.reward]`
     weights, -dismissed / (accepted - dismissed)."""
-    keep_accepts: float | None = Field(default=0.9, gt=0, le=1)
-    """Lower the threshold as far as needed to show this share of the accepted suggestions the
-    policy is fitted on; empty: the threshold alone (the reward's optimum, which withholds more
-    of what users would have taken)."""
+    max_withheld: float | None = Field(default=0.3, ge=0, lt=1)
+    """Lower the threshold as far as needed for the policy to withhold at most this share of the
+    suggestions it is fitted on (the gate showed them); empty: the threshold alone (the reward's
+    optimum, which withholds more of what users would have taken)."""
     explore: float = Field(default=0.05, ge=0, le=1)
     """Share of the suggestions the policy withholds that serving shows anyway, so that the next
     fit learns how those fare too (the gate's own withholdings are not explored)."""

@@ -220,7 +220,7 @@ def run_bench(
                         l2=sc.l2,
                         min_samples=sc.min_samples,
                         min_each=sc.min_each,
-                        keep_accepts=sc.keep_accepts,
+                        max_withheld=sc.max_withheld,
                         explore=sc.explore,
                     )
                     show_policy = fitted or show_policy

@@ -21,9 +21,10 @@ class Thresholds(Section):
     """Tolerated drop in accept rate (accepted / shown), absolute: 0.02 is 2 percentage points."""
     accept_rate_loss: float = Field(default=0.005, gt=0, le=1)
     """`promote_rule = "expected_loss"`: the largest expected loss of accept rate, absolute, a promotion may carry."""
-    suggestion_rate_drop: float = Field(default=0.10, ge=0, le=1)
-    """Tolerated drop in suggestion rate (shown / choices), absolute. Wide, as a version may learn to abstain;
-    a version that shows nothing is rolled back on it."""
+    suggestion_rate_drop: float = Field(default=0.20, ge=0, le=1)
+    """Tolerated drop in suggestion rate (shown / choices), absolute. Wide, as a version may learn to abstain:
+    its show policy may withhold up to `learn.show.max_withheld` (30%) of what stable shows, 12 points of a
+    40% rate. A version that shows nothing is rolled back on it."""
     reward_drop: float = Field(default=0.05, ge=0)
     """Tolerated drop in mean reward per choice, in reward units (sink.reward: accepted = 0.75)."""
     error_rate_increase: float = Field(default=0.01, ge=0, le=1)

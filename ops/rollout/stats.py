@@ -251,7 +251,7 @@ class Policy:
     accept_rate_drop: float = 0.02
     accept_rate_loss: float = 0.005
     """`expected_loss`: the largest expected loss of accept rate, absolute, a promotion may carry."""
-    suggestion_rate_drop: float = 0.10
+    suggestion_rate_drop: float = 0.20
     reward_drop: float = 0.05
     error_rate_increase: float = 0.01
     p99_latency_ratio: float = 1.5

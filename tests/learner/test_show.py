@@ -117,18 +117,17 @@ def test_the_policy_withholds_only_what_the_gate_shows():
     assert not withheld([], 0.25, "", p)  # an abstention has nothing to withhold
 
 
-def test_keep_accepts_lowers_the_threshold_to_show_that_share_of_the_accepts():
+def test_max_withheld_lowers_the_threshold_to_withhold_at_most_that_share():
     rows = fake_outcomes(2000, seed=3)
     plain = show.fit(rows, threshold=0.5, l2=0.01, min_samples=64, min_each=8)
-    kept = show.fit(rows, threshold=0.5, l2=0.01, min_samples=64, min_each=8, keep_accepts=0.9)
-    assert plain.threshold == 0.5 and kept.threshold < 0.5 and kept.weights == plain.weights
-    mean, scale = kept.mean, kept.scale
-    ps = [
-        1 / (1 + math.exp(-(kept.bias + sum(w * (v - m) / s for w, v, m, s in zip(kept.weights, r[:-1], mean, scale)))))
-        for r in rows
-        if r[-1]
-    ]
-    shown = sum(p >= kept.threshold for p in ps) / len(ps)
-    assert 0.9 <= shown <= 0.9 + 1 / len(ps) + 1e-9  # the highest threshold that shows 90% of them
-    # a threshold already below that is kept
-    assert show.fit(rows, threshold=0.01, l2=0.01, min_samples=64, min_each=8, keep_accepts=0.9).threshold == 0.01
+    bounded = show.fit(rows, threshold=0.5, l2=0.01, min_samples=64, min_each=8, max_withheld=0.3)
+    assert plain.threshold == 0.5 and bounded.threshold < 0.5 and bounded.weights == plain.weights
+
+    def withheld_share(p: show.ShowPolicy) -> float:
+        z = [p.bias + sum(w * (v - m) / s for w, v, m, s in zip(p.weights, r[:-1], p.mean, p.scale)) for r in rows]
+        return sum(1 / (1 + math.exp(-x)) < p.threshold for x in z) / len(rows)
+
+    assert withheld_share(plain) > 0.3  # at 0.5 it would withhold more
+    assert 0.3 - 1 / len(rows) <= withheld_share(bounded) <= 0.3  # the highest threshold within the bound
+    # a threshold already within the bound is kept
+    assert show.fit(rows, threshold=0.01, l2=0.01, min_samples=64, min_each=8, max_withheld=0.3).threshold == 0.01
