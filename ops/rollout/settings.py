@@ -21,7 +21,7 @@ class Thresholds(Section):
     """Tolerated drop in accept rate (accepted / shown), absolute: 0.02 is 2 percentage points."""
     accept_rate_loss: float = Field(default=0.005, gt=0, le=1)
     """`promote_rule = "expected_loss"`: the largest expected loss of accept rate, absolute, a promotion may carry."""
-    suggestion_rate_drop: float = Field(default=0.20, ge=0, le=1)
+    suggestion_rate_drop: float = Field(default=0.15, ge=0, le=1)
     """Tolerated drop in suggestion rate (shown / choices), absolute. Wide, as a version may learn to abstain:
     its show policy may withhold up to `learn.show.max_withheld` (30%) of what stable shows, 12 points of a
     40% rate. A version that shows nothing is rolled back on it."""

@@ -59,11 +59,18 @@ def test_two_proportion_pooled_by_hand():
     assert t.diff == pytest.approx(-0.10)
 
 
-def test_two_proportion_with_margin_uses_unpooled_se():
-    # se = sqrt(.45*.55/100 + .55*.45/100) = 0.0703562; z = (0.10 - 0.02) / se = 1.137070
+def test_two_proportion_with_margin_uses_agresti_caffo():
+    # 46/102 vs 56/102: se = sqrt(2 * (46/102) * (56/102) / 102) = 0.0696767;
+    # z = (10/102 - 0.02) / se = 1.120019
     t = two_proportion_ztest(45, 100, 55, 100, margin=0.02)
-    assert t.stat == pytest.approx(0.08 / math.sqrt(0.00495))
-    assert t.p == pytest.approx(0.12776, abs=1e-4)
+    assert t.stat == pytest.approx(1.120019, abs=1e-6)
+    assert t.p == pytest.approx(0.131353, abs=1e-5)
+    assert (t.canary, t.stable) == (0.45, 0.55)  # reported as observed
+    # a canary at 0 of 8 against 7 of 34: the Wald se would be stable's alone (z = 2.68, p = 0.004)
+    small = two_proportion_ztest(0, 8, 7, 34, margin=0.02)
+    assert small.p > 0.05 and small.stat == pytest.approx(
+        (8 / 36 - 1 / 10 - 0.02) / math.sqrt(0.1 * 0.9 / 10 + (8 / 36) * (28 / 36) / 36)
+    )
 
 
 def test_two_proportion_lower_is_better():
@@ -77,7 +84,8 @@ def test_two_proportion_lower_is_better():
 
 def test_two_proportion_without_spread():
     assert two_proportion_ztest(0, 50, 0, 50, higher_is_better=False).p == 1.0  # no errors anywhere: no evidence
-    assert two_proportion_ztest(50, 50, 0, 50, margin=0.1, higher_is_better=False).p == 0.0  # all vs none
+    # all vs none: no spread in either arm, still overwhelming evidence (Agresti-Caffo's se is not 0)
+    assert two_proportion_ztest(50, 50, 0, 50, margin=0.1, higher_is_better=False).p < 1e-100
 
 
 def test_welch_by_hand():
@@ -187,7 +195,7 @@ def test_a_canary_that_shows_nothing_rolls_back_on_its_suggestion_rate():
     t = d.evidence["tests"]["suggestion_rate"]
     assert (d.action, d.rule) == (ROLLBACK, "suggestion_rate") and t["worse"] and t["canary"] == 0.0
     assert "suggestion rate 0.0% vs 40.0%" in d.reason
-    # learning to abstain is allowed: 12 points fewer shown (a show policy withholding 30% of 40%) is within 20
+    # learning to abstain is allowed: 12 points fewer shown (a show policy withholding 30% of 40%) is within 15
     abstains = arm(shown=280, choices=1000)
     assert not decide(abstains, arm(shown=400, choices=1000), POLICY, holds=0, last_step=False).evidence["tests"][
         "suggestion_rate"
