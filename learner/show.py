@@ -140,14 +140,17 @@ def fit(
     min_samples: int,
     min_each: int,
     max_withheld: float | None = None,
+    withheld: Sequence[Sequence[float]] = (),
     explore: float = 0.0,
 ) -> ShowPolicy | None:
     """The policy fitted on `rows` (FEATURES then the label, 1.0 accepted), or None when there
     are fewer than `min_samples` rows or fewer than `min_each` accepted or not accepted ones
     (the fit would be noise). `l2`: the penalty on the standardized weights (not the bias).
     The policy's threshold is `threshold`, or with `max_withheld` lower where that would withhold
-    more than that share of `rows`: then the highest that withholds at most `max_withheld` of
-    them. `explore`: the policy's (ShowPolicy)."""
+    more than that share of what the gate showed: `rows` and `withheld`, the features of the
+    suggestions the last policy withheld (no outcome, so not in `rows`); then the highest that
+    withholds at most `max_withheld` of them. Without `withheld` each policy's share would be
+    of what the last one left, and the shares would compound. `explore`: the policy's."""
     if len(rows) < min_samples:
         return None
     data = torch.tensor([list(r) for r in rows], dtype=torch.float64)
@@ -171,8 +174,9 @@ def fit(
 
     opt.step(loss)
     w = w.detach()
-    if max_withheld is not None:  # p[k] withholds the k rows below it (ties aside), k <= max_withheld * n
-        p = torch.sigmoid(xs @ w[:-1] + w[-1]).sort().values
+    if max_withheld is not None:  # p[k] withholds the k suggestions below it (ties aside), k <= max_withheld * n
+        shown = torch.cat([x, torch.tensor([list(r) for r in withheld], dtype=torch.float64).reshape(-1, x.shape[1])])
+        p = torch.sigmoid((shown - mean) / scale @ w[:-1] + w[-1]).sort().values
         threshold = min(threshold, float(p[min(len(p) - 1, int(max_withheld * len(p)))]))
     return ShowPolicy(
         mean=tuple(mean.tolist()),

@@ -417,6 +417,7 @@ class LearnerState:
     last_metrics: dict = field(default_factory=dict)
     trained_ids: list[int] = field(default_factory=list)  # audit: the last AUDIT_IDS reward ids trained
     show_rows: list[list[float]] = field(default_factory=list)  # learner/show.py: features + accepted, newest last
+    show_withheld: list[list[float]] = field(default_factory=list)  # features of what the show policy withheld
     show_policy: dict | None = None  # the last good version's show policy (ShowPolicy.as_dict)
 
 
@@ -774,6 +775,7 @@ class Learner:
             and self._in_vocabulary(s)
         ]
         st.samples_skipped += len(samples) - len(usable)
+        st.show_withheld = (st.show_withheld + self._policy_withheld(samples))[-self.cfg.show.window :]
         usable = self._within_user_cap(usable)
         st.samples_read += len(samples)
         st.cursor = last
@@ -853,6 +855,21 @@ class Learner:
             if s.outcome in show.SHOWN and s.behaviour and s.token_ids
         ]
 
+    def _policy_withheld(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Features of the suggestions a show policy withheld: recorded `withheld` although the
+        confidence gate would have shown them. No outcome, but part of what the gate showed."""
+        from learner import show
+        from learner.confidence import withheld
+
+        if not self.cfg.show.enabled:
+            return []
+        gate = self.s.model.min_confidence
+        return [
+            show.features(s.behaviour, self.tok.decode(s.token_ids))
+            for s in samples
+            if s.outcome == "withheld" and s.behaviour and s.token_ids and not withheld(s.behaviour, gate)
+        ]
+
     def _show_policy(self):
         """The show policy to publish with the next version: fitted on the newest outcomes, or
         the last good version's while there are too few (None: none yet, or `learn.show` is off)."""
@@ -868,6 +885,7 @@ class Learner:
             min_samples=c.min_samples,
             min_each=c.min_each,
             max_withheld=c.max_withheld,
+            withheld=self.state.show_withheld,
             explore=c.explore,
         )
         if fitted is not None:

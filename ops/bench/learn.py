@@ -153,6 +153,7 @@ def run_bench(
         rng = random.Random(0)
         step = 0
         shown_rows: list[list[float]] = []  # the show policy's outcomes (learner.show), newest last
+        policy_withheld: list[list[float]] = []  # features of what it withheld (the gate would have shown)
         show_policy = None  # the served version's: the base has none
         with console.status(f"lr {lr:g}") as status:
             for v in range(1, versions + 1):
@@ -179,9 +180,12 @@ def run_bench(
                             stop=editor_stops(train[i].language, train[i].prefix),
                         )
                         if c.text and withheld(c.logprobs, s.model.min_confidence, c.text, show_policy):
-                            explored = show_policy is not None and show_policy.explores(f"b{step}-{_draw}")
-                            if not explored or withheld(c.logprobs, s.model.min_confidence):
+                            gated = show_policy is None or withheld(c.logprobs, s.model.min_confidence)
+                            if gated or not show_policy.explores(f"b{step}-{_draw}"):
                                 withheld_draws += 1  # as serving: never shown, so never trained
+                                if not gated:  # the show policy's: part of what the gate showed
+                                    policy_withheld.append(show.features(c.logprobs, c.text))
+                                    del policy_withheld[: -cfg.show.window]
                                 continue
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
                         if c.text and cfg.show.enabled:
@@ -221,6 +225,7 @@ def run_bench(
                         min_samples=sc.min_samples,
                         min_each=sc.min_each,
                         max_withheld=sc.max_withheld,
+                        withheld=policy_withheld,
                         explore=sc.explore,
                     )
                     show_policy = fitted or show_policy

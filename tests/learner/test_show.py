@@ -131,3 +131,22 @@ def test_max_withheld_lowers_the_threshold_to_withhold_at_most_that_share():
     assert 0.3 - 1 / len(rows) <= withheld_share(bounded) <= 0.3  # the highest threshold within the bound
     # a threshold already within the bound is kept
     assert show.fit(rows, threshold=0.01, l2=0.01, min_samples=64, min_each=8, max_withheld=0.3).threshold == 0.01
+
+
+def test_the_bound_counts_what_the_last_policy_withheld():
+    """What the last policy withheld has no outcome, but the gate showed it: the bound is a share
+    of the gate's, so successive policies do not each withhold another 30% of what is left."""
+    rows = fake_outcomes(2000, seed=4)
+    kw = dict(threshold=0.5, l2=0.01, min_samples=64, min_each=8, max_withheld=0.3)
+    alone = show.fit(rows, **kw)
+    # the 600 suggestions the last policy withheld: the least likely of the same kind
+    unshown = [r[:-1] for r in sorted(fake_outcomes(2000, seed=5), key=lambda r: r[0])[:600]]
+    counted = show.fit(rows, withheld=unshown, **kw)
+    assert counted.weights == alone.weights and counted.threshold < alone.threshold
+    everything = [r[:-1] for r in rows] + unshown
+    z = [
+        counted.bias + sum(w * (v - m) / s for w, v, m, s in zip(counted.weights, f, counted.mean, counted.scale))
+        for f in everything
+    ]
+    share = sum(1 / (1 + math.exp(-x)) < counted.threshold for x in z) / len(everything)
+    assert 0.3 - 1 / len(everything) <= share <= 0.3

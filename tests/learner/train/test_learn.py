@@ -277,6 +277,24 @@ def test_publish_fits_a_show_policy_on_what_users_saw_and_keeps_it_across_a_rest
     assert off.state.show_rows == [] and off.store.show_policy(1) is None
 
 
+def test_what_the_show_policy_withheld_is_kept_for_its_bound_and_the_gates_is_not(tmp_path, base):
+    """A `withheld` record the confidence gate would have shown was withheld by a show policy: no
+    outcome, but part of what the gate showed, which `learn.show.max_withheld` is a share of."""
+    lr = started(tmp_path, base)
+    v0 = model_from_packed(lr.store.materialize(0), lr.args)
+
+    def withheld(tokens):
+        return 0.0, "withheld"
+
+    write_samples(lr.engine, v0, lr.tok, texts(6), reward_fn=withheld)
+    lr.poll()  # the tiny base is unsure of every first token: the gate (0.25) withheld them
+    assert lr.state.show_withheld == [] and len(lr.buffer) == 0
+    lr.s = lr.s.model_copy(update={"model": lr.s.model.model_copy(update={"min_confidence": 0.0})})
+    write_samples(lr.engine, v0, lr.tok, texts(6), reward_fn=withheld, seed=1)
+    lr.poll()  # no gate: a policy withheld these
+    assert len(lr.state.show_withheld) == 6 and len(lr.buffer) == 0  # never trained on
+
+
 def test_only_the_weights_train_weights_names_change_and_only_they_are_in_the_delta(tmp_path, base):
     """learn.train_weights freezes the rest: the updates leave it as the base's, bit for bit, so a
     published version differs from its parent only in the trained tensors."""
