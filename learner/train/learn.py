@@ -873,21 +873,12 @@ class Learner:
     def _show_policy(self):
         """The show policy to publish with the next version: fitted on the newest outcomes, or
         the last good version's while there are too few (None: none yet, or `learn.show` is off)."""
-        from learner.show import ShowPolicy, fit
+        from learner.show import ShowPolicy
 
         c = self.cfg.show
         if not c.enabled:
             return None
-        fitted = fit(
-            self.state.show_rows,
-            threshold=c.threshold,
-            l2=c.l2,
-            min_samples=c.min_samples,
-            min_each=c.min_each,
-            max_withheld=c.max_withheld,
-            withheld=self.state.show_withheld,
-            explore=c.explore,
-        )
+        fitted = c.fit(self.state.show_rows, self.state.show_withheld)
         if fitted is not None:
             return fitted
         return ShowPolicy.from_dict(self.state.show_policy) if self.state.show_policy else None

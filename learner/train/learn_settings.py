@@ -86,6 +86,22 @@ class ShowSection(Section):
     l2: float = Field(default=0.01, ge=0)
     """Penalty on the policy's (standardized) weights, which keeps a fit on few outcomes tame."""
 
+    def fit(self, rows, withheld=()):
+        """learner.show.fit on these outcomes (`rows`) and the features of what the last policy
+        `withheld`, with these settings: the policy, or None when there are too few outcomes."""
+        from learner import show
+
+        return show.fit(
+            rows,
+            threshold=self.threshold,
+            l2=self.l2,
+            min_samples=self.min_samples,
+            min_each=self.min_each,
+            max_withheld=self.max_withheld,
+            withheld=withheld,
+            explore=self.explore,
+        )
+
 
 class LearnSection(Section):
     """The RL learner: feedback in, model versions out."""

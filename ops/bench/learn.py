@@ -217,17 +217,7 @@ def run_bench(
                 previous = packed
                 served = model_from_packed(packed, args)
                 if cfg.show.enabled:  # as the learner: a new fit, else the last one
-                    sc = cfg.show
-                    fitted = show.fit(
-                        shown_rows,
-                        threshold=sc.threshold,
-                        l2=sc.l2,
-                        min_samples=sc.min_samples,
-                        min_each=sc.min_each,
-                        max_withheld=sc.max_withheld,
-                        withheld=policy_withheld,
-                        explore=sc.explore,
-                    )
+                    fitted = cfg.show.fit(shown_rows, policy_withheld)
                     show_policy = fitted or show_policy
                 stats = evaluate(served, show_policy)
                 rows.append(

@@ -150,17 +150,11 @@ def test_replay_suggestions_are_the_decoders_greedy_middles(tok, fmt, sites):
         assert not any(s in r.text for s in stops)
 
 
-def test_the_confidence_gate_withholds_what_serving_would_and_counts_it(tok, fmt, sites):
-    """min_confidence (model.min_confidence): a suggestion whose first token the model gave less
-    probability is not shown, scored as the sink scores a withheld one; the rest are unchanged."""
-    import math
-
-    model = random_model(tok)
+def greedy_suggestions(model, tok, fmt, sites) -> list:
+    """The decoder's greedy completion at each site, prompted as the replay prompts it."""
     builder = E.prompt_builder(tok, fmt, WINDOW)
-    open_ = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
-    first = []
-    for site in sites:
-        c = decode(
+    return [
+        decode(
             model,
             tok,
             E.site_prompt(builder, site)[0],
@@ -168,7 +162,18 @@ def test_the_confidence_gate_withholds_what_serving_would_and_counts_it(tok, fmt
             stop_ids=fmt.eos_ids,
             stop=editor_stops(site.language, site.prefix),
         )
-        first.append(math.exp(c.logprobs[0]))
+        for site in sites
+    ]
+
+
+def test_the_confidence_gate_withholds_what_serving_would_and_counts_it(tok, fmt, sites):
+    """min_confidence (model.min_confidence): a suggestion whose first token the model gave less
+    probability is not shown, scored as the sink scores a withheld one; the rest are unchanged."""
+    import math
+
+    model = random_model(tok)
+    open_ = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
+    first = [math.exp(c.logprobs[0]) for c in greedy_suggestions(model, tok, fmt, sites)]
     threshold = sorted(first)[len(first) // 2]  # withholds about half of them
     gated = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS, min_confidence=threshold)
     hidden = [bool(o.text) and p < threshold for o, p in zip(open_.results, first)]
@@ -197,18 +202,7 @@ def test_a_versions_show_policy_withholds_in_the_replay_as_in_serving(tok, fmt, 
     from learner.show import FEATURES, ShowPolicy
 
     model = random_model(tok)
-    builder = E.prompt_builder(tok, fmt, WINDOW)
-    suggestions = [
-        decode(
-            model,
-            tok,
-            E.site_prompt(builder, site)[0],
-            MAX_TOKENS,
-            stop_ids=fmt.eos_ids,
-            stop=editor_stops(site.language, site.prefix),
-        )
-        for site in sites
-    ]
+    suggestions = greedy_suggestions(model, tok, fmt, sites)
     mean_lp = sorted(sum(c.logprobs) / len(c.logprobs) for c in suggestions if c.text)
     # a policy on the mean logprob alone, at its median: withholds about half
     policy = ShowPolicy(
