@@ -14,10 +14,11 @@ its chance of an accept below the policy's threshold, and `flywheel eval` replay
 its policy, so the held-out accept rate measures what editors of that version are shown.
 
 The threshold is the reward's break-even (`learn.show.threshold`, 25%) or lower: the policy
-withholds at most `learn.show.max_withheld` (30%) of the suggestions it was fitted on. At the
-break-even alone the policy maximizes the reward, and on this project's base it withheld three
-in five of the suggestions the gate showed, a fifth of the accepted characters with them (README,
-"The show policy"): users would feel fewer completions rather than better ones. Cursor reports
+withholds at most `learn.show.max_withheld` (30%) of what the gate showed (the suggestions it
+was fitted on, and those the last policy withheld). At the break-even alone the policy maximizes
+the reward, and on this project's base it withheld three in five of the suggestions the gate
+showed, a fifth of the accepted characters with them (README, "Learning when to show"): users
+would feel fewer completions rather than better ones. Cursor reports
 21% fewer suggestions for its +28% accept rate on Tab; the bound keeps Flywheel's policy near
 that trade-off, and removes the suggestions it is surest users dismiss.
 

@@ -81,8 +81,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serving.metrics import ReplicaMetric
+
+if TYPE_CHECKING:
+    from learner.show import ShowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +445,7 @@ class _Prepared:
     served: _Served
     changed: list[str]
     reloaded_all: bool = False  # every tensor is reloaded (the engine's weights were not known)
-    show_policy: object = None  # the version's learned show policy (learner/show.py), None without one
+    show_policy: ShowPolicy | None = None  # the version's (learner/show.py); None: it has none
     folder: Path | None = None
     path: str = ""
     sha256: str = ""
