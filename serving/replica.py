@@ -177,9 +177,11 @@ class CompletionService:
         cursor = req.suffix is not None  # a suggestion at a cursor: the gate and the show policy apply
         gate, policy = (self.min_confidence, self.show_policy) if cursor else (0.0, None)
         async for samples in self.engine.generate(prompt.ids, spec, req.completion_id):
-            samples = [_gated(s, gate, policy, req.completion_id) for s in samples]
-            if policy is None:  # the policy reads the whole suggestion: what was streamed could not be taken back
-                yield self._result(req, prompt, samples, t0, built_ms, done=False)
+            # Under a policy nothing is sent before the end: it reads the whole suggestion, and what
+            # was streamed could not be taken back. So only the finished samples are gated then.
+            if policy is None:
+                yield self._result(req, prompt, [_gated(s, gate) for s in samples], t0, built_ms, done=False)
+        samples = [_gated(s, gate, policy, req.completion_id) for s in samples]
         yield self._result(req, prompt, samples, t0, built_ms, done=True)
 
     async def served_version(self) -> int:
