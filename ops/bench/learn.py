@@ -75,7 +75,15 @@ def run_bench(
     from learner.judge import cursor_sites, judge
     from learner.languages import editor_stops
     from learner.tokenizer import load_tokenizer
-    from learner.train.learn import Sample, make_batch, model_from_packed, policy_kl, rl_update, train_only
+    from learner.train.learn import (
+        Sample,
+        make_batch,
+        model_from_packed,
+        policy_kl,
+        rl_update,
+        train_only,
+        train_weights,
+    )
     from learner.train.pretrain import (
         find_base_model,
         fp4_hook,
@@ -135,17 +143,20 @@ def run_bench(
             "train_withheld": None,
             "show_policy_samples": None,
             "accept_p_vs_base": None,
+            "accept_p_unpaired": None,
+            "accept_ratio_vs_base": None,
             "chars_vs_base": None,
             "delta_bytes": None,
             "full_bytes": codec.checkpoint_nbytes(base_packed),
         }
     ]
     cfg = s.learn
+    trained_patterns = train_weights(master, cfg.train_weights)
     for lr in lrs:
         policy = copy.deepcopy(master).train()
         trained, total = train_only(policy, cfg.train_weights)
         if trained < total:
-            console.print(f"training {trained:,} of {total:,} parameters (learn.train_weights {cfg.train_weights})")
+            console.print(f"training {trained:,} of {total:,} parameters (learn.train_weights {trained_patterns})")
         previous = base_packed
         ref = copy.deepcopy(master).eval().requires_grad_(False)
         opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -249,12 +260,13 @@ def run_bench(
         "KL to base",
         "withheld (training traffic)",
         "show policy (outcomes)",
-        "p (accept rate > base)",
+        "accept rate / base, paired [95% CI]",
+        "p (accept rate > base), paired / unpaired",
         "chars - base [95% CI]",
         "mismatch KL replay / none",
         "delta (share of full)",
         title=f"learning curve: {n_held} held-out sites (flywheel eval's replay), {cfg.batch_size} samples/update, "
-        f"{updates} updates/version, training {cfg.train_weights}",
+        f"{updates} updates/version, training {trained_patterns}",
     )
     for r in rows:
         table.add_row(
@@ -268,7 +280,8 @@ def run_bench(
             f"{r['kl_to_base']:.2e}",
             "" if r["train_withheld"] is None else f"{r['train_withheld']:.0%}",
             "" if r["show_policy_samples"] is None else str(r["show_policy_samples"]),
-            "" if r["accept_p_vs_base"] is None else f"{r['accept_p_vs_base']:.3f}",
+            _ratio(r["accept_ratio_vs_base"]),
+            "" if r["accept_p_vs_base"] is None else f"{r['accept_p_vs_base']:.3f} / {r['accept_p_unpaired']:.3f}",
             "" if r["chars_vs_base"] is None else _difference(r["chars_vs_base"]),
             ""
             if r["mismatch_kl_replay"] is None
@@ -284,7 +297,7 @@ def run_bench(
         "temperature": temperature,
         "batch_size": cfg.batch_size,
         "updates_per_version": updates,
-        "train_weights": cfg.train_weights,
+        "train_weights": trained_patterns,
         "zstd_level": cfg.zstd_level,
         "rows": rows,
     }
@@ -312,18 +325,33 @@ def _summary(st) -> dict:
 
 def _against_base(st, base) -> dict:
     """What the issue asks of learning, on the same sites: is the accept rate (of shown) higher
-    than the base's (one-sided two-proportion test; None when either showed nothing), and the
-    paired change in accepted characters per request with its 95% t interval."""
+    than the base's, and by how much (a paired bootstrap over the sites, learner.eval.
+    paired_accept_ratio; the unpaired two-proportion test beside it, which ignores that both
+    replays ran on the same sites), and the paired change in accepted characters per request
+    with its 95% t interval. The p values are None when either showed nothing."""
     from learner import eval as E
     from ops.rollout.stats import two_proportion_ztest
 
-    p = two_proportion_ztest(base.accepted, base.shown, st.accepted, st.shown).p if st.shown and base.shown else None
+    unpaired = (
+        two_proportion_ztest(base.accepted, base.shown, st.accepted, st.shown).p if st.shown and base.shown else None
+    )
+    paired = E.paired_accept_ratio(base.results, st.results)
     diffs = [a.accepted_chars - b.accepted_chars for a, b in zip(st.results, base.results, strict=True)]
     i = E.t_interval(diffs)
     return {
-        "accept_p_vs_base": p,
+        "accept_p_vs_base": paired.p,
+        "accept_p_unpaired": unpaired,
+        "accept_ratio_vs_base": paired.as_dict(),
         "chars_vs_base": {"mean": sum(diffs) / len(diffs), "low": i.low, "high": i.high},
     }
+
+
+def _ratio(d: dict | None) -> str:
+    if d is None or d["ratio"] is None:
+        return ""
+    if d["low"] is None or d["high"] is None:
+        return f"{d['ratio']:.2f}x"
+    return f"{d['ratio']:.2f}x [{d['low']:.2f}, {d['high']:.2f}]"
 
 
 def _difference(d: dict) -> str:

@@ -367,6 +367,43 @@ def test_wilson_interval_equals_the_hand_computed_one():
         E.wilson(7, 6)
 
 
+def _site(verdict: str) -> E.SiteResult:
+    """A replayed site: accepted ("select"), dismissed, or nothing shown ("none")."""
+    text = "" if verdict == "none" else "x"
+    return E.SiteResult("f.py", text, 1, "stop", verdict, None, 1 if verdict == "select" else 0, verdict, 0.0, 8, 0)
+
+
+def test_paired_accept_ratio_sees_a_version_that_withholds_only_dismissals():
+    """Base shows 100 suggestions, 25 accepted; the new version withholds 10 it dismissed and
+    shows the rest, the same. Pairing the sites, the new rate is above the base's in nearly every
+    resample (p ~ 0); as two independent samples (25/100 against 25/90) nothing is shown."""
+    from ops.rollout.stats import two_proportion_ztest
+
+    base = [_site("select")] * 25 + [_site("dismiss")] * 75
+    new = [_site("select")] * 25 + [_site("none")] * 10 + [_site("dismiss")] * 65
+    r = E.paired_accept_ratio(base, new, rounds=2000)
+    assert r.ratio == pytest.approx((25 / 90) / (25 / 100)) and r.rounds == 2000
+    assert r.p < 0.01 and 1.0 <= r.low < r.ratio < r.high
+    assert two_proportion_ztest(25, 100, 25, 90).p > 0.3
+    assert E.paired_accept_ratio(base, new, rounds=2000) == r  # deterministic for a seed
+
+
+def test_paired_accept_ratio_of_a_replay_against_itself_and_refusals():
+    same = [_site("select")] * 10 + [_site("dismiss")] * 30 + [_site("none")] * 5
+    r = E.paired_accept_ratio(same, same, rounds=500)
+    assert r.ratio == 1.0 and r.low == r.high == 1.0 and r.p == 1.0  # never above itself
+    # a worse version: it withholds accepted suggestions
+    worse = [_site("none")] * 5 + [_site("select")] * 5 + [_site("dismiss")] * 30 + [_site("none")] * 5
+    assert E.paired_accept_ratio(same, worse, rounds=500).p > 0.95
+    assert E.paired_accept_ratio(same, [_site("none")] * 45).p is None  # nothing shown: no rate
+    assert E.paired_accept_ratio([], []).ratio is None
+    none_accepted = [_site("dismiss")] * 20
+    r = E.paired_accept_ratio(none_accepted, [_site("select")] * 5 + [_site("dismiss")] * 15, rounds=500)
+    assert r.ratio is None and r.p < 0.05  # no ratio to 0, but the test still sees the gain
+    with pytest.raises(ValueError, match="the same sites: 45 against 3"):
+        E.paired_accept_ratio(same, same[:3])
+
+
 def test_t_interval_equals_the_hand_computed_one():
     # 1..10: mean 5.5, s = sqrt(82.5 / 9) = 3.0276504, s / sqrt(10) = 0.9574271, t(0.975, 9) = 2.2621572
     i = E.t_interval([float(x) for x in range(1, 11)])

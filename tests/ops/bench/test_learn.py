@@ -65,6 +65,11 @@ def test_each_version_is_scored_by_the_one_evaluation(tmp_path):
     chars = v1["chars_vs_base"]
     assert chars["mean"] == pytest.approx(v1["accepted_chars_per_request"] - base_row["accepted_chars_per_request"])
     assert v1["accept_p_vs_base"] is None or 0 <= v1["accept_p_vs_base"] <= 1
+    # the paired test (learner.eval.paired_accept_ratio) on the two replays' sites
+    paired = v1["accept_ratio_vs_base"]
+    if base_row["accept_rate"] and v1["accept_rate"]:
+        assert paired["ratio"] == pytest.approx(v1["accept_rate"] / base_row["accept_rate"])
+    assert paired["rounds"] in (0, 10_000) and (paired["p"] is None) == (paired["rounds"] == 0)
     assert base_row["show_policy_samples"] is None and "show policy (outcomes)" in out.getvalue()
 
 
