@@ -297,14 +297,29 @@ def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
     return float(((torch.exp(d) - d - 1) * mask_BT).sum() / mask_BT.sum().clamp_min(1))
 
 
-def train_only(model: torch.nn.Module, patterns: Sequence[str]) -> tuple[int, int]:
+EXPERTS = r"\.mlp\.experts\."
+"""`learn.train_weights`' default for a mixture-of-experts model: its routed experts alone."""
+
+
+def train_weights(model: torch.nn.Module, patterns: Sequence[str] | None) -> list[str]:
+    """The patterns `learn.train_weights` means for `model`: the patterns given, or, by default
+    (None), the routed experts (`EXPERTS`) of a mixture-of-experts model and every weight of a
+    dense one."""
+    if patterns is not None:
+        return list(patterns)
+    experts = re.compile(EXPERTS)
+    return [EXPERTS] if any(experts.search(n) for n, _ in model.named_parameters()) else [".*"]
+
+
+def train_only(model: torch.nn.Module, patterns: Sequence[str] | None) -> tuple[int, int]:
     """Let updates change only the weights whose names a pattern matches (re.search; the
-    learner's `learn.train_weights`), and freeze the rest: they get no gradient, so AdamW leaves
-    them (and their bytes in every published delta) as the base's. Returns (trained, all)
-    parameter counts; UserError when a pattern matches no weight of this model."""
+    learner's `learn.train_weights`, resolved by `train_weights`), and freeze the rest: they get
+    no gradient, so AdamW leaves them (and their bytes in every published delta) as the base's.
+    Returns (trained, all) parameter counts; UserError when a pattern matches no weight of this
+    model."""
     from feedback.core.errors import UserError
 
-    compiled = [re.compile(p) for p in patterns]
+    compiled = [re.compile(p) for p in train_weights(model, patterns)]
     names = [n for n, _ in model.named_parameters()]
     unmatched = [p.pattern for p in compiled if not any(p.search(n) for n in names)]
     if unmatched:
@@ -532,7 +547,7 @@ class Learner:
                 "training %s of %s parameters (learn.train_weights %s); the rest stay the base's",
                 f"{trained:,}",
                 f"{total:,}",
-                self.cfg.train_weights,
+                train_weights(self.model, self.cfg.train_weights),
             )
         self.hook = fp4_hook(self.fmt, self.fp4_targets) if self.fmt else None
         if self.device is None:

@@ -115,11 +115,12 @@ class LearnSection(Section):
     lr: float = Field(default=1e-6, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
-    train_weights: list[str] = Field(default=[".*"], min_length=1)
+    train_weights: list[str] | None = Field(default=None, min_length=1)
     """Which weights the updates change: regular expressions (re.search) over the checkpoint's
-    weight names; the others stay the base's, so they add nothing to a published delta. The FP4
-    experts alone: `['mlp\\.experts\\.']`; with the routers: `['\\.mlp\\.']`. A pattern that
-    matches no weight of the model stops the learner with an error."""
+    weight names; the others stay the base's, so they add nothing to a published delta. Unset
+    (the default): the routed experts of a mixture-of-experts model (`['\\.mlp\\.experts\\.']`,
+    the FP4 tensors), every weight of a dense one (`['.*']`). With the routers: `['\\.mlp\\.']`.
+    A pattern that matches no weight of the model stops the learner with an error."""
     grad_clip: float = Field(default=1.0, gt=0)
     max_staleness: int = Field(default=2, ge=0)
     """Drop samples whose behaviour version lags the learner's latest version by more than this."""
@@ -166,8 +167,8 @@ class LearnSection(Section):
 
     @field_validator("train_weights")
     @classmethod
-    def _regexes(cls, v: list[str]) -> list[str]:
-        for pattern in v:
+    def _regexes(cls, v: list[str] | None) -> list[str] | None:
+        for pattern in v or ():
             try:
                 re.compile(pattern)
             except re.error as e:

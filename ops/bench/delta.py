@@ -5,7 +5,8 @@ weights (a random model of `pretrain.size` when none is cached; the output says 
 AdamW steps of FP4 QAT with router replay (learner.train.pretrain.train_step, batches of the
 code corpus) per version, at each learning rate asked for, for `versions` versions. Adam's
 update size is about the learning rate whatever the loss, so these steps stand in for the
-learner's RL updates (the learner does not exist yet, nor its default learning rate).
+learner's RL updates. They change only the weights the learner would (`learn.train_weights`; by
+default a mixture-of-experts model's routed experts), so each delta is the size the learner's is.
 
 For every pair (v-1, v), in the packed FP4 form the store publishes and in the bf16 form
 vLLM loads, side by side in one run:
@@ -42,7 +43,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,8 @@ from learner.formats import own_format
 from learner.model import ModelArgs, Transformer
 from learner.store import pack_checkpoint, to_hf_tensors, to_safetensors
 from learner.tokenizer import load_tokenizer, train_tokenizer
+from learner.train.learn import train_only, train_weights
+from learner.train.learn_settings import LearnSection
 from learner.train.pretrain import find_base_model, fp4_hook, load_master_weights, train_step
 from learner.train.pretrain_settings import PretrainSection
 
@@ -266,12 +269,22 @@ def changed_fraction(old: dict, new: dict) -> dict:
 
 
 def checkpoint_series(
-    model: Transformer, data: TrainingData, cfg, lr: float, steps: int, versions: int
+    model: Transformer,
+    data: TrainingData,
+    cfg,
+    lr: float,
+    steps: int,
+    versions: int,
+    train_weights: Sequence[str] | None = (".*",),
 ) -> list[dict[str, torch.Tensor]]:
-    """State dicts after 0, steps, 2*steps, ... AdamW steps of FP4 QAT at a constant `lr`."""
+    """State dicts after 0, steps, 2*steps, ... AdamW steps of FP4 QAT at a constant `lr`,
+    changing only the weights `train_weights` names (learner.train.learn.train_weights: None is
+    the learner's default)."""
     model = copy.deepcopy(model).train()
+    train_only(model, train_weights)
     c = cfg.model_copy(update={"lr": lr})
-    decay, no_decay = [p for p in model.parameters() if p.ndim >= 2], [p for p in model.parameters() if p.ndim < 2]
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
@@ -353,10 +366,14 @@ def run_bench(
         "batch": [BATCH, SEQ_LEN],
         "runs": [],
     }
+    learn = getattr(settings, "learn", None) or LearnSection()
+    trained = train_weights(model, learn.train_weights)
+    results["train_weights"] = trained
+    console.print(f"training the weights learn.train_weights names: {trained}", markup=False)
     series = []
     for lr in lrs:
         with console.status(f"lr {lr:g}: {steps * versions} training steps"):
-            states = checkpoint_series(model, data, cfg, lr, steps, versions)
+            states = checkpoint_series(model, data, cfg, lr, steps, versions, trained)
         packed = [pack_checkpoint(s, cfg.fp4 if cfg.fp4 != "off" else "nvfp4") for s in states]
         series.append(packed)
         for v in range(1, len(states)):

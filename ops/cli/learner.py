@@ -432,7 +432,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_delta(args: argparse.Namespace) -> int:
-    s = _settings(args, {})
+    from learner.train.learn_settings import LearnSettings
+
+    s = LearnSettings.load(args.config, list(args.overrides))  # [learn]: which weights the learner trains
     print_config(s, "flywheel bench delta")
     from ops.bench.delta import run_bench
 

@@ -50,7 +50,8 @@ def job(tmp_path_factory):
     """A tiny base, STEPS batches of rewarded samples it served, and its learner's settings."""
     root = tmp_path_factory.mktemp("dp")
     corpus, cache = make_corpus(root / "corpus"), root / "cache"
-    s = tiny_learn_settings(root, corpus, cache, batch_size=BATCH, lr=LR, max_staleness=1000)
+    # every weight trains, so every tensor's two runs are compared (the default trains the experts)
+    s = tiny_learn_settings(root, corpus, cache, batch_size=BATCH, lr=LR, max_staleness=1000, train_weights=[".*"])
     ensure_base_model(s, Console(file=io.StringIO()))
     lr = Learner(s, producer=ListProducer())
     lr.start()

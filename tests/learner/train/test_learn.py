@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import stat
@@ -333,7 +334,12 @@ class PaysForAbstaining:
 
 
 def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path, base):
-    lr = started(tmp_path, base, min_samples=8, publish_every=0.01, lr=3e-2, kl_coef=0.0, batch_size=16)
+    # Every weight trains, the output layer's too, so ten updates are enough for the hack to take
+    # hold (with the default, the experts alone, they reached a KL to the base of 0.015: too
+    # little drift for any check to block, or to need to).
+    lr = started(
+        tmp_path, base, min_samples=8, publish_every=0.01, lr=3e-2, kl_coef=0.0, batch_size=16, train_weights=[".*"]
+    )
     v0 = model_from_packed(lr.store.materialize(0), lr.args)
     write_samples(
         lr.engine,
@@ -351,7 +357,7 @@ def test_a_hacked_reward_is_blocked_by_the_gate_and_the_learner_reverts(tmp_path
     # fires first depends on how far the machine's numerics let it drift (the suggestion rate
     # collapsing, or the KL spike that collapse takes), so any of them will do.
     hacking_checks = ("suggestion_rate", "kl", "reward_divergence", "completion_length", "heldout_reward")
-    assert not info["gate_passed"]
+    assert not info["gate_passed"], json.dumps(info["metrics"], default=str)
     assert any(c in info["gate_reason"] for c in hacking_checks), (info["gate_reason"], info["metrics"])
     assert info["metrics"]["heldout"]["suggestion_rate"] <= info["metrics"]["stable_heldout"]["suggestion_rate"]
     with lr.engine.connect() as conn:

@@ -54,9 +54,27 @@ def test_train_weights_must_be_regular_expressions():
 
     from learner.train.learn_settings import LearnSection
 
-    assert LearnSection().train_weights == [".*"]  # every weight trains by default
+    assert LearnSection().train_weights is None  # the default: see the next test
     assert LearnSection(train_weights=[r"mlp\.experts\."]).train_weights == [r"mlp\.experts\."]
     with pytest.raises(ValidationError, match=r"train_weights: 'experts\(' is not a regular expression"):
         LearnSection(train_weights=["experts("])
     with pytest.raises(ValidationError):
         LearnSection(train_weights=[])
+
+
+def test_train_weights_default_is_the_experts_of_a_moe_model_and_every_weight_of_a_dense_one():
+    """Unset, learn.train_weights trains a mixture-of-experts model's routed experts (the FP4
+    tensors: the others add nothing to a delta) and every weight of a dense model, which has no
+    experts; patterns given are taken as they are."""
+    from learner.model import ModelArgs, Transformer
+    from learner.train.learn import EXPERTS, train_only, train_weights
+
+    moe = Transformer(ModelArgs.from_name("tiny", vocab_size=64, max_seq_len=32))
+    dense = Transformer(ModelArgs.from_name("tiny", vocab_size=64, max_seq_len=32, n_experts=0, ffn_dim=64))
+    assert train_weights(moe, None) == [EXPERTS] and train_weights(dense, None) == [".*"]
+    assert train_weights(moe, [".*"]) == [".*"]
+    trained, total = train_only(moe, None)
+    experts = sum(w.numel() for n, w in moe.named_parameters() if ".mlp.experts." in n)
+    assert trained == experts < total
+    assert all(w.requires_grad == (".mlp.experts." in n) for n, w in moe.named_parameters())
+    assert train_only(dense, None) == (sum(w.numel() for w in dense.parameters()),) * 2

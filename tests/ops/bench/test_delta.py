@@ -72,3 +72,37 @@ def test_the_table_says_when_a_prepared_swap_reloaded_the_vllm_way():
     assert "vLLM way" not in _swap_table(s).caption and "vllm / prepared" in _swap_table(s).caption
     swaps[1]["prepared"] = False
     assert "1 swap(s) meant to be prepared reloaded the vLLM way" in _swap_table(s).caption
+
+
+def test_checkpoint_series_changes_only_the_weights_the_learner_trains(tmp_path):
+    """The benchmark's versions are the learner's: with learn.train_weights unset, an MoE model's
+    routed experts change and nothing else, so each delta is the size the learner publishes."""
+    import re
+
+    import torch
+
+    from learner.corpus import TrainingData, load_corpus
+    from learner.formats import own_format
+    from learner.model import ModelArgs, Transformer
+    from learner.tokenizer import train_tokenizer
+    from learner.train.learn import EXPERTS
+    from learner.train.pretrain_settings import PretrainSection
+    from ops.bench.delta import checkpoint_series
+    from tests.learner.test_corpus import write_corpus
+
+    corpus = load_corpus(write_corpus(tmp_path), heldout_fraction=0.2)
+    tok = train_tokenizer((f.text for f in corpus.train), 400)
+    data = TrainingData(
+        tok, own_format(tok, 64), corpus.train, seq_len=64, batch_size=2, fim_rate=0.5, summary_rate=0.0, seed=0
+    )
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("tiny", vocab_size=tok.get_vocab_size(), max_seq_len=64))
+    cfg = PretrainSection(size="tiny")
+    for patterns, expect in ((None, lambda n: re.search(EXPERTS, n)), ([".*"], lambda n: True)):
+        v0, v1 = checkpoint_series(model, data, cfg, 1e-3, 2, 1, patterns)
+        changed = {n for n in v0 if not torch.equal(v0[n], v1[n])}
+        assert changed and all(expect(n) for n in changed), sorted(changed)
+        if patterns is None:
+            assert any(not re.search(EXPERTS, n) for n in v0)  # there were others to leave alone
+        else:
+            assert any(not re.search(EXPERTS, n) for n in changed)
