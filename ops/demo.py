@@ -379,7 +379,18 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, mi
             )
     title = f"held-out evaluation: {cfg.sites} sites (`flywheel eval --model vN --sites {cfg.sites}`)"
     console.print(E.report_table(stats, title=title))
-    return {name: st.summary() for name, st in stats.items()}
+    out = {name: st.summary() for name, st in stats.items()}
+    if stable:  # the same sites: is stable's accept rate of shown above the base's?
+        paired = E.paired_accept_ratio(stats[names[0]].results, stats[names[stable]].results)
+        out[names[stable]]["vs_base"] = paired.as_dict()
+        if paired.p is not None:
+            ratio = f"{paired.ratio:.2f}x [{paired.low:.2f}, {paired.high:.2f}], " if paired.ratio is not None else ""
+            console.print(
+                f"v{stable}'s accept rate of shown against the base's on the same sites: {ratio}"
+                f"p = {paired.p:.3f} that it is not above (paired bootstrap, {paired.rounds:,} resamples)",
+                markup=False,
+            )
+    return out
 
 
 def _base_precision(model_dir: Path) -> str | None:

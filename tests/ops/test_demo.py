@@ -30,11 +30,16 @@ def test_summary_evaluates_the_base_and_the_stable_version(tmp_path):
     out = io.StringIO()
     got = demo.evaluate_versions(learner, learner.engine, cfg, Console(file=out, width=200))
     assert list(got) == ["v0 (base)", "v1 (stable)"]
+    replays = []
     for v, name in ((0, "v0 (base)"), (1, "v1 (stable)")):
         model = model_from_packed(learner.store.materialize(v), learner.args)
         here = E.evaluate(model, learner.tok, learner.format, learner.heldout, sites=5, seed=cfg.seed, max_tokens=6)
         assert (got[name]["n"], got[name]["shown"], got[name]["accepted"]) == (5, here.shown, here.accepted)
         assert got[name]["outcomes"] == here.outcomes and "accept_rate" in got[name]["intervals"]
+        replays.append(here.results)
+    # stable against the base, paired on the same sites
+    assert got["v1 (stable)"]["vs_base"] == E.paired_accept_ratio(*replays).as_dict()
+    assert "vs_base" not in got["v0 (base)"]
     assert "held-out evaluation: 5 sites" in out.getvalue() and "v1 (stable)" in out.getvalue()
     learner.close()
 
