@@ -154,6 +154,12 @@ class PairedRatio:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def p_text(self) -> str:
+        """p as printed: below the resolution of the resamples, as a bound ("< 0.0001")."""
+        if self.p is None:
+            return ""
+        return f"< {1 / self.rounds:.4f}" if self.p == 0 else f"{self.p:.4f}"
+
 
 def paired_accept_ratio(
     base: Sequence[SiteResult],

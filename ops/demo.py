@@ -387,7 +387,7 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, mi
             ratio = f"{paired.ratio:.2f}x [{paired.low:.2f}, {paired.high:.2f}], " if paired.ratio is not None else ""
             console.print(
                 f"v{stable}'s accept rate of shown against the base's on the same sites: {ratio}"
-                f"p = {paired.p:.3f} that it is not above (paired bootstrap, {paired.rounds:,} resamples)",
+                f"p {'= ' if paired.p else ''}{paired.p_text()} that it is not above (paired bootstrap, {paired.rounds:,} resamples)",
                 markup=False,
             )
     return out

@@ -281,7 +281,9 @@ def run_bench(
             "" if r["train_withheld"] is None else f"{r['train_withheld']:.0%}",
             "" if r["show_policy_samples"] is None else str(r["show_policy_samples"]),
             _ratio(r["accept_ratio_vs_base"]),
-            "" if r["accept_p_vs_base"] is None else f"{r['accept_p_vs_base']:.3f} / {r['accept_p_unpaired']:.3f}",
+            ""
+            if r["accept_p_vs_base"] is None
+            else f"{E.PairedRatio(**r['accept_ratio_vs_base']).p_text()} / {r['accept_p_unpaired']:.4f}",
             "" if r["chars_vs_base"] is None else _difference(r["chars_vs_base"]),
             ""
             if r["mismatch_kl_replay"] is None

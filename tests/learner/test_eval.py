@@ -400,6 +400,9 @@ def test_paired_accept_ratio_of_a_replay_against_itself_and_refusals():
     none_accepted = [_site("dismiss")] * 20
     r = E.paired_accept_ratio(none_accepted, [_site("select")] * 5 + [_site("dismiss")] * 15, rounds=500)
     assert r.ratio is None and r.p < 0.05  # no ratio to 0, but the test still sees the gain
+    # a p of 0 is below the resamples' resolution, and says so
+    assert E.PairedRatio(1.3, 1.1, 1.5, 0.0, 10_000).p_text() == "< 0.0001"
+    assert E.PairedRatio(1.3, 1.1, 1.5, 0.0123, 10_000).p_text() == "0.0123"
     with pytest.raises(ValueError, match="the same sites: 45 against 3"):
         E.paired_accept_ratio(same, same[:3])
 
