@@ -21,8 +21,10 @@ Only the weights `learn.train_weights` names are trained, as in the learner. Rep
 held-out reward, accept rate and accepted characters per request with their 95% confidence
 intervals, suggestion rate, exact match, the KL to the base, and the delta's size as a share of
 the full checkpoint, each beside the base model's: the trade-off of learning against delta size;
-and the tests of what the issue asks of learning: the accept rate against the base's (one-sided
-two-proportion test) and the paired change in accepted characters per request on the same sites.
+and the tests of what the issue asks of learning: the accept rate against the base's on the same
+sites (the ratio and the one-sided p of a paired bootstrap, learner.eval.paired_accept_ratio, with
+the unpaired two-proportion test's p beside it) and the paired change in accepted characters per
+request.
 Training traffic is served as serving serves it: the gate, then the version's show policy with
 its exploration share.
 No Kafka, vLLM or HTTP: this measures learning, not serving; the demo and the e2e test run the
