@@ -584,6 +584,15 @@ def summarize(engine, console: Console) -> dict:
             ("passed" if v.gate_passed else "BLOCKED") + (f": {v.gate_reason}" if v.gate_reason and v.version else ""),
         )
     console.print(t)
+    pooled = pooled_mismatch([_json(v.metrics) for v in versions])
+    if pooled is not None:
+        replay, own, updates = pooled
+        out["mismatch_pooled"] = {"mismatch_kl_replay": replay, "mismatch_kl_no_replay": own, "updates": updates}
+        console.print(
+            f"mismatch KL over all {updates} updates: serving's routes replayed {replay:.1e}, own routing {own:.1e}"
+            + (f" = {replay / own:.2f}x" if own else ""),
+            markup=False,
+        )
 
     t = Table(
         "pool",
@@ -657,9 +666,10 @@ def summarize(engine, console: Console) -> dict:
     return out
 
 
-MISMATCH = ("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing")
+MISMATCH = ("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing", "mismatch_updates")
 """The learner's train-inference mismatch over a version's updates (learner.train.learn): replaying
-the serving engine's routes (where records carried them) against the FP4 forward's own routing."""
+the serving engine's routes (where records carried them) against the FP4 forward's own routing, and
+how many updates the means cover."""
 
 
 def _json(value) -> dict:
@@ -668,11 +678,28 @@ def _json(value) -> dict:
 
 
 def _mismatch(m: dict) -> str:
-    replay, own, recorded = (m.get(k) for k in MISMATCH)
+    replay, own, recorded, updates = (m.get(k) for k in MISMATCH)
     if replay is None or own is None:
         return "-"
     ratio = f" = {replay / own:.2f}x" if own else ""
-    return f"{replay:.1e} / {own:.1e}{ratio} ({recorded or 0:.0%} serving routes)"
+    over = f", {updates:.0f} updates" if updates else ""
+    return f"{replay:.1e} / {own:.1e}{ratio} ({recorded or 0:.0%} serving routes{over})"
+
+
+def pooled_mismatch(metrics: list[dict]) -> tuple[float, float, int] | None:
+    """The mismatch KL with serving's routes replayed and without, over every update of these
+    versions (each version's means weighted by its updates), and the updates: one version's few
+    updates may hold none of the rare routes the FP4 forward would choose otherwise. None when no
+    version recorded its updates."""
+    rows = [
+        (m["mismatch_kl_replay"], m["mismatch_kl_no_replay"], int(m["mismatch_updates"]))
+        for m in metrics
+        if m.get("mismatch_updates")
+    ]
+    n = sum(u for _, _, u in rows)
+    if not n:
+        return None
+    return sum(r * u for r, _, u in rows) / n, sum(o * u for _, o, u in rows) / n, n
 
 
 def _evidence_line(ev) -> str:

@@ -950,8 +950,13 @@ class Learner:
             # the train-inference mismatch of this version's updates, and how much of it replayed serving's routes
             **(
                 {
-                    name: sum(row[i] for row in mismatch) / len(mismatch)
-                    for i, name in enumerate(("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing"))
+                    **{
+                        name: sum(row[i] for row in mismatch) / len(mismatch)
+                        for i, name in enumerate(("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing"))
+                    },
+                    # how many updates the means cover: a route the FP4 forward would choose
+                    # differently is rare, so a few updates' mean may hold none of them
+                    "mismatch_updates": len(mismatch),
                 }
                 if mismatch
                 else {}

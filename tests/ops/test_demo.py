@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from feedback import pools
@@ -79,13 +80,31 @@ def test_the_published_table_shows_each_versions_mismatch_with_and_without_servi
             .where(db.model_versions.c.version == 1)
             .values(metrics={"mismatch_kl_replay": 1e-4, "mismatch_kl_no_replay": 4e-4, "recorded_routing": 0.9})
         )
+        v3 = {"mismatch_kl_replay": 2e-4, "mismatch_kl_no_replay": 5e-4, "recorded_routing": 1.0, "mismatch_updates": 3}
+        conn.execute(update(db.model_versions).where(db.model_versions.c.version == 3).values(metrics=v3))
     out = io.StringIO()
     summary = demo.summarize(engine, Console(file=out, width=240))
     assert "1.0e-04 / 4.0e-04 = 0.25x (90% serving routes)" in out.getvalue()
+    assert "2.0e-04 / 5.0e-04 = 0.40x (100% serving routes, 3 updates)" in out.getvalue()
     first = summary["published"][0]
     assert (first["mismatch_kl_replay"], first["recorded_routing"]) == (1e-4, 0.9)
     assert summary["published"][1]["mismatch_kl_replay"] is None  # a version without updates says nothing
+    # pooled over the versions that say how many updates they cover (v1's row predates the count)
+    assert summary["mismatch_pooled"] == {"mismatch_kl_replay": 2e-4, "mismatch_kl_no_replay": 5e-4, "updates": 3}
+    assert (
+        "mismatch KL over all 3 updates: serving's routes replayed 2.0e-04, own routing 5.0e-04 = 0.40x"
+        in out.getvalue()
+    )
     engine.dispose()
+
+
+def test_pooled_mismatch_weights_each_version_by_its_updates():
+    a = {"mismatch_kl_replay": 7e-5, "mismatch_kl_no_replay": 7e-5, "mismatch_updates": 3}  # no rare route in 3 updates
+    b = {"mismatch_kl_replay": 6e-5, "mismatch_kl_no_replay": 3e-4, "mismatch_updates": 9}
+    replay, own, n = demo.pooled_mismatch([a, b, {}, {"mismatch_kl_replay": 1.0, "mismatch_kl_no_replay": 1.0}])
+    assert n == 12
+    assert replay == pytest.approx((3 * 7e-5 + 9 * 6e-5) / 12) and own == pytest.approx((3 * 7e-5 + 9 * 3e-4) / 12)
+    assert demo.pooled_mismatch([{}, {"mismatch_kl_replay": 1.0, "mismatch_kl_no_replay": 1.0}]) is None
 
 
 def test_the_machine_report_shows_where_the_slowest_completions_spent_their_time():

@@ -230,10 +230,14 @@ def test_publish_gates_stores_a_delta_records_and_announces(tmp_path, base):
     write_samples(lr.engine, v0, lr.tok, texts(8))
     lr.poll()
     assert not lr.publish_due()  # nothing trained yet
-    lr.update(), lr.update()
+    updates = [lr.update(), lr.update()]
     assert lr.publish_due()
     info = lr.publish()
     assert info["version"] == 1 and info["parent"] == 0 and info["kind"] == "delta"
+    # the version's mismatch: the means over its updates, and how many they cover
+    for name in ("mismatch_kl_replay", "mismatch_kl_no_replay", "recorded_routing"):
+        assert info["metrics"][name] == pytest.approx(sum(m[name] for m in updates) / 2)
+    assert info["metrics"]["mismatch_updates"] == 2
     assert info["gate_passed"], info["gate_reason"]
     assert info["size_bytes"] < info["full_size_bytes"]
     with lr.engine.connect() as conn:
