@@ -21,10 +21,15 @@ class Thresholds(Section):
     """Tolerated drop in accept rate (accepted / shown), absolute: 0.02 is 2 percentage points."""
     accept_rate_loss: float = Field(default=0.005, gt=0, le=1)
     """`promote_rule = "expected_loss"`: the largest expected loss of accept rate, absolute, a promotion may carry."""
-    suggestion_rate_drop: float = Field(default=0.15, ge=0, le=1)
-    """Tolerated drop in suggestion rate (shown / choices), absolute. Wide, as a version may learn to abstain:
-    its show policy may withhold up to `learn.show.max_withheld` (30%) of what stable shows, 12 points of a
-    40% rate. A version that shows nothing is rolled back on it."""
+    suggestion_rate_ratio: float = Field(default=0.5, gt=0, le=1)
+    """The suggestion rate (shown / choices) counts as harmed when it is significantly below this share of
+    stable's (less `suggestion_rate_drop`). Relative and wide, as a version may learn to abstain: its show
+    policy withholds what users would dismiss, 40% to 23% in one demo run, more than an absolute 15 points.
+    The learner's gate bounds the same ratio (`learn.gate.min_suggestion_ratio`, 0.5). A version that shows
+    nothing is rolled back on it."""
+    suggestion_rate_drop: float = Field(default=0.0, ge=0, le=1)
+    """A further tolerated drop in suggestion rate, absolute (with `suggestion_rate_ratio = 1`: the absolute
+    tolerance alone, the rule before the ratio)."""
     reward_drop: float = Field(default=0.05, ge=0)
     """Tolerated drop in mean reward per choice, in reward units (sink.reward: accepted = 0.75)."""
     error_rate_increase: float = Field(default=0.01, ge=0, le=1)

@@ -163,25 +163,34 @@ class TestResult:
 
 
 def two_proportion_ztest(
-    x_c: int, n_c: int, x_s: int, n_s: int, *, margin: float = 0.0, higher_is_better: bool = True
+    x_c: int,
+    n_c: int,
+    x_s: int,
+    n_s: int,
+    *,
+    margin: float = 0.0,
+    higher_is_better: bool = True,
+    ratio: float = 1.0,
 ) -> TestResult:
     """Is the canary's rate `x_c / n_c` worse than stable's `x_s / n_s` by more than `margin`?
+    With `ratio` r (higher is better only): is it below r times stable's, less `margin`?
 
-    Without a margin, the pooled z-test. With one, the difference and its standard error are
-    Agresti and Caffo's (one success and one failure added to each arm): the plain Wald
-    standard error is 0 for an arm at 0% or 100%, and at a canary's first few shown choices
-    (0 accepted of 8 against 7 of 34) it called a difference significant (p = 0.004) that an
-    exact test does not (p = 0.17)."""
+    Without a margin or a ratio, the pooled z-test. With one, the difference (canary's rate
+    against r times stable's) and its standard error are Agresti and Caffo's (one success and
+    one failure added to each arm): the plain Wald standard error is 0 for an arm at 0% or 100%,
+    and at a canary's first few shown choices (0 accepted of 8 against 7 of 34) it called a
+    difference significant (p = 0.004) that an exact test does not (p = 0.17)."""
     assert n_c > 0 and n_s > 0, "each arm needs observations"
+    assert higher_is_better or ratio == 1.0, "a ratio bounds a rate that should not fall"
     p_c, p_s = x_c / n_c, x_s / n_s
-    if margin == 0.0:
+    if margin == 0.0 and ratio == 1.0:
         harm = (p_s - p_c) if higher_is_better else (p_c - p_s)
         pooled = (x_c + x_s) / (n_c + n_s)
         se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_c + 1.0 / n_s))
     else:
         a_c, a_s = (x_c + 1) / (n_c + 2), (x_s + 1) / (n_s + 2)
-        harm = (a_s - a_c) if higher_is_better else (a_c - a_s)
-        se = math.sqrt(a_c * (1.0 - a_c) / (n_c + 2) + a_s * (1.0 - a_s) / (n_s + 2))
+        harm = (ratio * a_s - a_c) if higher_is_better else (a_c - a_s)
+        se = math.sqrt(a_c * (1.0 - a_c) / (n_c + 2) + ratio**2 * a_s * (1.0 - a_s) / (n_s + 2))
     z, p = _one_sided(harm - margin, se)
     return TestResult(canary=p_c, stable=p_s, diff=p_c - p_s, margin=margin, stat=z, p=p)
 
@@ -259,7 +268,9 @@ class Policy:
     accept_rate_drop: float = 0.02
     accept_rate_loss: float = 0.005
     """`expected_loss`: the largest expected loss of accept rate, absolute, a promotion may carry."""
-    suggestion_rate_drop: float = 0.15
+    suggestion_rate_ratio: float = 0.5
+    """The suggestion rate is harmed below this share of stable's (less `suggestion_rate_drop`)."""
+    suggestion_rate_drop: float = 0.0
     reward_drop: float = 0.05
     error_rate_increase: float = 0.01
     p99_latency_ratio: float = 1.5
@@ -285,6 +296,7 @@ class Policy:
     def from_row(cls, min_samples: int, thresholds: dict[str, Any]) -> Policy:
         known = {k: v for k, v in thresholds.items() if k in cls.__dataclass_fields__ and k != "min_samples"}
         known.setdefault("promote_rule", NO_HARM)  # a rollout begun before the rule existed keeps its rule
+        known.setdefault("suggestion_rate_ratio", 1.0)  # ... and before the ratio, its absolute tolerance
         return cls(min_samples=min_samples, **known)
 
 
@@ -502,6 +514,7 @@ def metric_tests(canary: Arm, stable: Arm, policy: Policy) -> dict[str, dict[str
             stable.choices_shown,
             stable.choices,
             margin=policy.suggestion_rate_drop,
+            ratio=policy.suggestion_rate_ratio,
         )
         out["suggestion_rate"] = _tested(t, n, policy.alpha)
     else:

@@ -189,19 +189,38 @@ def test_a_canary_that_shows_nothing_rolls_back_on_its_suggestion_rate():
     """The demo's injected fault (lm_head negated) shows nothing: the accept rate never gets a
     shown choice, so without this guard it only rolled back, slowly, for insufficient traffic."""
     policy = Policy(min_samples=8)
-    silent = Arm(completions=12, choices=12, choices_shown=0, shown=0)
+    silent = Arm(completions=16, choices=16, choices_shown=0, shown=0)
     stable = Arm(completions=30, choices=30, choices_shown=12, shown=12, accepted=3)
     d = decide(silent, stable, policy, holds=0, last_step=False)
     t = d.evidence["tests"]["suggestion_rate"]
     assert (d.action, d.rule) == (ROLLBACK, "suggestion_rate") and t["worse"] and t["canary"] == 0.0
     assert "suggestion rate 0.0% vs 40.0%" in d.reason
-    # learning to abstain is allowed: 12 points fewer shown (a show policy withholding 30% of 40%) is within 15
-    abstains = arm(shown=280, choices=1000)
-    assert not decide(abstains, arm(shown=400, choices=1000), POLICY, holds=0, last_step=False).evidence["tests"][
-        "suggestion_rate"
-    ]["worse"]
-    fewer = arm(shown=120, choices=1000)  # 28 points fewer: beyond the tolerance, significantly
+    fewer = arm(shown=120, choices=1000)  # under a third of stable's 40%: beyond half, significantly
     assert decide(fewer, arm(shown=400, choices=1000), POLICY, holds=0, last_step=False).rule == "suggestion_rate"
+
+
+def test_learning_to_abstain_is_not_harm_to_the_suggestion_rate():
+    """A show policy withholds what users would dismiss: 40% to 23% in one demo run, 17 points,
+    more than the absolute 15-point tolerance this guard had, which therefore rolled policies back
+    whenever a small sample leaned its way (2 shown of 17 against 9 of 14 at a first look, p =
+    0.016). The guard is relative now: harm is a rate significantly below half of stable's."""
+
+    def worse(c, s, policy=Policy(min_samples=8)) -> bool:
+        return decide(c, s, policy, holds=0, last_step=False).evidence["tests"]["suggestion_rate"]["worse"]
+
+    policy_like = arm(shown=230, choices=1000)  # 23% against 40%, many choices: not harm
+    assert not worse(policy_like, arm(shown=400, choices=1000))
+    first_look = Arm(completions=17, choices=17, choices_shown=2, shown=2, accepted=1)
+    lucky_stable = Arm(completions=14, choices=14, choices_shown=9, shown=9, accepted=1)
+    assert not worse(first_look, lucky_stable)  # z = -1.5 against half of stable's: p = 0.07
+    # the same test by hand: Agresti-Caffo rates, the canary's against half of stable's
+    a_c, a_s = 3 / 19, 10 / 16
+    se = math.sqrt(a_c * (1 - a_c) / 19 + 0.25 * a_s * (1 - a_s) / 16)
+    t = two_proportion_ztest(2, 17, 9, 14, ratio=0.5)
+    assert t.stat == pytest.approx((0.5 * a_s - a_c) / se) and 0.05 < t.p < 0.1
+    # A rollout begun before the ratio keeps its absolute tolerance, and there the first look is harm.
+    old = Policy.from_row(8, {"suggestion_rate_drop": 0.15, "promote_rule": "expected_loss"})
+    assert old.suggestion_rate_ratio == 1.0 and worse(first_look, lucky_stable, old)
 
 
 @pytest.mark.parametrize(
