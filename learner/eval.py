@@ -154,6 +154,14 @@ class PairedRatio:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def ratio_text(self) -> str:
+        """The ratio as printed, with its interval: "1.23x [0.99, 1.48]" ("" without a ratio)."""
+        if self.ratio is None:
+            return ""
+        if self.low is None or self.high is None:
+            return f"{self.ratio:.2f}x"
+        return f"{self.ratio:.2f}x [{self.low:.2f}, {self.high:.2f}]"
+
     def p_text(self) -> str:
         """p as printed: below the resolution of the resamples, as a bound ("< 0.0001")."""
         if self.p is None:

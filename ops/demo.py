@@ -384,7 +384,7 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, mi
         paired = E.paired_accept_ratio(stats[names[0]].results, stats[names[stable]].results)
         out[names[stable]]["vs_base"] = paired.as_dict()
         if paired.p is not None:
-            ratio = f"{paired.ratio:.2f}x [{paired.low:.2f}, {paired.high:.2f}], " if paired.ratio is not None else ""
+            ratio = f"{paired.ratio_text()}, " if paired.ratio is not None else ""
             console.print(
                 f"v{stable}'s accept rate of shown against the base's on the same sites: {ratio}"
                 f"p {'= ' if paired.p else ''}{paired.p_text()} that it is not above (paired bootstrap, {paired.rounds:,} resamples)",

@@ -156,7 +156,7 @@ def run_bench(
     trained_patterns = train_weights(master, cfg.train_weights)
     for lr in lrs:
         policy = copy.deepcopy(master).train()
-        trained, total = train_only(policy, cfg.train_weights)
+        trained, total = train_only(policy, trained_patterns)
         if trained < total:
             console.print(f"training {trained:,} of {total:,} parameters (learn.train_weights {trained_patterns})")
         previous = base_packed
@@ -282,7 +282,7 @@ def run_bench(
             f"{r['kl_to_base']:.2e}",
             "" if r["train_withheld"] is None else f"{r['train_withheld']:.0%}",
             "" if r["show_policy_samples"] is None else str(r["show_policy_samples"]),
-            _ratio(r["accept_ratio_vs_base"]),
+            "" if r["accept_ratio_vs_base"] is None else E.PairedRatio(**r["accept_ratio_vs_base"]).ratio_text(),
             ""
             if r["accept_p_vs_base"] is None
             else f"{E.PairedRatio(**r['accept_ratio_vs_base']).p_text()} / {r['accept_p_unpaired']:.4f}",
@@ -348,14 +348,6 @@ def _against_base(st, base) -> dict:
         "accept_ratio_vs_base": paired.as_dict(),
         "chars_vs_base": {"mean": sum(diffs) / len(diffs), "low": i.low, "high": i.high},
     }
-
-
-def _ratio(d: dict | None) -> str:
-    if d is None or d["ratio"] is None:
-        return ""
-    if d["low"] is None or d["high"] is None:
-        return f"{d['ratio']:.2f}x"
-    return f"{d['ratio']:.2f}x [{d['low']:.2f}, {d['high']:.2f}]"
 
 
 def _difference(d: dict) -> str:
