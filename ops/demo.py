@@ -17,7 +17,9 @@
      sizes against full; swap pauses; every rollout decision with its evidence; and the held-out
      evaluation of `flywheel eval` (learner.eval.evaluate, with 95% intervals) of the base and
      of the version stable serves at the end, on `eval.sites` sites (200 here, not 500: two
-     replays of 500 would add minutes to a ten-minute demo);
+     replays of 500 would add minutes to a ten-minute demo); and each served version's
+     train-inference mismatch on the completions it served, with serving's routes replayed and
+     without (learner.train.mismatch);
   6. a static copy of the ops dashboard.
 
 Everything runs for real: vLLM engines in Ray Serve, a Kafka broker, SQLite (or the
@@ -63,6 +65,10 @@ class DemoSection(Section):
     """Publish a deliberately degraded version once the first learned one's rollout has ended, to show a rollback."""
     dashboard: Path | None = None
     """Where the static dashboard goes. Empty: <data_dir>/dashboard.html."""
+    mismatch_completions: int = Field(default=128, ge=0)
+    """The summary measures each served version's train-inference mismatch, with serving's routes
+    replayed and without (learner/train/mismatch.py), on this many of the newest completions it
+    served. 0: not measured."""
     background_nice: int = Field(default=10, ge=0, le=19)
     """Niceness of the demo's own background threads (the learner, the sink, the rollout
     controller; Linux schedules threads, and a thread's niceness is its own), so that on one
@@ -245,6 +251,8 @@ def run(
     summary["precision"] = {"serving": serving_dtype.dtype, "pretraining": trained_in}
     summary["events"] = events
     summary["heldout"] = evaluate_versions(learner, engine, s.eval, console, min_confidence=s.model.min_confidence)
+    if s.demo.mismatch_completions:
+        summary["served_mismatch"] = served_mismatch_report(learner, engine, console, s.demo.mismatch_completions)
     if result is not None:
         result.update(summary)
     print_machine_report(console, stats, serving_dtype, trained_in, timeout_s=sim.timeout_s)
@@ -391,6 +399,60 @@ def evaluate_versions(learner, engine, cfg: EvalSection, console: Console, *, mi
                 markup=False,
             )
     return out
+
+
+def served_mismatch_report(learner, engine, console: Console, limit: int) -> list[dict]:
+    """Each version that served completions, its train-inference mismatch on the newest `limit`
+    of them (learner.train.mismatch): its served weights, vLLM's logprobs, serving's routes
+    replayed against the forward's own. Printed as a table; returned as rows."""
+    from learner.train.learn import model_from_packed
+    from learner.train.mismatch import served_mismatch, served_samples
+
+    with engine.connect() as conn:
+        served = (
+            conn.execute(text("SELECT DISTINCT model_version FROM completions ORDER BY model_version")).scalars().all()
+        )
+    rows = []
+    with console.status("") as status:
+        for v in served:
+            samples = served_samples(engine, v, limit)
+            if not samples:
+                continue
+            model = model_from_packed(learner.store.materialize(v), learner.args)
+            say = lambda n, v=v, total=len(samples): status.update(  # noqa: E731
+                f"train-inference mismatch of v{v}: {n}/{total} completions"
+            )
+            m = served_mismatch(model, learner.args, learner.format, samples, version=v, progress=say)
+            if m is not None:
+                rows.append(m)
+    t = Table(
+        "served by",
+        "completions",
+        "tokens",
+        "serving's routes replayed",
+        "own routing",
+        "replay / own [95% CI]",
+        "routes differing",
+        title=f"train-inference mismatch KL per token on what each version served (newest {limit}; router replay, R3)",
+    )
+    for m in rows:
+        t.add_row(
+            f"v{m.version}",
+            str(m.completions),
+            str(m.tokens),
+            f"{m.replay:.1e}",
+            f"{m.own:.1e}",
+            _ratio_cell(m.ratio, m.ratio_interval),
+            f"{m.rerouted:.2%}",
+        )
+    console.print(t)
+    return [m.as_dict() for m in rows]
+
+
+def _ratio_cell(ratio: float | None, interval: tuple[float, float] | None) -> str:
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
 def _base_precision(model_dir: Path) -> str | None:

@@ -14,7 +14,13 @@ from learner.train.eval_settings import EvalSection
 from learner.train.learn import Learner, model_from_packed
 from learner.train.pretrain import ensure_base_model
 from ops import demo
-from tests.learner.train.learn_support import ListProducer, make_corpus, tiny_learn_settings
+from tests.learner.train.learn_support import (
+    ListProducer,
+    make_corpus,
+    record_served,
+    rerouted_samples,
+    tiny_learn_settings,
+)
 
 
 def test_summary_evaluates_the_base_and_the_stable_version(tmp_path):
@@ -42,6 +48,40 @@ def test_summary_evaluates_the_base_and_the_stable_version(tmp_path):
     assert got["v1 (stable)"]["vs_base"] == E.paired_accept_ratio(*replays).as_dict()
     assert "vs_base" not in got["v0 (base)"]
     assert "held-out evaluation: 5 sites" in out.getvalue() and "v1 (stable)" in out.getvalue()
+    learner.close()
+
+
+def test_the_summary_measures_each_served_versions_mismatch_on_what_it_served(tmp_path):
+    from learner.train.mismatch import served_mismatch, served_samples
+
+    s = tiny_learn_settings(tmp_path, make_corpus(tmp_path / "corpus"), tmp_path / "cache")
+    ensure_base_model(s, Console(file=io.StringIO()))
+    learner = Learner(s, producer=ListProducer())
+    learner.start()
+    packed = learner.store.materialize(0)
+    packed["lm_head.weight"] = -packed["lm_head.weight"]
+    learner.store.publish(packed, 0, version=1)
+    models = {v: model_from_packed(learner.store.materialize(v), learner.args) for v in (0, 1)}
+    # v0's engine took other experts at a quarter of the pairs; v1's routed as the forward does
+    for v, every in ((0, 4), (1, 0)):
+        record_served(learner.engine, rerouted_samples(models[v], 5, reroute_every=every, version=v, seed=v))
+
+    out = io.StringIO()
+    rows = demo.served_mismatch_report(learner, learner.engine, Console(file=out, width=200), 4)
+    assert [(r["version"], r["completions"]) for r in rows] == [(0, 4), (1, 4)]
+    for r in rows:
+        want = served_mismatch(
+            models[r["version"]],
+            learner.args,
+            learner.format,
+            served_samples(learner.engine, r["version"], 4),
+            version=r["version"],
+        )
+        assert r == want.as_dict()
+    assert rows[0]["ratio"] < 0.01 < rows[0]["rerouted"] and rows[1]["rerouted"] == 0.0
+    assert "on what each version served (newest 4" in out.getvalue()
+    lo, hi = rows[0]["ratio_interval"]
+    assert f"{rows[0]['ratio']:.2f}x [{lo:.2f}, {hi:.2f}]" in out.getvalue() and rows[1]["ratio_interval"] is None
     learner.close()
 
 

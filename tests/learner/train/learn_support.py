@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from feedback import db
+from feedback.routing import encode_routing
 from learner.corpus import default_corpus_dir
 from learner.tokenizer import EOS
+from learner.train.learn import Sample
 from learner.train.learn_settings import LearnSettings
 
 FILES = ["textwrap.py", "shlex.py", "string.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py", "colorsys.py"]
@@ -174,6 +176,71 @@ def write_samples(
             )
             ids.append(cid)
     return ids
+
+
+def rerouted_samples(model, n: int, *, reroute_every: int, version: int = 3, seed: int = 0) -> list[Sample]:
+    """n completions as a serving engine that routes like `model`, except that at every
+    `reroute_every`-th (position, layer) pair it took other experts (FP4 serving weights do that at
+    a few positions), records them: vLLM's logprobs come from its routes, and the trace carries them."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        seq = torch.randint(2, model.args.vocab_size, (1, 14 + i % 5), generator=gen)
+        x = seq[:, :-1]
+        with torch.no_grad():
+            _, own = model(x, return_routing=True)
+            routes = []
+            for layer, r in enumerate(own):
+                r = r.clone()
+                if reroute_every:
+                    where = torch.zeros(r.shape[1], dtype=torch.bool)
+                    where[(layer + i) % reroute_every :: reroute_every] = True
+                    r[0, where] = (r[0, where] + 1) % model.args.n_experts
+                    # top-k picks distinct experts: a shifted pair may collide, so shift both together
+                    r[0, where, 1] = (r[0, where, 0] + 1) % model.args.n_experts
+                routes.append(r)
+            logp = torch.log_softmax(model(x, routing=routes)[0].float(), -1)
+        prompt, completion = seq[0, :10].tolist(), seq[0, 10:].tolist()
+        behaviour = [float(logp[9 + t, tok]) for t, tok in enumerate(completion)]
+        trace = torch.stack([r[0] for r in routes]).numpy()  # [L, positions, K]: prompt + completion - 1
+        samples.append(
+            Sample(
+                0, f"c-{uuid.uuid4().hex}", 0, version, prompt, completion, behaviour, 0.0, None, encode_routing(trace)
+            )
+        )
+    return samples
+
+
+def record_served(engine, samples) -> None:
+    """`samples` as the sink records completions: the version that served each, its prompt, and
+    its choice's tokens, logprobs and routing trace (no reward: not every completion gets one)."""
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        for s in samples:
+            conn.execute(
+                db.completions.insert().values(
+                    completion_id=s.completion_id,
+                    model_version=s.version,
+                    user_hash="u0",
+                    prompt_token_ids=s.prompt_ids,
+                    summary_ids=[],
+                    n_choices=1,
+                    latency_ms=10.0,
+                    created_at=now,
+                )
+            )
+            conn.execute(
+                db.completion_choices.insert().values(
+                    completion_id=s.completion_id,
+                    choice_index=0,
+                    token_ids=s.token_ids,
+                    logprobs=s.behaviour,
+                    routing=s.routing,
+                    text="",
+                    n_chars=0,
+                    finish_reason="stop",
+                )
+            )
 
 
 def reward_ids(engine) -> list[int]:
