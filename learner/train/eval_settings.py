@@ -42,6 +42,11 @@ class EvalSection(Section):
     each, from the same replay (the gate only hides suggestions, so one replay gives them all)."""
     threads: int = Field(default=1, ge=1)
     """torch CPU threads while replaying: one token at a time is too little work to split."""
+    served_mismatch: int = Field(default=0, ge=0)
+    """With a store version (`--model vN`), also measure its train-inference mismatch on the
+    newest this-many completions it served (from the database): the learner's forward of its
+    served weights against vLLM's logprobs, with serving's routes replayed and without
+    (learner/train/mismatch.py). 0: not measured."""
 
     @field_validator("gate_curve")
     @classmethod

@@ -48,6 +48,7 @@ class EvalTarget:
     label: str  # where it came from
     name: str  # a column heading: base, v7, the folder's name
     show_policy: ShowPolicy | None = None  # a store version's learned show policy (learner/show.py)
+    version: int | None = None  # the store version it is, if one
 
 
 def load_target(spec: str | None, s: EvalSettings) -> EvalTarget:
@@ -141,7 +142,7 @@ def _store_version(version: int, s: EvalSettings) -> EvalTarget:
     label = f"v{version} ({store.uri(version)})"
     if policy is not None:
         label += f", with its show policy (fitted on {policy.samples} shown suggestions)"
-    return EvalTarget(model, tok, fmt, label, f"v{version}", policy)
+    return EvalTarget(model, tok, fmt, label, f"v{version}", policy, version)
 
 
 def heldout_files(s: EvalSettings, corpus: Path | None = None) -> tuple[list[SourceFile], str]:
@@ -215,6 +216,8 @@ def run(
     `table` is off; return it as JSON-safe data."""
     cfg = s.eval
     target = load_target(model, s)
+    if cfg.served_mismatch and target.version is None:
+        raise UserError(f"eval.served_mismatch needs a store version (--model vN), not {target.label}")
     files, corpus_name = heldout_files(s, corpus)
     gate = s.model.min_confidence
     # The gate only hides suggestions: a curve replays once without it and applies each threshold.
@@ -242,6 +245,9 @@ def run(
     curve = {th: open_.gated(th) for th in cfg.gate_curve} if open_ is not None else {}
     if curve:
         report["gate_curve"] = [{"min_confidence": th, **st.summary()} for th, st in curve.items()]
+    mismatch = served_mismatch(target, s, console) if cfg.served_mismatch else None
+    if cfg.served_mismatch:
+        report["served_mismatch"] = None if mismatch is None else mismatch.as_dict()
     if not table:
         return report
     columns = (
@@ -261,4 +267,51 @@ def run(
         markup=False,
         soft_wrap=True,
     )
+    if mismatch is not None:
+        lo, hi = mismatch.ratio_interval or (None, None)
+        console.print(
+            f"{target.name}'s train-inference mismatch KL per token on the newest {mismatch.completions} completions it "
+            f"served ({mismatch.tokens} tokens): serving's routes replayed {mismatch.replay:.1e}, own routing "
+            f"{mismatch.own:.1e}"
+            + (f" = {mismatch.ratio:.2f}x" if mismatch.ratio is not None else "")
+            + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
+            + f"; vLLM's experts differ from the forward's own at {mismatch.rerouted:.2%} of routed pairs",
+            markup=False,
+            soft_wrap=True,
+        )
+    elif cfg.served_mismatch:
+        console.print(f"{target.name} served no completion with routes in the database: no mismatch to measure")
     return report
+
+
+def served_mismatch(target: EvalTarget, s: EvalSettings, console: Console):
+    """The store version `target`'s mismatch on the newest `eval.served_mismatch` completions it
+    served, read from the settings' database (learner.train.mismatch); None if it served none."""
+    from sqlalchemy.exc import DBAPIError
+
+    from feedback import db
+    from feedback.core.errors import first_line
+    from learner.train.mismatch import served_mismatch as measure
+    from learner.train.mismatch import served_samples
+
+    engine = db.make_engine(s.database_url)
+    try:
+        samples = served_samples(engine, target.version, s.eval.served_mismatch)
+    except DBAPIError as e:  # unreachable, or no schema: nothing served there
+        where = engine.url.render_as_string(hide_password=True)
+        raise UserError(
+            f"eval.served_mismatch: cannot read completions from {where}: {first_line(e, with_type=False)}"
+        ) from None
+    finally:
+        engine.dispose()
+    if not samples:
+        return None
+    with console.status(f"mismatch of {target.name} on {len(samples)} served completions") as status:
+        return measure(
+            target.model,
+            target.model.args,
+            target.fmt,
+            samples,
+            version=target.version,
+            progress=lambda n: status.update(f"mismatch of {target.name}: {n}/{len(samples)} served completions"),
+        )

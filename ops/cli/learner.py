@@ -120,6 +120,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="P",
         help="also show the confidence gate's trade-off at these model.min_confidence thresholds (eval.gate_curve)",
     )
+    ev.add_argument(
+        "--served-mismatch",
+        type=int,
+        metavar="N",
+        help="with --model vN: also its train-inference mismatch on the newest N completions it served, "
+        "serving's routes replayed and not (eval.served_mismatch)",
+    )
     ev.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress on stderr)")
     add_config_args(ev)
     ev.set_defaults(fn=cmd_eval)
@@ -329,6 +336,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "cursor": args.cursor,
         "compare_prefix": args.compare_prefix,
         "gate_curve": args.gate_curve,
+        "served_mismatch": args.served_mismatch,
     }
     overrides = list(args.overrides) + [f"eval.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     s = EvalSettings.load(args.config, overrides)

@@ -130,6 +130,40 @@ def test_every_form_of_model_gives_the_same_replay(base, tmp_path):
     assert counts("--model", "v0") == default
 
 
+def test_a_store_versions_served_mismatch_is_measured_on_what_it_served(base, tmp_path):
+    from feedback import db
+    from learner.train.learn import model_from_packed
+    from learner.train.mismatch import served_mismatch, served_samples
+    from tests.learner.train.learn_support import record_served, rerouted_samples
+
+    _, s, folder = base
+    store = S.open_store(S.default_store_uri(s.model_copy(update={"data_dir": tmp_path / "data"})))
+    store.publish(S.load_packed_artifact(folder / "fp4"), None, version=0)
+    r = run_eval(base, tmp_path, "--model", "v0", "--served-mismatch", "4")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]  # no schema there yet: nothing was served
+    assert r.returncode == 1 and len(lines) == 1 and "cannot read completions from sqlite" in lines[0], r.stderr
+
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'data' / 'flywheel.db'}")
+    db.upgrade(engine)
+    r = run_eval(base, tmp_path, "--model", "v0", "--served-mismatch", "4")
+    assert r.returncode == 0 and "v0 served no completion with routes" in r.stdout, r.stderr
+
+    served = model_from_packed(store.materialize(0), load_hf(folder / "hf")[0].args)
+    record_served(engine, rerouted_samples(served, 6, reroute_every=4, version=0))
+    r = run_eval(base, tmp_path, "--json", "--model", "v0", "--served-mismatch", "4")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["served_mismatch"]
+    want = served_mismatch(
+        served, served.args, read_format(folder / "hf"), served_samples(engine, 0, 4), version=0
+    ).as_dict()
+    assert got.pop("ratio_interval") == pytest.approx(list(want.pop("ratio_interval")))
+    assert got == pytest.approx(want)
+    assert got["completions"] == 4 and got["ratio"] < 0.01
+    r = run_eval(base, tmp_path, "--model", "v0", "--served-mismatch", "4")
+    assert f"on the newest 4 completions it served ({got['tokens']} tokens)" in r.stdout, r.stdout
+    engine.dispose()
+
+
 def test_compare_prefix_replays_the_same_sites_without_the_fim_template(base, tmp_path):
     _, s, folder = base
     r = run_eval(base, tmp_path, "--json", "--compare-prefix")
@@ -199,6 +233,7 @@ def test_eval_prints_a_table_with_intervals(base, tmp_path):
         (("--sites", "0"), "eval.sites"),
         (("--corpus", "/no/such/corpus"), "does not exist"),
         (("--cursor", "middle"), "--cursor"),
+        (("--served-mismatch", "3"), "needs a store version (--model vN)"),
     ],
 )
 def test_bad_input_is_one_line(base, tmp_path, args, fragment):
