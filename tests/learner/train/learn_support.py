@@ -140,29 +140,18 @@ def write_samples(
                 reward_fn(toks) if reward_fn else (1.0 if i % 2 else -0.25, "select" if i % 2 else "dismiss")
             )
             cid = f"c-{uuid.uuid4().hex}"
-            conn.execute(
-                db.completions.insert().values(
-                    completion_id=cid,
-                    model_version=version,
-                    user_hash=user or f"u{i % 5}",
-                    pinned=pinned,
-                    prompt_token_ids=prompt,
-                    summary_ids=[],
-                    n_choices=1,
-                    latency_ms=10.0,
-                    created_at=now,
-                )
-            )
-            conn.execute(
-                db.completion_choices.insert().values(
-                    completion_id=cid,
-                    choice_index=0,
-                    token_ids=toks,
-                    logprobs=lps,
-                    text=tok.decode(toks),
-                    n_chars=len(tok.decode([t for t in toks if t != eos])),
-                    finish_reason="stop",
-                )
+            insert_completion(
+                conn,
+                cid,
+                version,
+                prompt,
+                toks,
+                lps,
+                user=user or f"u{i % 5}",
+                pinned=pinned,
+                text=tok.decode(toks),
+                n_chars=len(tok.decode([t for t in toks if t != eos])),
+                created_at=now,
             )
             conn.execute(
                 db.rewards.insert().values(
@@ -214,33 +203,54 @@ def rerouted_samples(model, n: int, *, reroute_every: int, version: int = 3, see
 def record_served(engine, samples) -> None:
     """`samples` as the sink records completions: the version that served each, its prompt, and
     its choice's tokens, logprobs and routing trace (no reward: not every completion gets one)."""
-    now = datetime.now(UTC)
     with engine.begin() as conn:
         for s in samples:
-            conn.execute(
-                db.completions.insert().values(
-                    completion_id=s.completion_id,
-                    model_version=s.version,
-                    user_hash="u0",
-                    prompt_token_ids=s.prompt_ids,
-                    summary_ids=[],
-                    n_choices=1,
-                    latency_ms=10.0,
-                    created_at=now,
-                )
+            insert_completion(
+                conn, s.completion_id, s.version, s.prompt_ids, s.token_ids, s.behaviour, routing=s.routing
             )
-            conn.execute(
-                db.completion_choices.insert().values(
-                    completion_id=s.completion_id,
-                    choice_index=0,
-                    token_ids=s.token_ids,
-                    logprobs=s.behaviour,
-                    routing=s.routing,
-                    text="",
-                    n_chars=0,
-                    finish_reason="stop",
-                )
-            )
+
+
+def insert_completion(
+    conn,
+    cid: str,
+    version: int,
+    prompt,
+    toks,
+    lps,
+    *,
+    user="u0",
+    pinned=False,
+    text="",
+    n_chars=0,
+    routing=None,
+    created_at: datetime | None = None,
+) -> None:
+    """One completion and its one choice, as the sink writes them."""
+    conn.execute(
+        db.completions.insert().values(
+            completion_id=cid,
+            model_version=version,
+            user_hash=user,
+            pinned=pinned,
+            prompt_token_ids=prompt,
+            summary_ids=[],
+            n_choices=1,
+            latency_ms=10.0,
+            created_at=created_at or datetime.now(UTC),
+        )
+    )
+    conn.execute(
+        db.completion_choices.insert().values(
+            completion_id=cid,
+            choice_index=0,
+            token_ids=toks,
+            logprobs=lps,
+            routing=routing,
+            text=text,
+            n_chars=n_chars,
+            finish_reason="stop",
+        )
+    )
 
 
 def reward_ids(engine) -> list[int]:
