@@ -412,10 +412,13 @@ def served_mismatch_report(learner, engine, console: Console, limit: int) -> lis
         served = (
             conn.execute(text("SELECT DISTINCT model_version FROM completions ORDER BY model_version")).scalars().all()
         )
+    published = set(learner.store.versions())  # a shared database may hold another store's versions
     rows = []
     with console.status("") as status:
         for v in served:
-            samples = served_samples(engine, v, limit)
+            if v not in published:
+                continue
+            samples = served_samples(engine, v, limit, learner.args.vocab_size)
             if not samples:
                 continue
             model = model_from_packed(learner.store.materialize(v), learner.args)

@@ -296,7 +296,7 @@ def served_mismatch(target: EvalTarget, s: EvalSettings, console: Console):
 
     engine = db.make_engine(s.database_url)
     try:
-        samples = served_samples(engine, target.version, s.eval.served_mismatch)
+        samples = served_samples(engine, target.version, s.eval.served_mismatch, target.model.args.vocab_size)
     except DBAPIError as e:  # unreachable, or no schema: nothing served there
         where = engine.url.render_as_string(hide_password=True)
         raise UserError(

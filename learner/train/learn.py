@@ -103,6 +103,12 @@ class Sample:
     pinned: bool = False  # the request chose its version (model: flywheel@vN): not trained on
 
 
+def in_vocabulary(s: Sample, vocab_size: int) -> bool:
+    """A record of another model (a database shared with another base, a test's broker) names
+    tokens this one may not have: one such sample would fail every forward it joins."""
+    return all(0 <= t < vocab_size for t in s.prompt_ids) and all(0 <= t < vocab_size for t in s.token_ids)
+
+
 def read_samples(engine: Engine, after_id: int, limit: int) -> tuple[list[Sample], int]:
     """Up to `limit` rewarded choices with `rewards.id > after_id`, oldest first, and the last id read."""
     r, c, ch = db.rewards, db.completions, db.completion_choices
@@ -787,7 +793,7 @@ class Learner:
             and s.token_ids
             and len(s.behaviour) >= len(s.token_ids)
             and not s.pinned  # its client chose the version: feedback aimed at it, not the users' own
-            and self._in_vocabulary(s)
+            and in_vocabulary(s, self.args.vocab_size)
         ]
         st.samples_skipped += len(samples) - len(usable)
         st.show_withheld = (st.show_withheld + self._policy_withheld(samples))[-self.cfg.show.window :]
@@ -809,13 +815,6 @@ class Learner:
         with self.engine.connect() as conn:
             stable = pools.current_stable(conn)
         return self.state.last_good if stable is None else min(stable, self.state.last_good)
-
-    def _in_vocabulary(self, s: Sample) -> bool:
-        """A record of another model (a database shared with another base, a test's broker) names
-        tokens this one may not have: one such sample would fail every update it joins."""
-        return all(0 <= t < self.args.vocab_size for t in s.prompt_ids) and all(
-            0 <= t < self.args.vocab_size for t in s.token_ids
-        )
 
     def _within_user_cap(self, samples: list[Sample]) -> list[Sample]:
         """The samples whose user has not yet given `learn.max_samples_per_user` toward the next

@@ -34,7 +34,7 @@ from sqlalchemy.engine import Engine
 from feedback import db
 from learner.formats import ModelFormat
 from learner.model import ModelArgs, Transformer
-from learner.train.learn import Sample, make_batch, token_logprobs
+from learner.train.learn import Sample, in_vocabulary, make_batch, token_logprobs
 
 RESAMPLES = 2000
 """Bootstrap resamples of the completions behind the interval of replay / own."""
@@ -60,9 +60,11 @@ class ServedMismatch:
         return asdict(self) | {"ratio": self.ratio}
 
 
-def served_samples(engine: Engine, version: int, limit: int) -> list[Sample]:
+def served_samples(engine: Engine, version: int, limit: int, vocab_size: int) -> list[Sample]:
     """The newest `limit` choices `version` served that carry routes, oldest first. Rewarded or
-    not, pinned or not: any completion vLLM produced has its logprobs and routes."""
+    not, pinned or not: any completion vLLM produced has its logprobs and routes. A record of
+    another model (token ids beyond `vocab_size`: a database or broker shared with another base)
+    is passed over."""
     if limit < 1:
         return []
     c, ch = db.completions, db.completion_choices
@@ -72,30 +74,30 @@ def served_samples(engine: Engine, version: int, limit: int) -> list[Sample]:
         .where(c.c.model_version == version)
         .order_by(c.c.id.desc(), ch.c.choice_index)
     )
-    rows = []
+    samples = []
     with engine.connect() as conn:
         # a JSON column stores an absent trace as JSON null, which SQL cannot test portably: read
         # newest first, in pages, until enough carry one
         for row in conn.execution_options(yield_per=256).execute(q):
-            if row.routing and row.token_ids and row.logprobs:
-                rows.append(row)
-                if len(rows) == limit:
+            if not (row.routing and row.token_ids and row.logprobs and len(row.logprobs) >= len(row.token_ids)):
+                continue
+            s = Sample(
+                0,
+                row.completion_id,
+                row.choice_index,
+                version,
+                list(row.prompt_token_ids),
+                list(row.token_ids),
+                [float(x) for x in row.logprobs],
+                0.0,
+                None,
+                row.routing,
+            )
+            if in_vocabulary(s, vocab_size):
+                samples.append(s)
+                if len(samples) == limit:
                     break
-    return [
-        Sample(
-            0,
-            row.completion_id,
-            row.choice_index,
-            version,
-            list(row.prompt_token_ids),
-            list(row.token_ids),
-            [float(x) for x in row.logprobs],
-            0.0,
-            None,
-            row.routing,
-        )
-        for row in reversed(rows)
-    ]
+    return samples[::-1]
 
 
 def served_mismatch(

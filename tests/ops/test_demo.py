@@ -4,6 +4,7 @@ serves, side by side (a learner on a tiny base and SQLite; no broker, no vLLM)."
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -65,6 +66,11 @@ def test_the_summary_measures_each_served_versions_mismatch_on_what_it_served(tm
     # v0's engine took other experts at a quarter of the pairs; v1's routed as the forward does
     for v, every in ((0, 4), (1, 0)):
         record_served(learner.engine, rerouted_samples(models[v], 5, reroute_every=every, version=v, seed=v))
+    # what a database shared with another deployment holds: a version this store never published,
+    # and a record of another model (a token beyond this vocabulary) under v0
+    record_served(learner.engine, rerouted_samples(models[0], 1, reroute_every=4, version=7, seed=7))
+    alien = rerouted_samples(models[0], 1, reroute_every=4, version=0, seed=8)[0]
+    record_served(learner.engine, [replace(alien, token_ids=[learner.args.vocab_size] + alien.token_ids[1:])])
 
     out = io.StringIO()
     rows = demo.served_mismatch_report(learner, learner.engine, Console(file=out, width=200), 4)
@@ -74,7 +80,7 @@ def test_the_summary_measures_each_served_versions_mismatch_on_what_it_served(tm
             models[r["version"]],
             learner.args,
             learner.format,
-            served_samples(learner.engine, r["version"], 4),
+            served_samples(learner.engine, r["version"], 4, learner.args.vocab_size),
             version=r["version"],
         )
         assert r == want.as_dict()

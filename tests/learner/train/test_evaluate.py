@@ -154,7 +154,7 @@ def test_a_store_versions_served_mismatch_is_measured_on_what_it_served(base, tm
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["served_mismatch"]
     want = served_mismatch(
-        served, served.args, read_format(folder / "hf"), served_samples(engine, 0, 4), version=0
+        served, served.args, read_format(folder / "hf"), served_samples(engine, 0, 4, served.args.vocab_size), version=0
     ).as_dict()
     assert got.pop("ratio_interval") == pytest.approx(list(want.pop("ratio_interval")))
     assert got == pytest.approx(want)

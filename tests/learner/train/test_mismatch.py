@@ -73,12 +73,21 @@ def test_served_samples_are_the_versions_newest_with_routes_oldest_first(tmp_pat
     db.upgrade(engine)
     trace = encode_routing([[[0, 1]] * 3])
     made = [
-        Sample(0, f"c{i}", 0, version, [5, 6], [7, 8], [-0.5, -1.0 - i], 0.0, None, routing)
-        for i, (version, routing) in enumerate([(1, trace), (2, trace), (1, None), (1, trace), (1, trace)])
+        Sample(0, f"c{i}", 0, version, [5, 6], tokens, [-0.5, -1.0 - i][: len(tokens)], 0.0, None, routing)
+        for i, (version, routing, tokens) in enumerate(
+            [
+                (1, trace, [7, 8]),
+                (2, trace, [7, 8]),
+                (1, None, [7, 8]),
+                (1, trace, [7, 8]),
+                (1, trace, [7, 100]),  # another model's record: a token beyond this vocabulary
+                (1, trace, [7, 8]),
+            ]
+        )
     ]
     record_served(engine, made)
-    got = served_samples(engine, 1, limit=2)
-    assert got == [made[3], made[4]]
-    assert [s.completion_id for s in served_samples(engine, 1, limit=10)] == ["c0", "c3", "c4"]
-    assert served_samples(engine, 7, limit=10) == [] and served_samples(engine, 1, limit=0) == []
+    assert served_samples(engine, 1, 2, vocab_size=100) == [made[3], made[5]]
+    assert [s.completion_id for s in served_samples(engine, 1, 10, vocab_size=100)] == ["c0", "c3", "c5"]
+    assert [s.completion_id for s in served_samples(engine, 1, 2, vocab_size=101)] == ["c4", "c5"]
+    assert served_samples(engine, 7, 10, vocab_size=100) == [] and served_samples(engine, 1, 0, vocab_size=100) == []
     engine.dispose()
