@@ -11,6 +11,7 @@ PostgreSQL tests need `FLYWHEEL_TEST_POSTGRES_URL` (a role allowed to CREATE DAT
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 
@@ -23,6 +24,7 @@ from tests.helpers import cpu_report, free_port, make_settings, scaled, timeout_
 prefer_passive_waiting()  # before any test imports torch: the suite shares its cores with its own vLLM and Ray
 
 SUITE_TIMEOUT_S = 600  # per test, before the timeout factor
+_SESSION = pytest.StashKey[pytest.Session]()
 
 
 def pytest_report_header(config) -> list[str]:
@@ -30,6 +32,30 @@ def pytest_report_header(config) -> list[str]:
         cpu_report(),
         f"timeout factor {timeout_factor():g} (FLYWHEEL_TEST_TIMEOUT_FACTOR): every wait and the per-test limit scale with it",
     ]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """Once every report is written, exit with pytest's status without the interpreter's teardown.
+
+    One CI run segfaulted there after its summary line said every test had passed ("1229
+    passed ... Segmentation fault", exit 139): the native libraries the suite loads (vLLM, Ray,
+    torch's thread pools, gRPC) keep threads that can crash while the interpreter finalizes,
+    which says nothing about the tests. Ray, if a test left it running, is shut down first."""
+    session = config.stash.get(_SESSION, None)
+    if session is None:  # the session never ran (--help, a usage error): exit as usual
+        return
+    status = int(session.exitstatus)  # what pytest itself would exit with
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
