@@ -298,9 +298,16 @@ def token_logprobs(logits_BSV: torch.Tensor, batch: Batch) -> torch.Tensor:
     return at_BTV.gather(2, batch.target_BT.unsqueeze(-1)).squeeze(-1)
 
 
-def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+def k3_BT(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(b || a) at each token, exp(d) - d - 1 with d = a - b: unbiased,
+    never negative, and 0 at the tokens the mask leaves out."""
     d = (a_BT - b_BT) * mask_BT
-    return float(((torch.exp(d) - d - 1) * mask_BT).sum() / mask_BT.sum().clamp_min(1))
+    return (torch.exp(d) - d - 1) * mask_BT
+
+
+def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """`k3_BT`'s mean per token over the batch."""
+    return float(k3_BT(a_BT, b_BT, mask_BT).sum() / mask_BT.sum().clamp_min(1))
 
 
 EXPERTS = r"\.mlp\.experts\."

@@ -34,7 +34,7 @@ from sqlalchemy.engine import Engine
 from feedback import db
 from learner.formats import ModelFormat
 from learner.model import ModelArgs, Transformer
-from learner.train.learn import Sample, in_vocabulary, make_batch, token_logprobs
+from learner.train.learn import Sample, in_vocabulary, k3_BT, make_batch, token_logprobs
 
 RESAMPLES = 2000
 """Bootstrap resamples of the completions behind the interval of replay / own."""
@@ -149,10 +149,8 @@ def served_mismatch(
 
 
 def _k3_rows(logp_BT: torch.Tensor, batch) -> list[float]:
-    """The k3 estimator of KL(behaviour || logp) summed over each row's completion tokens
-    (learner.train.learn._k3 is the batch's mean per token)."""
-    d = (logp_BT - batch.behaviour_BT) * batch.mask_BT
-    return ((torch.exp(d) - d - 1) * batch.mask_BT).sum(1).tolist()
+    """learner.train.learn.k3_BT summed over each row's completion tokens."""
+    return k3_BT(logp_BT, batch.behaviour_BT, batch.mask_BT).sum(1).tolist()
 
 
 def ratio_interval(
