@@ -33,7 +33,7 @@ from sqlalchemy.engine import Engine
 
 from feedback import db
 from learner.formats import ModelFormat
-from learner.model import ModelArgs, Transformer
+from learner.model import ModelArgs, Transformer, WeightHook
 from learner.train.learn import Sample, in_vocabulary, k3_BT, make_batch, token_logprobs
 
 RESAMPLES = 2000
@@ -109,9 +109,12 @@ def served_mismatch(
     version: int,
     batch_size: int = 16,
     progress: Callable[[int], None] | None = None,
+    fp4: WeightHook | None = None,
 ) -> ServedMismatch | None:
     """The mismatch of `model` (a version's served weights: learner.train.learn.model_from_packed)
-    on `samples` it served, with and without their routes replayed; None without a completion token."""
+    on `samples` it served, with and without their routes replayed; None without a completion token.
+    `fp4` is the learner's FP4 hook, for a model of master weights quantized at use as `rl_update`
+    trains them (`flywheel bench routes`); served weights are FP4 already and need none."""
     replay, own, tokens = [], [], []  # per completion: summed k3, its tokens
     differ, routed = 0, 0
     model.eval()
@@ -119,12 +122,12 @@ def served_mismatch(
         for i in range(0, len(samples), batch_size):
             batch = make_batch(samples[i : i + batch_size], args, fmt)
             x = batch.input_BS
-            logits, own_routing = model(x, return_routing=True)
+            logits, own_routing = model(x, return_routing=True, fp4=fp4)
             if batch.routing is None:
                 replayed = logits
             else:
                 routing = [torch.where(r < 0, o, r) for r, o in zip(batch.routing, own_routing, strict=True)]
-                replayed = model(x, routing=routing)
+                replayed = model(x, routing=routing, fp4=fp4)
                 for r, o in zip(batch.routing, own_routing, strict=True):
                     known = (r >= 0).all(-1)
                     differ += int(((r.sort(-1).values != o.sort(-1).values).any(-1) & known).sum())

@@ -13,9 +13,11 @@ One run, one process, on the pretrained base:
                            record carries them)
 
 Reported: the mismatch KL (k3 estimator, per completion token) of each against vLLM's own
-logprobs, the ratio of serving-route replay to own routing (the target is at most 1/2), and how
-often vLLM's experts differ from the FP4 forward's own. No Kafka or HTTP: the record's trace is
-the same string (feedback.routing) the engine puts in the completion record.
+logprobs, the ratio of serving-route replay to own routing (the target is at most 1/2) with its
+bootstrap interval over the completions (learner.train.mismatch, which also measures each
+version on what it served), and how often vLLM's experts differ from the FP4 forward's own. No
+Kafka or HTTP: the record's trace is the same string (feedback.routing) the engine puts in the
+completion record.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def run_bench(
     from learner.formats import read_format
     from learner.judge import cursor_sites
     from learner.tokenizer import load_tokenizer
-    from learner.train.learn import Sample, _k3, make_batch, model_from_packed, token_logprobs
+    from learner.train.learn import Sample, k3_BT, make_batch, model_from_packed, token_logprobs
+    from learner.train.mismatch import served_mismatch
     from learner.train.pretrain import (
         find_base_model,
         fp4_hook,
@@ -99,37 +102,41 @@ def run_bench(
     ]
     traced = sum(s.routing is not None for s in samples)
     master.eval()
-    totals = {"own": [], "high_precision": [], "serving": []}
-    flips, positions = 0, 0
-    with torch.no_grad():
-        for i in range(0, len(samples), 8):
-            batch = make_batch(samples[i : i + 8], args, model_format)
-            x = batch.input_BS
-            _, own_r = master(x, fp4=hook, return_routing=True)
-            _, hp_r = master(x, return_routing=True)
-            totals["own"].append(_k3(token_logprobs(master(x, fp4=hook), batch), batch.behaviour_BT, batch.mask_BT))
-            totals["high_precision"].append(
-                _k3(token_logprobs(master(x, routing=hp_r, fp4=hook), batch), batch.behaviour_BT, batch.mask_BT)
-            )
-            srv = own_r if batch.routing is None else [torch.where(r < 0, o, r) for r, o in zip(batch.routing, own_r)]
-            totals["serving"].append(
-                _k3(token_logprobs(master(x, routing=srv, fp4=hook), batch), batch.behaviour_BT, batch.mask_BT)
-            )
-            if batch.routing is not None:
-                for r, o in zip(batch.routing, own_r, strict=True):
-                    known = (r >= 0).all(-1)
-                    differ = (r.sort(-1).values != o.sort(-1).values).any(-1)
-                    flips += int((differ & known).sum())
-                    positions += int(known.sum())
-    mean = {k: sum(v) / len(v) for k, v in totals.items()}
+    # own routing and serving's routes replayed: learner.train.mismatch, as `flywheel eval
+    # --served-mismatch` measures a version, but on the master weights FP4 at use, as rl_update trains
+    n = len(samples)
+    with console.status("the learner's forwards") as status:
+        m = served_mismatch(
+            master,
+            args,
+            model_format,
+            samples,
+            version=0,
+            batch_size=8,
+            fp4=hook,
+            progress=lambda k: status.update(f"own routing and serving's routes replayed: {k}/{n} completions"),
+        )
+        if m is None:
+            raise UserError("vLLM sampled no completion token at these sites: nothing to measure")
+        high_precision = 0.0  # pretraining's replay: the routing of a forward without FP4
+        with torch.no_grad():
+            for i in range(0, n, 8):
+                batch = make_batch(samples[i : i + 8], args, model_format)
+                _, hp_r = master(batch.input_BS, return_routing=True)
+                logp = token_logprobs(master(batch.input_BS, routing=hp_r, fp4=hook), batch)
+                high_precision += float(k3_BT(logp, batch.behaviour_BT, batch.mask_BT).sum())
+                status.update(f"high-precision routing replayed: {min(i + 8, n)}/{n} completions")
+    mean = {"own": m.own, "high_precision": high_precision / m.tokens, "serving": m.replay}
     result = {
         "command": command,
         "base": str(base_dir),
         "completions": len(samples),
+        "tokens": m.tokens,
         "traced": traced,
         "mismatch_kl": mean,
-        "serving_over_own": mean["serving"] / mean["own"] if mean["own"] else None,
-        "routes_differing_from_own_fp4": flips / positions if positions else None,
+        "serving_over_own": m.ratio,
+        "serving_over_own_interval": m.ratio_interval,
+        "routes_differing_from_own_fp4": m.rerouted if traced else None,
     }
     _print(console, result)
     if out:
@@ -159,6 +166,12 @@ def _print(console: Console, r: dict) -> None:
     ):
         t.add_row(name, f"{m[key]:.2e}", f"{m[key] / m['own']:.2f}x" if m["own"] else "-")
     console.print(t)
+    if r["serving_over_own_interval"] is not None:
+        lo, hi = r["serving_over_own_interval"]
+        console.print(
+            f"serving routes replayed / own routing: {r['serving_over_own']:.2f}x, 95% interval [{lo:.2f}, {hi:.2f}] "
+            f"(bootstrap over the completions; the mismatch is token-weighted over {r['tokens']} tokens)"
+        )
     if r["routes_differing_from_own_fp4"] is not None:
         console.print(
             f"vLLM's experts differ from the FP4 forward's own at {r['routes_differing_from_own_fp4']:.2%} of (position, layer) pairs"

@@ -33,6 +33,10 @@ def test_every_vllm_completion_carries_routes_the_learner_replays(tmp_path):
     assert r["completions"] > 0 and r["traced"] == r["completions"]  # vLLM recorded every one
     m = r["mismatch_kl"]
     assert all(math.isfinite(v) and v >= 0 for v in m.values())
+    assert r["tokens"] >= r["completions"]
+    assert r["serving_over_own"] == pytest.approx(m["serving"] / m["own"])
+    lo, hi = r["serving_over_own_interval"]
+    assert lo <= r["serving_over_own"] <= hi
     assert 0.0 <= r["routes_differing_from_own_fp4"] <= 1.0
     assert "serving routes replayed (R3)" in out.getvalue()
     assert json.loads((tmp_path / "r.json").read_text())["traced"] == r["traced"]
