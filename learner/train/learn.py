@@ -293,9 +293,10 @@ def _known_share(batch: Batch) -> float:
 
 
 def token_logprobs(logits_BSV: torch.Tensor, batch: Batch) -> torch.Tensor:
-    logp_BSV = F.log_softmax(logits_BSV.float(), dim=-1)
-    at_BTV = logp_BSV.gather(1, batch.pos_BT.unsqueeze(-1).expand(-1, -1, logp_BSV.shape[-1]))
-    return at_BTV.gather(2, batch.target_BT.unsqueeze(-1)).squeeze(-1)
+    """The logprob of each completion token: the logits at the positions that predict them, then
+    log_softmax over those alone (the prompt's positions, most of S, need none)."""
+    at_BTV = logits_BSV.gather(1, batch.pos_BT.unsqueeze(-1).expand(-1, -1, logits_BSV.shape[-1]))
+    return F.log_softmax(at_BTV.float(), dim=-1).gather(2, batch.target_BT.unsqueeze(-1)).squeeze(-1)
 
 
 def k3_BT(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

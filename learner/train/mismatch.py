@@ -117,6 +117,8 @@ def served_mismatch(
     trains them (`flywheel bench routes`); served weights are FP4 already and need none."""
     replay, own, tokens = [], [], []  # per completion: summed k3, its tokens
     differ, routed = 0, 0
+    # batched by length, so a batch pads little: prompts run from a few dozen tokens to the window
+    samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.token_ids))
     model.eval()
     with torch.no_grad():
         for i in range(0, len(samples), batch_size):
