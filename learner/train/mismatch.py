@@ -100,6 +100,12 @@ def served_samples(engine: Engine, version: int, limit: int, vocab_size: int) ->
     return samples[::-1]
 
 
+def by_length(samples: Sequence[Sample]) -> list[Sample]:
+    """`samples` shortest first, so a batch of neighbours pads little: prompts run from a few dozen
+    tokens to the window."""
+    return sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.token_ids))
+
+
 def served_mismatch(
     model: Transformer,
     args: ModelArgs,
@@ -117,8 +123,7 @@ def served_mismatch(
     trains them (`flywheel bench routes`); served weights are FP4 already and need none."""
     replay, own, tokens = [], [], []  # per completion: summed k3, its tokens
     differ, routed = 0, 0
-    # batched by length, so a batch pads little: prompts run from a few dozen tokens to the window
-    samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.token_ids))
+    samples = by_length(samples)
     model.eval()
     with torch.no_grad():
         for i in range(0, len(samples), batch_size):

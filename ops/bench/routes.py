@@ -55,7 +55,7 @@ def run_bench(
     from learner.judge import cursor_sites
     from learner.tokenizer import load_tokenizer
     from learner.train.learn import Sample, k3_BT, make_batch, model_from_packed, token_logprobs
-    from learner.train.mismatch import served_mismatch
+    from learner.train.mismatch import by_length, served_mismatch
     from learner.train.pretrain import (
         find_base_model,
         fp4_hook,
@@ -104,7 +104,7 @@ def run_bench(
     master.eval()
     # own routing and serving's routes replayed: learner.train.mismatch, as `flywheel eval
     # --served-mismatch` measures a version, but on the master weights FP4 at use, as rl_update trains
-    n = len(samples)
+    samples, n = by_length(samples), len(samples)  # the high-precision pass batches them as served_mismatch does
     with console.status("the learner's forwards") as status:
         m = served_mismatch(
             master,
