@@ -437,6 +437,7 @@ def served_mismatch_report(learner, engine, console: Console, limit: int) -> lis
         "replay / own [95% CI]",
         "routes differing",
         title=f"train-inference mismatch KL per token on what each version served (newest {limit}; router replay, R3)",
+        caption="replay / own is - where no route differs from the forward's own: replay then changes nothing",
     )
     for m in rows:
         t.add_row(

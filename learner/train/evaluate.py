@@ -275,7 +275,8 @@ def run(
             f"{mismatch.own:.1e}"
             + (f" = {mismatch.ratio:.2f}x" if mismatch.ratio is not None else "")
             + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
-            + f"; vLLM's experts differ from the forward's own at {mismatch.rerouted:.2%} of routed pairs",
+            + f"; vLLM's experts differ from the forward's own at {mismatch.rerouted:.2%} of routed pairs"
+            + (", so replay changes nothing" if not mismatch.rerouted else ""),
             markup=False,
             soft_wrap=True,
         )

@@ -301,9 +301,14 @@ def token_logprobs(logits_BSV: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 def k3_BT(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """The k3 estimator of KL(b || a) at each token, exp(d) - d - 1 with d = a - b: unbiased,
-    never negative, and 0 at the tokens the mask leaves out."""
+    never negative, and 0 at the tokens the mask leaves out.
+
+    Evaluated as expm1(d) - d: for |d| near the float's rounding, as where the serving engine
+    computes in float32 and reproduces the forward's logprobs to the last bits, exp(d) - 1 rounds
+    to a multiple of the epsilon and the sum came out negative (-2.4e-10 per token over a version's
+    completions); what rounding leaves below 0 is clamped to the true value's bound, 0."""
     d = (a_BT - b_BT) * mask_BT
-    return (torch.exp(d) - d - 1) * mask_BT
+    return (torch.expm1(d) - d).clamp_min(0) * mask_BT
 
 
 def _k3(a_BT: torch.Tensor, b_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:

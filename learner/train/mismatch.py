@@ -54,7 +54,10 @@ class ServedMismatch:
 
     @property
     def ratio(self) -> float | None:
-        return self.replay / self.own if self.own else None
+        """replay / own; None where no route differs: both forwards then route alike, so replay
+        had nothing to remove (a serving engine computing in float32 reproduces the forward's
+        routes and logprobs: a ratio of two rounding errors says nothing of replay)."""
+        return self.replay / self.own if self.own > 0 and self.rerouted > 0 else None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"ratio": self.ratio}
@@ -154,7 +157,7 @@ def served_mismatch(
         sum(replay) / n,
         sum(own) / n,
         differ / routed if routed else 0.0,
-        ratio_interval(np.array(replay), np.array(own)),
+        ratio_interval(np.array(replay), np.array(own)) if differ else None,
     )
 
 

@@ -164,8 +164,11 @@ def _print(console: Console, r: dict) -> None:
         ("high_precision", "high-precision routing replayed"),
         ("serving", "serving routes replayed (R3)"),
     ):
-        t.add_row(name, f"{m[key]:.2e}", f"{m[key] / m['own']:.2f}x" if m["own"] else "-")
+        ratio = r["serving_over_own"] if key == "serving" else (m[key] / m["own"] if m["own"] else None)
+        t.add_row(name, f"{m[key]:.2e}", "-" if ratio is None else f"{ratio:.2f}x")
     console.print(t)
+    if r["traced"] and r["serving_over_own"] is None:
+        console.print("no route vLLM took differs from the forward's own: replaying them changes nothing")
     if r["serving_over_own_interval"] is not None:
         lo, hi = r["serving_over_own_interval"]
         console.print(

@@ -84,7 +84,8 @@ def test_the_summary_measures_each_served_versions_mismatch_on_what_it_served(tm
             version=r["version"],
         )
         assert r == want.as_dict()
-    assert rows[0]["ratio"] < 0.01 < rows[0]["rerouted"] and rows[1]["rerouted"] == 0.0
+    assert rows[0]["ratio"] < 0.01 < rows[0]["rerouted"] and rows[1]["rerouted"] == 0.0 and rows[1]["ratio"] is None
+    assert "replay / own is - where no route differs" in out.getvalue()
     assert "on what each version served (newest 4" in out.getvalue()
     lo, hi = rows[0]["ratio_interval"]
     assert f"{rows[0]['ratio']:.2f}x [{lo:.2f}, {hi:.2f}]" in out.getvalue() and rows[1]["ratio_interval"] is None

@@ -23,6 +23,7 @@ from learner.train.learn import (
     ReplayBuffer,
     Sample,
     describe,
+    k3_BT,
     make_batch,
     model_from_packed,
     read_samples,
@@ -93,6 +94,25 @@ def test_the_learner_state_is_saved_owner_only(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "data" / "learner" / "state.pt").stat().st_mode) == 0o600
     assert {stat.S_IMODE((tmp_path / d).stat().st_mode) for d in ("data", "data/learner")} == {0o700}
+
+
+def test_k3_is_never_negative_and_exact_where_the_logprobs_differ_by_rounding():
+    # float32 logprobs a few ulps apart, as where serving computes in float32: exp(d) - d - 1
+    # rounds to whole multiples of the epsilon there, and its mean came out negative
+    g = torch.Generator().manual_seed(0)
+    b = -torch.rand(4, 256, generator=g) * 8
+    d = torch.randn(4, 256, generator=g) * torch.logspace(-9, -3, 256)
+    a = b + d
+    mask = torch.ones(4, 256)
+    mask[:, -16:] = 0
+    k = k3_BT(a, b, mask)
+    d64 = a.double() - b.double()
+    want = torch.expm1(d64) - d64
+    assert (k >= 0).all() and (k[:, -16:] == 0).all()
+    eps = torch.finfo(torch.float32).eps
+    assert ((k.double() - want).abs() <= 4 * eps * d64.abs() + 1e-30)[:, :-16].all()
+    old = (torch.exp(a - b) - (a - b) - 1) * mask  # the form it had: off by up to an epsilon
+    assert (old < 0).any()
 
 
 def test_make_batch_aligns_targets_with_positions():

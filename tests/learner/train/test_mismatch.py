@@ -46,6 +46,7 @@ def test_where_serving_routed_as_the_forward_does_replay_changes_nothing(model):
         model, model.args, FMT, rerouted_samples(model, 6, reroute_every=0), version=0, progress=seen.append
     )
     assert m.rerouted == 0.0 and m.replay == m.own and m.own < 1e-6
+    assert m.ratio is None and m.ratio_interval is None  # replay had nothing to remove: no ratio of roundings
     assert seen == [6]
 
 
@@ -53,7 +54,7 @@ def test_records_without_a_usable_trace_route_themselves_and_nothing_is_none(mod
     samples = rerouted_samples(model, 4, reroute_every=3)
     stripped = [replace(s, routing=encode_routing([[[0, 1]]])) for s in samples]  # another model's: 1 layer, 1 position
     m = served_mismatch(model, model.args, FMT, stripped, version=1)
-    assert m.replay == m.own and m.rerouted == 0.0  # another model's trace: not replayed
+    assert m.replay == m.own and m.rerouted == 0.0 and m.ratio is None  # another model's trace: not replayed
     assert served_mismatch(model, model.args, FMT, [], version=1) is None
 
 
