@@ -41,6 +41,8 @@ def test_every_vllm_completion_carries_routes_the_learner_replays(tmp_path):
         assert lo <= r["serving_over_own"] <= hi
     else:  # an engine computing in float32 can route every token as the forward does
         assert r["serving_over_own"] is None and r["serving_over_own_interval"] is None
-        assert m["serving"] == m["own"] and "replaying them changes nothing" in out.getvalue()
+        # the same experts, perhaps listed in another order: the same sums up to rounding
+        assert m["serving"] == pytest.approx(m["own"], rel=1e-3, abs=1e-9)
+        assert "replaying them changes nothing" in out.getvalue()
     assert "serving routes replayed (R3)" in out.getvalue()
     assert json.loads((tmp_path / "r.json").read_text())["traced"] == r["traced"]
