@@ -34,13 +34,18 @@ MIN_CONFIDENCE = 0.25
 
 
 def withheld(
-    logprobs: Sequence[float], min_confidence: float, text: str = "", policy: ShowPolicy | None = None
+    logprobs: Sequence[float],
+    min_confidence: float,
+    text: str = "",
+    policy: ShowPolicy | None = None,
+    line: str = "",
 ) -> bool:
     """Whether a suggestion whose tokens have these logprobs is withheld (not shown): its first
     token's probability is below `min_confidence`, or the version's show `policy` does not show
-    `text` (the suggestion as served). An empty suggestion has nothing to withhold."""
+    `text` (the suggestion as served) after `line`, the line before the cursor
+    (learner.show.cursor_line). An empty suggestion has nothing to withhold."""
     if not logprobs:
         return False
     if min_confidence > 0 and math.exp(logprobs[0]) < min_confidence:
         return True
-    return policy is not None and bool(text) and not policy.shows(logprobs, text)
+    return policy is not None and bool(text) and not policy.shows(logprobs, text, line)

@@ -79,7 +79,7 @@ from learner.judge import Site, Verdict, cursor_sites, editor_events, judge
 from learner.languages import editor_stops
 from learner.model import Transformer, WeightHook
 from learner.prompts import CONTEXT_BUDGET, SUMMARY_CHUNK_TOKENS, PromptBuilder, SummaryCache, fit_budget
-from learner.show import ShowPolicy
+from learner.show import ShowPolicy, cursor_line
 
 # --- confidence intervals ---------------------------------------------------------------------------
 
@@ -675,7 +675,7 @@ def heldout_replay(
                         first_logprob=c.logprobs[0] if c.logprobs else None,
                         policy_withholds=bool(c.text)
                         and show_policy is not None
-                        and not show_policy.shows(c.logprobs, c.text),
+                        and not show_policy.shows(c.logprobs, c.text, cursor_line(site.prefix)),
                         latency_s=latency,
                     ),
                     min_confidence,

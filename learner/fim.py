@@ -125,3 +125,21 @@ def plain_prompt_ids(fmt: ModelFormat, tok: Tokenizer, text: str) -> list[int]:
     """A left-to-right prompt: bos and `text`. An empty one starts a document: bos, or the
     document-ending token where the tokenizer adds no bos (as pretraining joins documents)."""
     return list(fmt.bos_ids) + encode(tok, text) or [fmt.eos_id]
+
+
+def prefix_tail(fmt: ModelFormat, tok: Tokenizer, prompt_ids: Sequence[int], tokens: int = 256) -> str:
+    """The text of the last `tokens` of the prompt's prefix (the code before the cursor), read
+    back from a prompt laid out by `fim_layout` or `plain_prompt_ids`: what the learner knows of
+    a served request's cursor (learner.show.cursor_line reads its last line). The prefix ends
+    where the suffix token follows it (prefix first), or with the prompt (suffix first, or a
+    prefix-only prompt), and begins after the prefix token."""
+    ids = list(prompt_ids)
+    end = len(ids)
+    f = fmt.fim
+    if f is not None and f.prefix in ids:
+        if not f.template.suffix_first and f.suffix in ids:
+            end = len(ids) - 1 - ids[::-1].index(f.suffix)
+        start = end - 1 - ids[:end][::-1].index(f.prefix) + 1 if f.prefix in ids[:end] else 0
+    else:
+        start = len(fmt.bos_ids) if ids[: len(fmt.bos_ids)] == list(fmt.bos_ids) else 0
+    return tok.decode(ids[max(start, end - tokens) : end])

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from learner.confidence import withheld
 from learner.formats import ModelFormat
 from learner.prompts import PromptBuilder, SummaryCache
-from learner.show import ShowPolicy
+from learner.show import ShowPolicy, cursor_line
 from serving.engine import Engine, Sample, SamplingSpec
 from serving.settings import ServeSettings
 
@@ -181,7 +181,8 @@ class CompletionService:
             # was streamed could not be taken back. So only the finished samples are gated then.
             if policy is None:
                 yield self._result(req, prompt, [_gated(s, gate) for s in samples], t0, built_ms, done=False)
-        samples = [_gated(s, gate, policy, req.completion_id) for s in samples]
+        line = cursor_line(req.prefix)  # what the policy reads of the cursor, as the learner reads it back
+        samples = [_gated(s, gate, policy, req.completion_id, line) for s in samples]
         yield self._result(req, prompt, samples, t0, built_ms, done=True)
 
     async def served_version(self) -> int:
@@ -218,12 +219,15 @@ class CompletionService:
         )
 
 
-def _gated(sample: Sample, min_confidence: float, policy: ShowPolicy | None = None, key: str = "") -> Sample:
+def _gated(
+    sample: Sample, min_confidence: float, policy: ShowPolicy | None = None, key: str = "", line: str = ""
+) -> Sample:
     """The sample as the client gets it: no text when the confidence gate withholds it, or the
-    version's show policy does and does not explore completion `key` (learner/show.py). Its tokens
+    version's show policy does (at a cursor after `line`) and does not explore completion `key`
+    (learner/show.py). Its tokens
     and logprobs stay for the record, finishing with reason "withheld". An empty one (the model
     abstained, or a stop string cut everything) has nothing to withhold, as in the replay."""
-    if not sample.text or not withheld(sample.logprobs, min_confidence, sample.text, policy):
+    if not sample.text or not withheld(sample.logprobs, min_confidence, sample.text, policy, line):
         return sample
     if policy is not None and policy.explores(key) and not withheld(sample.logprobs, min_confidence):
         return sample

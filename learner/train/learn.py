@@ -877,22 +877,30 @@ class Learner:
         if not self.cfg.show.enabled:
             return []
         return [
-            [*show.features(s.behaviour, self.tok.decode(s.token_ids)), float(show.accepted(s.outcome, s.reward))]
+            [*self._show_features(s), float(show.accepted(s.outcome, s.reward))]
             for s in samples
             if s.outcome in show.SHOWN and s.behaviour and s.token_ids
         ]
 
+    def _show_features(self, s: Sample) -> list[float]:
+        """learner.show.features of a sample: its logprobs and text, and the line before its
+        cursor as its prompt holds it (serving read the same line from the request)."""
+        from learner import show
+        from learner.fim import prefix_tail
+
+        line = show.cursor_line(prefix_tail(self.format, self.tok, s.prompt_ids))
+        return show.features(s.behaviour, self.tok.decode(s.token_ids), line)
+
     def _policy_withheld(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Features of the suggestions a show policy withheld: recorded `withheld` although the
         confidence gate would have shown them. No outcome, but part of what the gate showed."""
-        from learner import show
         from learner.confidence import withheld
 
         if not self.cfg.show.enabled:
             return []
         gate = self.s.model.min_confidence
         return [
-            show.features(s.behaviour, self.tok.decode(s.token_ids))
+            self._show_features(s)
             for s in samples
             if s.outcome == "withheld" and s.behaviour and s.token_ids and not withheld(s.behaviour, gate)
         ]
@@ -900,12 +908,16 @@ class Learner:
     def _show_policy(self):
         """The show policy to publish with the next version: fitted on the newest outcomes, or
         the last good version's while there are too few (None: none yet, or `learn.show` is off)."""
+        from learner import show
         from learner.show import ShowPolicy
 
         c = self.cfg.show
         if not c.enabled:
             return None
-        fitted = c.fit(self.state.show_rows, self.state.show_withheld)
+        # Rows kept by an older Flywheel have fewer features (no cursor context): not fitted on.
+        width = len(show.FEATURES)
+        rows = [r for r in self.state.show_rows if len(r) == width + 1]
+        fitted = c.fit(rows, [r for r in self.state.show_withheld if len(r) == width])
         if fitted is not None:
             return fitted
         return ShowPolicy.from_dict(self.state.show_policy) if self.state.show_policy else None

@@ -85,6 +85,19 @@ class ShowSection(Section):
     """Fewest accepted, and fewest not accepted, among them."""
     l2: float = Field(default=0.01, ge=0)
     """Penalty on the policy's (standardized) weights, which keeps a fit on few outcomes tame."""
+    features: list[str] = Field(default_factory=lambda: list(_show_features()), min_length=1)
+    """What the policy reads (learner.show.FEATURES): the suggestion's logprobs and length, and
+    how it meets the line before the cursor. The five of `learner.show.LOGPROB_FEATURES` alone
+    are the policy before the context features (README, "The show policy", compares the two)."""
+
+    @field_validator("features")
+    @classmethod
+    def _known_features(cls, v: list[str]) -> list[str]:
+        known = _show_features()
+        unknown = [x for x in v if x not in known]
+        if unknown or len(set(v)) != len(v):
+            raise ValueError(f"show features must be distinct ones of {list(known)}; got {v}")
+        return v
 
     def fit(self, rows, withheld=()):
         """learner.show.fit on these outcomes (`rows`) and the features of what the last policy
@@ -100,7 +113,14 @@ class ShowSection(Section):
             max_withheld=self.max_withheld,
             withheld=withheld,
             explore=self.explore,
+            names=self.features,
         )
+
+
+def _show_features() -> tuple[str, ...]:
+    from learner.show import FEATURES
+
+    return FEATURES
 
 
 class LearnSection(Section):

@@ -192,18 +192,19 @@ def run_bench(
                             generator=gen,
                             stop=editor_stops(train[i].language, train[i].prefix),
                         )
-                        if c.text and withheld(c.logprobs, s.model.min_confidence, c.text, show_policy):
+                        line = show.cursor_line(train[i].prefix)
+                        if c.text and withheld(c.logprobs, s.model.min_confidence, c.text, show_policy, line):
                             gated = show_policy is None or withheld(c.logprobs, s.model.min_confidence)
                             if gated or not show_policy.explores(f"b{step}-{_draw}"):
                                 withheld_draws += 1  # as serving: never shown, so never trained
                                 if not gated:  # the show policy's: part of what the gate showed
-                                    policy_withheld.append(show.features(c.logprobs, c.text))
+                                    policy_withheld.append(show.features(c.logprobs, c.text, line))
                                     del policy_withheld[: -cfg.show.window]
                                 continue
                         r, parts = reward(E.editor_feedback(c.text, judge(c.text, train[i].truth)))
                         if c.text and cfg.show.enabled:
                             label = float(show.accepted(parts["outcome"], r))
-                            shown_rows.append([*show.features(c.logprobs, c.text), label])
+                            shown_rows.append([*show.features(c.logprobs, c.text, line), label])
                             del shown_rows[: -cfg.show.window]
                         batch.append(
                             Sample(step, f"b{step}", 0, v - 1, prompts[i], c.ids, c.logprobs, r, parts["outcome"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from learner.fim import fim_example_ids, fim_prompt_ids, plain_prompt_ids
+from learner.fim import fim_example_ids, fim_prompt_ids, plain_prompt_ids, prefix_tail
 from learner.formats import ModelFormat, own_format
 from learner.tokenizer import EOS, FILE_SEP, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, REPO_NAME, train_tokenizer
 from tests.helpers import family_tokenizer
@@ -112,3 +112,31 @@ def test_an_unknown_declared_template_is_refused():
     with pytest.raises(ValueError, match="unknown fim_template 'psm2'"):
         ModelFormat.of(tok, config=config, tokenizer_config={"fim_template": "psm2"})
     assert ModelFormat.of(tok, config=config, tokenizer_config={"fim_template": "psm2"}, fim="none").fim is None
+
+
+@pytest.mark.parametrize("layout", ["qwen", "qwen-spm", "starcoder", "deepseek", "codestral", "prefix-only"])
+def test_the_prefix_tail_reads_back_the_cursors_line_in_every_layout(layout):
+    """The learner reads the line before a served request's cursor back from its prompt ids
+    (learner.show's context features); serving read it from the request. Both must agree."""
+    from learner.show import cursor_line
+
+    specials = {
+        "starcoder": (["<|endoftext|>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<file_sep>"], "<|endoftext|>"),
+        "deepseek": (
+            ["<｜end▁of▁sentence｜>", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"],
+            "<｜end▁of▁sentence｜>",
+        ),
+        "codestral": (["</s>", "[PREFIX]", "[SUFFIX]"], "</s>"),
+        "prefix-only": (["<|endoftext|>"], "<|endoftext|>"),
+    }
+    if layout in specials:
+        tok, fmt = family(specials[layout][0], eos=specials[layout][1])
+    else:
+        tok = train_tokenizer([CODE] * 4, 300)
+        fmt = own_format(tok, 256, fim=layout)
+    for prefix in (PREFIX, "x = ", "", CODE + "    y = [a,"):
+        if fmt.fim is None:
+            ids = plain_prompt_ids(fmt, tok, prefix)
+        else:
+            ids = fim_prompt_ids(fmt, tok, prefix, SUFFIX, path="pkg/a.py", repo="calc")
+        assert cursor_line(prefix_tail(fmt, tok, ids)) == cursor_line(prefix), (layout, prefix)

@@ -21,15 +21,69 @@ def policy(**over) -> show.ShowPolicy:
         threshold=0.25,
         samples=100,
         accepts=30,
+        features=show.LOGPROB_FEATURES,
     )
     return show.ShowPolicy(**(fields | over))
 
 
 def test_features_read_the_logprobs_and_the_text():
     f = show.features([-0.1, -2.0, -0.3], "  foo()\n")
-    assert f == pytest.approx([-0.1, -0.8, -2.0, math.log(4), math.log(6)])
+    assert len(f) == len(show.FEATURES)
+    assert f[:5] == pytest.approx([-0.1, -0.8, -2.0, math.log(4), math.log(6)])
     with pytest.raises(ValueError, match="without tokens"):
         show.features([], "")
+
+
+def context(text: str, line: str) -> dict[str, float]:
+    return dict(zip(show.FEATURES, show.features([-0.5], text, line)))
+
+
+def test_the_context_features_read_how_the_suggestion_meets_the_cursors_line():
+    f = context("items):", "        for x in (")
+    assert f["line_ends_in_open_bracket"] == 1.0 and f["line_ends_in_word"] == f["line_ends_in_space"] == 0.0
+    assert f["line_indent"] == 2.0 and f["log_line_chars"] == pytest.approx(math.log1p(len("for x in (")))
+    assert f["text_starts_with_word"] == 1.0 and f["text_starts_with_space"] == 0.0 and f["text_ends_a_clause"] == 1.0
+    f = context(" = 3", "    value")
+    assert f["line_ends_in_word"] == 1.0 and f["text_starts_with_space"] == 1.0 and f["text_ends_a_clause"] == 0.0
+    assert context("x", "self.")["line_ends_in_dot"] == 1.0
+    assert context("x", "a = ")["line_ends_in_space"] == 1.0 and context("x", "f(a,")["line_ends_in_operator"] == 1.0
+    # the start of a line ends in nothing: no ending is set, and it has no length
+    empty = context("return x", "")
+    assert [empty[n] for n in show.CONTEXT_FEATURES[:7]] == [0.0] * 7
+    # only the line's last MAX_LINE characters count, as serving and the learner both cut it
+    long = "    " + "y" * 500
+    assert context("x", long) == context("x", show.cursor_line(long)) == context("x", long[-show.MAX_LINE :])
+
+
+def test_the_cursor_line_is_the_prefixs_last_line():
+    assert show.cursor_line("def f():\n    return a.") == "    return a."
+    assert show.cursor_line("x = 1\n") == "" and show.cursor_line("abc") == "abc" and show.cursor_line("") == ""
+    assert len(show.cursor_line("z" * 1000)) == show.MAX_LINE
+
+
+def test_a_policy_reads_the_features_it_names():
+    """A policy fitted on the logprobs alone (as every one before the context features) applies
+    as it was fitted; one with the context reads the cursor's line."""
+    rng = random.Random(6)
+    rows = []
+    for _ in range(3000):  # accepted after a dot, dismissed after a space; the logprobs are noise
+        lps = [-rng.expovariate(1.0) for _ in range(rng.randint(1, 6))]
+        line = rng.choice(["    self.", "    x = "])
+        rows.append([*show.features(lps, "name", line), float(rng.random() < (0.8 if line.endswith(".") else 0.1))])
+    kw = dict(threshold=0.25, l2=0.01, min_samples=64, min_each=8)
+    with_context = show.fit(rows, **kw)
+    logprobs_only = show.fit(rows, names=show.LOGPROB_FEATURES, **kw)
+    assert with_context.features == show.FEATURES and logprobs_only.features == show.LOGPROB_FEATURES
+    assert len(logprobs_only.weights) == 5 and len(with_context.weights) == len(show.FEATURES)
+    assert with_context.p_accept([-1.0], "name", "    self.") == pytest.approx(0.8, abs=0.05)
+    assert with_context.p_accept([-1.0], "name", "    x = ") == pytest.approx(0.1, abs=0.05)
+    assert with_context.shows([-1.0], "name", "a.") and not with_context.shows([-1.0], "name", "a = ")
+    # the logprobs alone cannot tell the two apart: one chance near the mean for both lines
+    both = {logprobs_only.p_accept([-1.0], "name", line) for line in ("    self.", "    x = ")}
+    assert len(both) == 1 and both.pop() == pytest.approx(0.45, abs=0.1)
+    assert show.ShowPolicy.from_dict(json.loads(json.dumps(logprobs_only.as_dict()))) == logprobs_only
+    with pytest.raises(ValueError, match="reads some of"):
+        show.fit(rows, names=("first_logprob", "line_colour"), **kw)
 
 
 def test_the_label_is_an_accept_that_kept_something():
@@ -86,9 +140,11 @@ def test_a_policy_round_trips_through_json_and_bad_ones_are_refused():
     d = p.as_dict()
     for broken, message in (
         ({k: v for k, v in d.items() if k != "bias"}, "not a show policy"),
-        (d | {"features": ["first_logprob"]}, "are not this version"),
-        (d | {"weights": d["weights"][:2]}, "needs 5"),
-        (d | {"scale": [0.0] * 5}, "scales positive"),
+        (d | {"features": [*d["features"][:-1], "line_colour"]}, "not distinct ones of this version"),
+        (d | {"features": [*d["features"][:-1], d["features"][0]]}, "not distinct ones"),
+        (d | {"features": ["first_logprob"]}, "for each of its 1 features"),
+        (d | {"weights": d["weights"][:2]}, "for each of its 15 features"),
+        (d | {"scale": [0.0] * 15}, "scales positive"),
         (d | {"bias": float("nan")}, "finite"),
         (d | {"threshold": 1.5}, "threshold"),
         (d | {"explore": -0.1}, "explore"),

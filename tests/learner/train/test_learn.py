@@ -15,6 +15,7 @@ from rich.console import Console
 from feedback import db
 from feedback.core.errors import UserError
 from learner import delta as codec
+from learner import show
 from learner import store as S
 from learner.model import ModelArgs
 from learner.train.learn import (
@@ -282,17 +283,28 @@ def test_publish_fits_a_show_policy_on_what_users_saw_and_keeps_it_across_a_rest
     lr.poll()
     lr.update()
     assert len(lr.state.show_rows) == 16 and sum(r[-1] for r in lr.state.show_rows) == 8  # odd ones accepted
+    # each row reads the line before its cursor back from the prompt, as serving read it from the request
+    samples, _ = read_samples(lr.engine, 0, limit=16)
+    expected = [
+        show.features(s.behaviour, lr.tok.decode(s.token_ids), show.cursor_line(lr.tok.decode(s.prompt_ids)))
+        for s in samples
+    ]
+    assert sorted(r[:-1] for r in lr.state.show_rows) == sorted(expected)
+    assert any(f[len(show.LOGPROB_FEATURES) :] != expected[0][len(show.LOGPROB_FEATURES) :] for f in expected)
     info = lr.publish()  # 16 outcomes: too few to fit
     assert info["gate_passed"] and lr.store.show_policy(1) is None and lr.state.show_policy is None
+    # rows an older Flywheel kept (the five logprob features and the label) are not fitted on
+    lr.state.show_rows = [[-1.0, -1.0, -2.0, 1.0, 2.0, float(i % 2)] for i in range(40)] + lr.state.show_rows
     write_samples(lr.engine, v0, lr.tok, texts(16), version=1, seed=1)
     lr.poll()
     lr.update()
     info = lr.publish()
     policy = lr.store.show_policy(2)
     assert policy is not None and (policy.samples, policy.accepts) == (32, 16) and policy.explore == 0.05
+    assert policy.features == show.FEATURES
     assert info["metrics"]["show_policy_samples"] == 32 and lr.state.show_policy == policy.as_dict()
     again = started(tmp_path, base, **learn)
-    assert len(again.state.show_rows) == 32 and again.state.show_policy == policy.as_dict()
+    assert len(again.state.show_rows) == 72 and again.state.show_policy == policy.as_dict()
 
     off = started(tmp_path / "off", base, **learn | {"show": {"enabled": False}})
     write_samples(off.engine, v0, off.tok, texts(16))

@@ -125,7 +125,14 @@ def test_a_version_is_evaluated_and_served_with_the_show_policy_fitted_on_its_tr
     ensure_base_model(s, Console(file=io.StringIO()))
     fitted_on: list[int] = []
     never = show.ShowPolicy(
-        mean=(0.0,) * 5, scale=(1.0,) * 5, weights=(0.0,) * 5, bias=-10.0, threshold=0.25, samples=0, accepts=0
+        mean=(0.0,) * 5,
+        scale=(1.0,) * 5,
+        weights=(0.0,) * 5,
+        bias=-10.0,
+        threshold=0.25,
+        samples=0,
+        accepts=0,
+        features=show.LOGPROB_FEATURES,
     )
 
     def fit(rows, **kw):

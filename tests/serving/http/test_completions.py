@@ -91,11 +91,18 @@ def test_the_versions_show_policy_withholds_after_the_gate_and_explores_a_share(
     """learner/show.py: the served version's policy withholds a suggestion the gate would show
     (recorded "withheld", as the gate's); a completion it explores is shown; streamed, a
     suggestion under a policy arrives whole, since the policy reads all of it."""
-    from learner.show import ShowPolicy
+    from learner.show import LOGPROB_FEATURES, ShowPolicy
     from serving.http.routing import STABLE
 
     never = ShowPolicy(
-        mean=(0.0,) * 5, scale=(1.0,) * 5, weights=(0.0,) * 5, bias=-10.0, threshold=0.25, samples=64, accepts=8
+        mean=(0.0,) * 5,
+        scale=(1.0,) * 5,
+        weights=(0.0,) * 5,
+        bias=-10.0,
+        threshold=0.25,
+        samples=64,
+        accepts=8,
+        features=LOGPROB_FEATURES,
     )
     body = {"prompt": "x = ", "suffix": "\n", "max_tokens": 8}
     client, sink, _ = make_client(tok, min_confidence=0.25)
@@ -116,6 +123,29 @@ def test_the_versions_show_policy_withholds_after_the_gate_and_explores_a_share(
         chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
     texts = [c["choices"][0]["text"] for c in chunks]
     assert "".join(texts) == "return x" and texts.count("return x") == 1  # one piece, not token by token
+
+
+def test_the_show_policy_reads_the_line_before_the_requests_cursor(tok):
+    """A policy with the cursor context (learner.show.CONTEXT_FEATURES) reads the request's last
+    line of prefix: here it shows a suggestion after a dot and withholds one after a space."""
+    from learner.show import FEATURES, ShowPolicy
+    from serving.http.routing import STABLE
+
+    after_dot = ShowPolicy(
+        mean=(0.0,) * len(FEATURES),
+        scale=(1.0,) * len(FEATURES),
+        weights=tuple(20.0 if n == "line_ends_in_dot" else 0.0 for n in FEATURES),
+        bias=-10.0,
+        threshold=0.25,
+        samples=64,
+        accepts=8,
+    )
+    client, _, _ = make_client(tok, min_confidence=0.25)
+    client.app.state.api.replicas[STABLE].service.show_policy = after_dot
+    text = lambda prompt: client.post(  # noqa: E731
+        "/v1/completions", json={"prompt": prompt, "suffix": "\n", "max_tokens": 8}
+    ).json()["choices"][0]["text"]
+    assert text("def f(x):\n    y = x.") == "return x" and text("def f(x):\n    y = ") == ""
 
 
 def test_a_rendered_prompt_with_the_repository_keeps_its_files_and_path(tok):
