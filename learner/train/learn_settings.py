@@ -74,6 +74,10 @@ class ShowSection(Section):
     """Lower the threshold as far as needed for the policy to withhold at most this share of the
     suggestions it is fitted on (the gate showed them); empty: the threshold alone (the reward's
     optimum, which withholds more of what users would have taken)."""
+    max_accepts_withheld: float | None = Field(default=0.05, ge=0, lt=1)
+    """Lower the threshold, too, as far as needed to withhold at most this share of the accepted
+    suggestions it is fitted on: a withheld suggestion users would have taken is what they feel,
+    as fewer accepted characters. Empty: no such bound."""
     explore: float = Field(default=0.05, ge=0, le=1)
     """Share of the suggestions the policy withholds that serving shows anyway, so that the next
     fit learns how those fare too (the gate's own withholdings are not explored)."""
@@ -114,6 +118,7 @@ class ShowSection(Section):
             withheld=withheld,
             explore=self.explore,
             names=self.features,
+            max_accepts_withheld=self.max_accepts_withheld,
         )
 
 

@@ -206,3 +206,26 @@ def test_the_bound_counts_what_the_last_policy_withheld():
     ]
     share = sum(1 / (1 + math.exp(-x)) < counted.threshold for x in z) / len(everything)
     assert 0.3 - 1 / len(everything) <= share <= 0.3
+
+
+def test_max_accepts_withheld_keeps_what_users_would_have_taken():
+    """The bound on accepts: of the accepted suggestions the policy was fitted on, it withholds
+    at most that share, however many of the others it could drop at its threshold."""
+    rows = fake_outcomes(2000, seed=7)
+    kw = dict(threshold=0.5, l2=0.01, min_samples=64, min_each=8)
+    plain = show.fit(rows, **kw)
+    bounded = show.fit(rows, max_accepts_withheld=0.05, **kw)
+    assert bounded.weights == plain.weights and bounded.threshold < plain.threshold
+
+    def withheld_accepts(p: show.ShowPolicy) -> float:
+        accepted = [r for r in rows if r[-1] == 1.0]
+        z = [p.bias + sum(w * (v - m) / s for w, v, m, s in zip(p.weights, r[:-1], p.mean, p.scale)) for r in accepted]
+        return sum(1 / (1 + math.exp(-x)) < p.threshold for x in z) / len(accepted)
+
+    assert withheld_accepts(plain) > 0.05
+    accepts = sum(r[-1] for r in rows)
+    assert 0.05 - 1 / accepts <= withheld_accepts(bounded) <= 0.05
+    # both bounds: the lower threshold of the two
+    both = show.fit(rows, max_accepts_withheld=0.05, max_withheld=0.3, **kw)
+    alone = show.fit(rows, max_withheld=0.3, **kw)
+    assert both.threshold == min(bounded.threshold, alone.threshold)
