@@ -223,7 +223,8 @@ def fit(
     withholds at most `max_withheld` of them. Without `withheld` each policy's share would be
     of what the last one left, and the shares would compound. With `max_accepts_withheld` the
     threshold is also at most the highest that withholds no more than that share of the accepted
-    suggestions in `rows` (what users would have taken). `explore`: the policy's."""
+    suggestions in `rows` (what users would have taken), each scored out of fold. `explore`:
+    the policy's."""
     if len(rows) < min_samples:
         return None
     data = torch.tensor([list(r) for r in rows], dtype=torch.float64)
@@ -239,25 +240,22 @@ def fit(
         return None
     mean, scale = x.mean(0), x.std(0, correction=0).clamp_min(1e-6)
     xs = (x - mean) / scale
-    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        opt.zero_grad()
-        logits = xs @ w[:-1] + w[-1]
-        value = torch.nn.functional.binary_cross_entropy_with_logits(logits, y) + l2 * (w[:-1] ** 2).sum()
-        value.backward()
-        return value
-
-    opt.step(loss)
-    w = w.detach()
+    w = _logistic(xs, y, l2)
     if max_withheld is not None:  # p[k] withholds the k suggestions below it (ties aside), k <= max_withheld * n
         hidden = torch.tensor([list(r) for r in withheld], dtype=torch.float64).reshape(-1, len(FEATURES))
         shown = torch.cat([x, hidden[:, columns]])
         p = torch.sigmoid((shown - mean) / scale @ w[:-1] + w[-1]).sort().values
         threshold = min(threshold, float(p[min(len(p) - 1, int(max_withheld * len(p)))]))
-    if max_accepts_withheld is not None:  # the same over the accepted rows alone
-        p = torch.sigmoid(xs[y == 1] @ w[:-1] + w[-1]).sort().values
+    if max_accepts_withheld is not None:
+        # The same over the accepted rows, each scored by a fit without it (FOLDS-fold): scored by
+        # the fit that saw them, accepts look surer than the next ones will, and a threshold from
+        # them withholds more of what users would take.
+        fold = torch.arange(len(rows)) % FOLDS
+        oof = torch.empty(len(rows), dtype=torch.float64)
+        for k in range(FOLDS):
+            wk = _logistic(xs[fold != k], y[fold != k], l2)
+            oof[fold == k] = torch.sigmoid(xs[fold == k] @ wk[:-1] + wk[-1])
+        p = oof[y == 1].sort().values
         threshold = min(threshold, float(p[min(len(p) - 1, int(max_accepts_withheld * len(p)))]))
     return ShowPolicy(
         mean=tuple(mean.tolist()),
@@ -270,3 +268,22 @@ def fit(
         explore=explore,
         features=names,
     )
+
+
+FOLDS = 5
+"""Folds of the out-of-fold scores `max_accepts_withheld` is taken over."""
+
+
+def _logistic(xs: torch.Tensor, y: torch.Tensor, l2: float) -> torch.Tensor:
+    """Weights then bias of the L2-penalized logistic regression of `y` on `xs` (standardized)."""
+    w = torch.zeros(xs.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        opt.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(xs @ w[:-1] + w[-1], y) + l2 * (w[:-1] ** 2).sum()
+        value.backward()
+        return value
+
+    opt.step(loss)
+    return w.detach()

@@ -223,8 +223,9 @@ def test_max_accepts_withheld_keeps_what_users_would_have_taken():
         return sum(1 / (1 + math.exp(-x)) < p.threshold for x in z) / len(accepted)
 
     assert withheld_accepts(plain) > 0.05
-    accepts = sum(r[-1] for r in rows)
-    assert 0.05 - 1 / accepts <= withheld_accepts(bounded) <= 0.05
+    # the bound is over out-of-fold scores; on 2,000 outcomes of a model with a few weights they
+    # are within a few rows of the fit's own (about 700 accepts: 0.02 is 14 of them)
+    assert withheld_accepts(bounded) == pytest.approx(0.05, abs=0.02)
     # both bounds: the lower threshold of the two
     both = show.fit(rows, max_accepts_withheld=0.05, max_withheld=0.3, **kw)
     alone = show.fit(rows, max_withheld=0.3, **kw)
