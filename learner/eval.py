@@ -293,6 +293,7 @@ class SiteResult:
     withheld: bool = False  # the confidence gate kept the suggestion from the editor (`text` is "")
     first_logprob: float | None = None  # the model's logprob of the suggestion's first token (None: no token)
     policy_withholds: bool = False  # the version's show policy (learner/show.py) does not show it
+    logprobs: tuple[float, ...] = field(default=(), compare=False, repr=False)  # the suggestion's tokens' (raw)
     # A measurement, not an outcome: two replays of one model agree on everything else.
     latency_s: float = field(default=0.0, compare=False)
 
@@ -673,6 +674,7 @@ def heldout_replay(
                         truth_tokens=scored,
                         truth_hits=hits,
                         first_logprob=c.logprobs[0] if c.logprobs else None,
+                        logprobs=tuple(c.logprobs),
                         policy_withholds=bool(c.text)
                         and show_policy is not None
                         and not show_policy.shows(c.logprobs, c.text, cursor_line(site.prefix)),

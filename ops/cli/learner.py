@@ -213,6 +213,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(bl)
     bl.set_defaults(fn=cmd_bench_learn)
 
+    bs = bench_subcommands(sub).add_parser(
+        "show",
+        help="show policies side by side: suggestion rate, accept rate and accepted chars against the gate alone",
+        description="The base's greedy suggestions at training and held-out sites, judged; show policies (logprob "
+        "features alone and with the cursor's context, each under one bound and both) fitted on the training outcomes "
+        "the gate shows, and replayed on the held-out ones beside the gate alone.",
+    )
+    bs.add_argument(
+        "--train-sites", type=int, default=1500, help="cursor sites on training files to fit on (default 1500)"
+    )
+    bs.add_argument("--sites", type=int, help="held-out sites (default eval.sites)")
+    bs.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    add_config_args(bs)
+    bs.set_defaults(fn=cmd_bench_show)
+
     br = bench_subcommands(sub).add_parser(
         "routes",
         help="router replay: the learner's mismatch to vLLM's logprobs with serving routes replayed vs its own routing",
@@ -388,6 +403,16 @@ def cmd_bench_learn(args: argparse.Namespace) -> int:
         out=args.out,
         command=shlex.join(["flywheel", *sys.argv[1:]]),
     )
+    return 0
+
+
+def cmd_bench_show(args: argparse.Namespace) -> int:
+    from ops.bench.show import BenchLearnSettings, run_bench
+
+    overrides = list(args.overrides) + ([f"eval.sites={args.sites}"] if args.sites is not None else [])
+    s = BenchLearnSettings.load(args.config, overrides)
+    print_config(s, "flywheel bench show")
+    run_bench(s, console, train_sites=args.train_sites, out=args.out, command=shlex.join(["flywheel", *sys.argv[1:]]))
     return 0
 
 
