@@ -37,7 +37,7 @@ from rich.table import Table
 from ops.bench.learn import BenchLearnSettings, _against_base, _difference
 
 
-def policies(show) -> list[tuple[str, dict]]:
+def policies() -> list[tuple[str, dict]]:
     """(name, overrides of `learn.show`) of the compared policies; the last is the settings' own."""
     from learner.show import LOGPROB_FEATURES
 
@@ -101,7 +101,7 @@ def run_bench(s: BenchLearnSettings, console: Console, *, train_sites: int, out:
     )
     base = E.ReplayStats.of([E.gated(r, gate) for r in held_raw.results], held_raw.seconds)
     result_rows = [{"policy": "the gate alone", **_columns(base, base)}]
-    for name, over in policies(s.learn.show):
+    for name, over in policies():
         cfg = s.learn.show.model_copy(update={"enabled": True, **over})
         policy = cfg.fit(rows)
         if policy is None:
