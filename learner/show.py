@@ -249,11 +249,12 @@ def fit(
     if max_accepts_withheld is not None:
         # The same over the accepted rows, each scored by a fit without it (FOLDS-fold): scored by
         # the fit that saw them, accepts look surer than the next ones will, and a threshold from
-        # them withholds more of what users would take.
-        fold = torch.arange(len(rows)) % FOLDS
+        # them withholds more of what users would take. Equal rows (one suggestion at one cursor,
+        # requested again) share a fold, or the fit would have seen the row it scores.
+        fold = torch.tensor([hash(tuple(r)) % FOLDS for r in x.tolist()])
         oof = torch.empty(len(rows), dtype=torch.float64)
         for k in range(FOLDS):
-            wk = _logistic(xs[fold != k], y[fold != k], l2)
+            wk = _logistic(xs[fold != k], y[fold != k], l2) if (fold != k).any() else w
             oof[fold == k] = torch.sigmoid(xs[fold == k] @ wk[:-1] + wk[-1])
         p = oof[y == 1].sort().values
         threshold = min(threshold, float(p[min(len(p) - 1, int(max_accepts_withheld * len(p)))]))

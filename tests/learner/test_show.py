@@ -230,3 +230,17 @@ def test_max_accepts_withheld_keeps_what_users_would_have_taken():
     both = show.fit(rows, max_accepts_withheld=0.05, max_withheld=0.3, **kw)
     alone = show.fit(rows, max_withheld=0.3, **kw)
     assert both.threshold == min(bounded.threshold, alone.threshold)
+
+
+def test_the_accepts_bound_keeps_a_repeated_suggestion_in_one_fold():
+    """One suggestion at one cursor, requested again, is one row many times; a fit that saw one
+    copy would score another as known, and the bound would withhold more than it says. Equal
+    rows share a fold: repeating every outcome leaves the threshold where it was."""
+    rows = fake_outcomes(300, seed=11)
+    kw = dict(threshold=0.9, l2=0.01, min_samples=8, min_each=2, max_accepts_withheld=0.05)
+    repeated = rows * 4
+    random.Random(0).shuffle(repeated)
+    assert show.fit(repeated, **kw).threshold == pytest.approx(show.fit(rows, **kw).threshold, rel=1e-9)
+    # two distinct suggestions: each scored by a fit that never saw it, nothing known, nothing crashes
+    two = show.fit([rows[0][:-1] + [1.0]] * 5 + [rows[1][:-1] + [0.0]] * 5, **kw)
+    assert two is not None and 0 < two.threshold < 0.9
