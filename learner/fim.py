@@ -139,7 +139,8 @@ def prefix_tail(fmt: ModelFormat, tok: Tokenizer, prompt_ids: Sequence[int], tok
     if f is not None and f.prefix in ids:
         if not f.template.suffix_first and f.suffix in ids:
             end = len(ids) - 1 - ids[::-1].index(f.suffix)
-        start = end - 1 - ids[:end][::-1].index(f.prefix) + 1 if f.prefix in ids[:end] else 0
+        head = ids[:end]
+        start = len(head) - head[::-1].index(f.prefix) if f.prefix in head else 0
     else:
         start = len(fmt.bos_ids) if ids[: len(fmt.bos_ids)] == list(fmt.bos_ids) else 0
     return tok.decode(ids[max(start, end - tokens) : end])

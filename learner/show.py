@@ -9,8 +9,8 @@ The show policy estimates that chance from what users did. The learner fits a lo
 regression of "accepted" on features of the suggestions users were shown (the logprobs the
 serving engine returned with every token, the suggestion's length, and how it meets the line
 before the cursor: `CONTEXT_FEATURES`), on the feedback of its
-recent samples, and publishes it with each version, in the version's manifest (a few hundred
-bytes; learner/store.py). Serving withholds a suggestion the gate would show when the policy puts
+recent samples, and publishes it with each version, in the version's manifest (about a
+kilobyte; learner/store.py). Serving withholds a suggestion the gate would show when the policy puts
 its chance of an accept below the policy's threshold, and `flywheel eval` replays a version with
 its policy, so the held-out accept rate measures what editors of that version are shown.
 
@@ -25,8 +25,8 @@ that trade-off, and removes the suggestions it is surest users dismiss. A second
 `learn.show.max_accepts_withheld` (5%), lowers the threshold until the policy withholds at most
 that share of the accepted suggestions it was fitted on: what users feel of a withheld
 suggestion is the one they would have taken. On the logprobs alone that bound leaves little to
-withhold (accepted and dismissed suggestions overlap); with the cursor's context it withholds a
-third of what the gate showed.
+withhold (accepted and dismissed suggestions overlap); with the cursor's context it withholds
+about a quarter of what the gate showed (README, "Show policies side by side").
 
 Learning when to abstain is part of what online RL learns on Tab; the weights learn it slowly
 (README, "Learning with the confidence gate on"), the policy from a few hundred outcomes.
