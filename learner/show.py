@@ -68,10 +68,10 @@ it ends (a word character, a space, one of `( [ {`, a dot, one of `= , :`), its 
 characters after its indent) and indent (in 4s), and how the suggestion meets it (starts with a
 space, with a word character; ends with one of `: ) ] }`). A suggestion that starts a new word
 right after a space is where the model guesses; one that finishes a word or a call it began is
-where it knows. Offline, fitted on 1,000 labelled training sites of a float32 `small` base and
-bounded to withhold at most 5% of the accepts it was fitted on, the logprobs alone raised the
-held-out accept rate of what is shown to 1.06x the base's, these with them to 1.39x, without
-withholding an accepted suggestion (README, "The show policy")."""
+where it knows. Fitted on the same 575 outcomes and bounded as `learn.show` bounds it, the
+logprobs alone raised the held-out accept rate of what is shown to 1.06x the gate's alone, these
+with them to 1.33x, and neither withheld an accepted suggestion (`flywheel bench show`; README,
+"Show policies side by side")."""
 
 FEATURES = LOGPROB_FEATURES + CONTEXT_FEATURES
 """Every feature `features` computes, in its order; a policy reads the ones it names."""

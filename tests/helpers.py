@@ -182,3 +182,22 @@ def family_tokenizer(texts, vocab_size: int, specials: list[str]):
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(specials)
     return tok
+
+
+def logprob_policy(**over):
+    """A show policy (learner/show.py) on the five logprob features, standardized as they are:
+    p = sigmoid(bias + sum(weights * features)). By default it reads the first logprob alone,
+    p = sigmoid(2 * (first_logprob + 1)), and shows from 0.25."""
+    from learner.show import LOGPROB_FEATURES, ShowPolicy
+
+    fields = dict(
+        mean=(0.0,) * 5,
+        scale=(1.0,) * 5,
+        weights=(2.0, 0.0, 0.0, 0.0, 0.0),
+        bias=2.0,
+        threshold=0.25,
+        samples=100,
+        accepts=30,
+        features=LOGPROB_FEATURES,
+    )
+    return ShowPolicy(**(fields | over))

@@ -73,10 +73,8 @@ def run_bench(
     from learner import store as S
     from learner.confidence import withheld
     from learner.decode import decode, room
-    from learner.formats import read_format
     from learner.judge import cursor_sites, judge
     from learner.languages import editor_stops
-    from learner.tokenizer import load_tokenizer
     from learner.train.learn import (
         Sample,
         make_batch,
@@ -87,22 +85,11 @@ def run_bench(
         train_weights,
     )
     from learner.train.pretrain import (
-        find_base_model,
         fp4_hook,
-        load_master_weights,
-        load_training_corpus,
-        pretrain_section,
     )
 
-    base_dir = find_base_model(s)
-    if base_dir is None:
-        raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
-    master, args = load_master_weights(base_dir)
-    tok = load_tokenizer(base_dir / "hf")
-    model_format = read_format(base_dir / "hf")
-    fmt = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
+    base_dir, master, args, tok, model_format, fmt, corpus = load_base(s)
     hook = fp4_hook(fmt)
-    corpus = load_training_corpus(pretrain_section(s))
     g, ev = s.learn.gate, s.eval
     n_held = ev.sites
 
@@ -309,6 +296,32 @@ def run_bench(
     if out:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def load_base(s: BenchLearnSettings):
+    """The pretrained base these settings name: its folder, master weights and their ModelArgs,
+    tokenizer, ModelFormat, FP4 packing (as its run recorded it) and training corpus; a
+    UserError (one line) where there is none."""
+    from feedback.core.errors import UserError
+    from learner.formats import read_format
+    from learner.tokenizer import load_tokenizer
+    from learner.train.pretrain import find_base_model, load_master_weights, load_training_corpus, pretrain_section
+
+    base_dir = find_base_model(s)
+    if base_dir is None:
+        raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
+    master, args = load_master_weights(base_dir)
+    packing = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
+    corpus = load_training_corpus(pretrain_section(s))
+    return (
+        base_dir,
+        master,
+        args,
+        load_tokenizer(base_dir / "hf"),
+        read_format(base_dir / "hf"),
+        packing,
+        corpus,
+    )
 
 
 # Most draws per sample of an update: the gate may withhold most of an unsure model's suggestions.

@@ -34,7 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ops.bench.learn import BenchLearnSettings, _against_base, _difference
+from ops.bench.learn import BenchLearnSettings, _against_base, _difference, load_base
 
 
 def policies() -> list[tuple[str, dict]]:
@@ -56,21 +56,11 @@ def run_bench(s: BenchLearnSettings, console: Console, *, train_sites: int, out:
     from learner import eval as E
     from learner import show
     from learner import store as S
-    from learner.formats import read_format
     from learner.judge import cursor_sites
-    from learner.tokenizer import load_tokenizer
     from learner.train.learn import model_from_packed
-    from learner.train.pretrain import find_base_model, load_master_weights, load_training_corpus, pretrain_section
 
-    base_dir = find_base_model(s)
-    if base_dir is None:
-        raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
-    master, args = load_master_weights(base_dir)
-    tok = load_tokenizer(base_dir / "hf")
-    fmt = read_format(base_dir / "hf")
-    packing = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
+    base_dir, master, args, tok, fmt, packing, corpus = load_base(s)
     served = model_from_packed(S.pack_checkpoint(master.state_dict(), packing), args)
-    corpus = load_training_corpus(pretrain_section(s))
     ev, gate = s.eval, s.model.min_confidence
     train = cursor_sites(corpus.train, train_sites, random.Random(7))  # as `flywheel bench learn` draws them
     held = E.heldout_sites(corpus.heldout, ev.sites, seed=ev.seed, cursor=ev.cursor)

@@ -199,21 +199,17 @@ def test_a_versions_show_policy_withholds_in_the_replay_as_in_serving(tok, fmt, 
     """learner/show.py: the replay applies the version's policy after the gate, with serving's
     `withheld`; what it hides stays hidden at every gate threshold (`--gate-curve`)."""
     from learner.confidence import withheld
-    from learner.show import LOGPROB_FEATURES, ShowPolicy
+    from tests.helpers import logprob_policy
 
     model = random_model(tok)
     suggestions = greedy_suggestions(model, tok, fmt, sites)
     mean_lp = sorted(sum(c.logprobs) / len(c.logprobs) for c in suggestions if c.text)
     # a policy on the mean logprob alone, at its median: withholds about half
-    policy = ShowPolicy(
+    policy = logprob_policy(
         mean=(0.0, mean_lp[len(mean_lp) // 2], 0.0, 0.0, 0.0),
-        scale=(1.0,) * len(LOGPROB_FEATURES),
         weights=(0.0, 5.0, 0.0, 0.0, 0.0),
         bias=0.0,
         threshold=0.5,
-        samples=100,
-        accepts=50,
-        features=LOGPROB_FEATURES,
     )
     open_ = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS)
     shown = E.heldout_replay(model, tok, fmt, sites, max_tokens=MAX_TOKENS, show_policy=policy)

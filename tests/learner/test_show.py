@@ -9,21 +9,12 @@ import pytest
 
 from learner import show
 from learner.confidence import withheld
+from tests.helpers import logprob_policy
 
 
 def policy(**over) -> show.ShowPolicy:
     """A policy on the first logprob alone: p = sigmoid(2 * (first_logprob + 1)), shown from 0.25."""
-    fields = dict(
-        mean=(0.0,) * 5,
-        scale=(1.0,) * 5,
-        weights=(2.0, 0.0, 0.0, 0.0, 0.0),
-        bias=2.0,
-        threshold=0.25,
-        samples=100,
-        accepts=30,
-        features=show.LOGPROB_FEATURES,
-    )
-    return show.ShowPolicy(**(fields | over))
+    return logprob_policy(**over)
 
 
 def test_features_read_the_logprobs_and_the_text():

@@ -458,19 +458,10 @@ def test_the_store_is_created_owner_only(tmp_path, chain):
 def test_a_version_carries_its_show_policy_in_its_manifest(tmp_path, chain):
     """learner/show.py: published with the version, read back by every reader of the store; a
     policy this code cannot apply is a StoreError (one line), not a crash in serving."""
-    from learner.show import LOGPROB_FEATURES, ShowPolicy
+    from tests.helpers import logprob_policy
 
     ckpts, _, _ = chain
-    policy = ShowPolicy(
-        mean=(0.0,) * 5,
-        scale=(1.0,) * 5,
-        weights=(1.0, 0, 0, 0, 0),
-        bias=0.5,
-        threshold=0.25,
-        samples=80,
-        accepts=20,
-        features=LOGPROB_FEATURES,
-    )
+    policy = logprob_policy(weights=(1.0, 0, 0, 0, 0), bias=0.5, samples=80, accepts=20)
     store = S.open_store(tmp_path)
     store.publish(ckpts[0], parent=None)
     store.publish(ckpts[1], parent=0, show_policy=policy.as_dict())

@@ -198,19 +198,10 @@ async def test_a_swap_brings_the_versions_show_policy_and_an_unreadable_one_fail
     """learner/show.py: the policy travels in the version's manifest; the replica applies the one
     of the version it serves, from adopt() and every swap; one it cannot read fails the swap
     before anything changes (the replica keeps its version, weights and policy)."""
-    from learner.show import LOGPROB_FEATURES, ShowPolicy
+    from tests.helpers import logprob_policy
 
     _, ckpts = published
-    policy = ShowPolicy(
-        mean=(0.0,) * 5,
-        scale=(1.0,) * 5,
-        weights=(1.0, 0, 0, 0, 0),
-        bias=0.5,
-        threshold=0.25,
-        samples=80,
-        accepts=20,
-        features=LOGPROB_FEATURES,
-    )
+    policy = logprob_policy(weights=(1.0, 0, 0, 0, 0), bias=0.5, samples=80, accepts=20)
     store = S.open_store(tmp_path, full_every=100)
     store.publish(ckpts[0], parent=None, show_policy=policy.as_dict())
     store.publish(ckpts[1], parent=0)

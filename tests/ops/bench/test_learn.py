@@ -15,6 +15,7 @@ from learner.tokenizer import load_tokenizer
 from learner.train.learn import model_from_packed
 from learner.train.pretrain import ensure_base_model, find_base_model, load_master_weights, load_training_corpus
 from ops.bench.learn import BenchLearnSettings, run_bench
+from tests.helpers import logprob_policy
 from tests.learner.train.learn_support import make_corpus, tiny_learn_settings
 
 
@@ -124,16 +125,7 @@ def test_a_version_is_evaluated_and_served_with_the_show_policy_fitted_on_its_tr
     )
     ensure_base_model(s, Console(file=io.StringIO()))
     fitted_on: list[int] = []
-    never = show.ShowPolicy(
-        mean=(0.0,) * 5,
-        scale=(1.0,) * 5,
-        weights=(0.0,) * 5,
-        bias=-10.0,
-        threshold=0.25,
-        samples=0,
-        accepts=0,
-        features=show.LOGPROB_FEATURES,
-    )
+    never = logprob_policy(weights=(0.0,) * 5, bias=-10.0, samples=0, accepts=0)
 
     def fit(rows, **kw):
         fitted_on.append(len(rows))

@@ -91,19 +91,10 @@ def test_the_versions_show_policy_withholds_after_the_gate_and_explores_a_share(
     """learner/show.py: the served version's policy withholds a suggestion the gate would show
     (recorded "withheld", as the gate's); a completion it explores is shown; streamed, a
     suggestion under a policy arrives whole, since the policy reads all of it."""
-    from learner.show import LOGPROB_FEATURES, ShowPolicy
     from serving.http.routing import STABLE
+    from tests.helpers import logprob_policy
 
-    never = ShowPolicy(
-        mean=(0.0,) * 5,
-        scale=(1.0,) * 5,
-        weights=(0.0,) * 5,
-        bias=-10.0,
-        threshold=0.25,
-        samples=64,
-        accepts=8,
-        features=LOGPROB_FEATURES,
-    )
+    never = logprob_policy(weights=(0.0,) * 5, bias=-10.0, samples=64, accepts=8)
     body = {"prompt": "x = ", "suffix": "\n", "max_tokens": 8}
     client, sink, _ = make_client(tok, min_confidence=0.25)
     service = client.app.state.api.replicas[STABLE].service
