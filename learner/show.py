@@ -45,8 +45,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 LOGPROB_FEATURES = ("first_logprob", "mean_logprob", "min_logprob", "log_tokens", "log_chars")
 """What the policy reads of a suggestion; every one is known when the engine finishes it."""
@@ -225,6 +227,8 @@ def fit(
     threshold is also at most the highest that withholds no more than that share of the accepted
     suggestions in `rows` (what users would have taken), each scored out of fold. `explore`:
     the policy's."""
+    import torch  # here, so that settings (learn.show.features) read FEATURES without it
+
     if len(rows) < min_samples:
         return None
     data = torch.tensor([list(r) for r in rows], dtype=torch.float64)
@@ -277,6 +281,8 @@ FOLDS = 5
 
 def _logistic(xs: torch.Tensor, y: torch.Tensor, l2: float) -> torch.Tensor:
     """Weights then bias of the L2-penalized logistic regression of `y` on `xs` (standardized)."""
+    import torch
+
     w = torch.zeros(xs.shape[1] + 1, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
 

@@ -9,6 +9,7 @@ from tests.helpers import REPO
 def test_the_settings_modules_import_no_torch():
     code = (
         "import sys, learner.train.learn_settings, learner.train.pretrain_settings; "
+        "learner.train.learn_settings.LearnSection(); "
         "heavy = sorted(m for m in ('torch', 'learner.model', 'learner.train.gate') if m in sys.modules); "
         "assert not heavy, heavy"
     )
@@ -78,3 +79,17 @@ def test_train_weights_default_is_the_experts_of_a_moe_model_and_every_weight_of
     assert trained == experts < total
     assert all(w.requires_grad == (".mlp.experts." in n) for n, w in moe.named_parameters())
     assert train_only(dense, None) == (sum(w.numel() for w in dense.parameters()),) * 2
+
+
+def test_show_features_must_be_known_and_distinct():
+    import pytest
+    from pydantic import ValidationError
+
+    from learner.show import FEATURES, LOGPROB_FEATURES
+    from learner.train.learn_settings import ShowSection
+
+    assert ShowSection().features == list(FEATURES)
+    assert ShowSection(features=list(LOGPROB_FEATURES)).features == list(LOGPROB_FEATURES)
+    for bad in (["first_logprob", "line_colour"], ["first_logprob", "first_logprob"], []):
+        with pytest.raises(ValidationError, match="show features must be distinct|at least 1 item"):
+            ShowSection(features=bad)
