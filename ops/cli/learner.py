@@ -206,7 +206,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--temperature", type=float, default=0.7, help="sampling temperature of the simulated traffic (default 0.7)"
     )
     bl.add_argument(
-        "--train-sites", type=int, default=400, help="cursor sites on training files to sample from (default 400)"
+        "--train-sites",
+        type=int,
+        default=1500,
+        help="cursor sites on training files to sample from (default 1500: editors seldom ask twice at one cursor)",
     )
     bl.add_argument("--sites", type=int, help="held-out sites each version is evaluated on (default eval.sites)")
     bl.add_argument("--out", metavar="FILE", help="also write the results as JSON")
