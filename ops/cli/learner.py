@@ -197,17 +197,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="learning curve: held-out reward, accept rate, suggestion rate, accepted chars over K versions vs the base",
         description="RL on simulated editor feedback with the learner's own update, each version replayed on held-out files beside the base model.",
     )
+    bl.add_argument("--lr", type=float, nargs="+", help="learning rates, one curve each (default learn.lr)")
+    bl.add_argument("--versions", type=_positive_int, default=3, help="versions per curve (default 3)")
     bl.add_argument(
-        "--lr", type=float, nargs="+", default=[1e-6, 1e-5], help="learning rates, one curve each (default 1e-6 1e-5)"
+        "--updates",
+        type=_positive_int,
+        help="updates per version (default: as the learner publishes, learn.min_samples / learn.batch_size)",
     )
-    bl.add_argument("--versions", type=int, default=4, help="versions per curve (default 4)")
-    bl.add_argument("--updates", type=int, default=6, help="updates per version (default 6)")
     bl.add_argument(
-        "--temperature", type=float, default=0.7, help="sampling temperature of the simulated traffic (default 0.7)"
+        "--temperature",
+        type=float,
+        default=0.2,
+        help="sampling temperature of the simulated traffic (default 0.2, serving's for an /infill request naming none)",
     )
     bl.add_argument(
         "--train-sites",
-        type=int,
+        type=_positive_int,
         default=1500,
         help="cursor sites on training files to sample from (default 1500: editors seldom ask twice at one cursor)",
     )
@@ -257,6 +262,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     bw.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     add_config_args(bw)
     bw.set_defaults(fn=cmd_bench_learn_workers)
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of at least 1")
+    return n
 
 
 def _bench_parts(value: str) -> str:
@@ -398,9 +413,9 @@ def cmd_bench_learn(args: argparse.Namespace) -> int:
     run_bench(
         s,
         console,
-        lrs=tuple(args.lr),
+        lrs=tuple(args.lr or [s.learn.lr]),
         versions=args.versions,
-        updates=args.updates,
+        updates=-(-s.learn.min_samples // s.learn.batch_size) if args.updates is None else args.updates,
         temperature=args.temperature,
         train_sites=args.train_sites,
         out=args.out,

@@ -92,3 +92,16 @@ def test_soak_refuses_what_it_cannot_run(tmp_path, args, fragment):
 def test_learn_refuses_workers_it_cannot_run(tmp_path, args, fragment):
     """Refused when the settings load: no Ray, no model, one line."""
     assert_one_line_error(flywheel("learn", *args, tmp_path=tmp_path), fragment)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--updates", "0"], "--updates: '0': give a whole number of at least 1"),
+        (["--versions", "-1"], "--versions: '-1'"),
+        (["--train-sites", "many"], "--train-sites: 'many'"),
+    ],
+)
+def test_bench_learn_refuses_counts_below_one(tmp_path, args, fragment):
+    """Refused as the arguments parse, before any model loads: one line."""
+    assert_one_line_error(flywheel("bench", "learn", *args, tmp_path=tmp_path), fragment)
