@@ -71,8 +71,8 @@ characters after its indent) and indent (in 4s), and how the suggestion meets it
 space, with a word character; ends with one of `: ) ] }`). A suggestion that starts a new word
 right after a space is where the model guesses; one that finishes a word or a call it began is
 where it knows. Fitted on the same 575 outcomes and bounded as `learn.show` bounds it, the
-logprobs alone raised the held-out accept rate of what is shown to 1.06x the gate's alone, these
-with them to 1.33x, and neither withheld an accepted suggestion (`flywheel bench show`; README,
+logprobs alone raised the held-out accept rate of what is shown to 1.09x the gate's alone, these
+with them to 1.37x, and neither withheld an accepted suggestion (`flywheel bench show`; README,
 "Show policies side by side")."""
 
 FEATURES = LOGPROB_FEATURES + CONTEXT_FEATURES
