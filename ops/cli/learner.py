@@ -197,7 +197,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="learning curve: held-out reward, accept rate, suggestion rate, accepted chars over K versions vs the base",
         description="RL on simulated editor feedback with the learner's own update, each version replayed on held-out files beside the base model.",
     )
-    bl.add_argument("--lr", type=float, nargs="+", help="learning rates, one curve each (default learn.lr)")
+    bl.add_argument("--lr", type=_positive_float, nargs="+", help="learning rates, one curve each (default learn.lr)")
     bl.add_argument("--versions", type=_positive_int, default=3, help="versions per curve (default 3)")
     bl.add_argument(
         "--updates",
@@ -272,6 +272,16 @@ def _positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of at least 1")
     return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = 0.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number above 0")
+    return x
 
 
 def _bench_parts(value: str) -> str:

@@ -100,6 +100,8 @@ def test_learn_refuses_workers_it_cannot_run(tmp_path, args, fragment):
         (["--updates", "0"], "--updates: '0': give a whole number of at least 1"),
         (["--versions", "-1"], "--versions: '-1'"),
         (["--train-sites", "many"], "--train-sites: 'many'"),
+        (["--lr", "1e-6", "0"], "--lr: '0': give a number above 0"),
+        (["--lr", "nan"], "--lr: 'nan'"),
     ],
 )
 def test_bench_learn_refuses_counts_below_one(tmp_path, args, fragment):
