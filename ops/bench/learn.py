@@ -38,6 +38,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -298,10 +299,20 @@ def run_bench(
     return result
 
 
-def load_base(s: BenchLearnSettings):
-    """The pretrained base these settings name: its folder, master weights and their ModelArgs,
-    tokenizer, ModelFormat, FP4 packing (as its run recorded it) and training corpus; a
-    UserError (one line) where there is none."""
+class Base(NamedTuple):
+    """The pretrained base a benchmark runs on (`load_base`)."""
+
+    dir: Path
+    master: Any  # the master weights (learner.model)
+    args: Any  # their ModelArgs
+    tok: Any  # tokenizer
+    model_format: Any  # learner.formats.ModelFormat
+    packing: str  # FP4 packing, as its run recorded it
+    corpus: Any  # its training corpus (train and held-out files)
+
+
+def load_base(s: BenchLearnSettings) -> Base:
+    """The pretrained base these settings name; a UserError (one line) where there is none."""
     from feedback.core.errors import UserError
     from learner.formats import read_format
     from learner.tokenizer import load_tokenizer
@@ -311,16 +322,14 @@ def load_base(s: BenchLearnSettings):
     if base_dir is None:
         raise UserError("no pretrained base model for these [pretrain] settings: run `flywheel pretrain` first")
     master, args = load_master_weights(base_dir)
-    packing = json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4")
-    corpus = load_training_corpus(pretrain_section(s))
-    return (
+    return Base(
         base_dir,
         master,
         args,
         load_tokenizer(base_dir / "hf"),
         read_format(base_dir / "hf"),
-        packing,
-        corpus,
+        json.loads((base_dir / "run.json").read_text())["settings"].get("fp4", "nvfp4"),
+        load_training_corpus(pretrain_section(s)),
     )
 
 

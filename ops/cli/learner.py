@@ -264,24 +264,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     bw.set_defaults(fn=cmd_bench_learn_workers)
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of at least 1")
-    return n
+def _positive(convert, what: str):
+    """An argparse type: `convert` of the argument, refused (one line) unless finite and above 0."""
+
+    def parse(value: str):
+        try:
+            x = convert(value)
+        except ValueError:
+            x = 0
+        if not 0 < x < float("inf"):
+            raise argparse.ArgumentTypeError(f"{value!r}: give {what}")
+        return x
+
+    return parse
 
 
-def _positive_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = 0.0
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value!r}: give a number above 0")
-    return x
+_positive_int = _positive(int, "a whole number of at least 1")
+_positive_float = _positive(float, "a number above 0")
 
 
 def _bench_parts(value: str) -> str:

@@ -9,12 +9,7 @@ import pytest
 
 from learner import show
 from learner.confidence import withheld
-from tests.helpers import logprob_policy
-
-
-def policy(**over) -> show.ShowPolicy:
-    """A policy on the first logprob alone: p = sigmoid(2 * (first_logprob + 1)), shown from 0.25."""
-    return logprob_policy(**over)
+from tests.helpers import logprob_policy as policy  # p = sigmoid(2 * (first_logprob + 1)), shown from 0.25
 
 
 def test_features_read_the_logprobs_and_the_text():
